@@ -1,0 +1,91 @@
+"""Which compute backend and BLAS this process runs on, and how to get the fast one on Linux.
+
+The Linux `mlx[cpu]` wheel links the reference (netlib) BLAS, which is 7-50x slower for float32 matmul than
+OpenBLAS. MLX resolves BLAS symbols when it is imported, so the only way to switch without rebuilding MLX is
+to start the process with OpenBLAS in LD_PRELOAD. The CLI re-executes itself once with it preloaded.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+OPENBLAS_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
+)
+# Set in the child so a failed preload can never turn into an exec loop.
+REEXEC_MARKER = "CORTEXSTREAM_BLAS_REEXEC"
+DISABLE_ENV = "CORTEXSTREAM_NO_OPENBLAS"
+
+
+def find_openblas() -> str | None:
+    """Path of an installed OpenBLAS that can stand in for libblas.so.3, or None."""
+    for path in OPENBLAS_CANDIDATES:
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def loaded_blas() -> str:
+    """Name the BLAS actually mapped into this process (Linux), or the platform's default elsewhere."""
+    if sys.platform == "darwin":
+        return "Accelerate"
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            mapped = maps.read()
+    except OSError:
+        return "unknown"
+    if "openblas" in mapped:
+        return "OpenBLAS"
+    if "mlx_cpu.libs/libblas" in mapped or "libblas" in mapped:
+        return "reference BLAS (netlib, from the mlx[cpu] wheel)"
+    return "not loaded yet"
+
+
+def maybe_reexec_with_openblas(argv: list[str]) -> None:
+    """Replace this process with one that has OpenBLAS preloaded, when that helps and is possible.
+
+    Must be called before `mlx.core` is imported. Returns normally when nothing is to be done.
+    """
+    if not sys.platform.startswith("linux") or os.environ.get(REEXEC_MARKER) or os.environ.get(DISABLE_ENV):
+        return
+    if "mlx.core" in sys.modules:
+        return
+    lib = find_openblas()
+    if lib is None:
+        return
+    preload = os.environ.get("LD_PRELOAD", "")
+    if lib in preload.split(":"):
+        return
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = f"{lib}:{preload}" if preload else lib
+    env[REEXEC_MARKER] = "1"
+    os.execve(sys.executable, [sys.executable, "-m", "cortexstream.cli.main", *argv], env)
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    device: str
+    metal: bool
+    blas: str
+    mlx_version: str
+
+
+def backend_info() -> BackendInfo:
+    import mlx.core as mx
+
+    metal = bool(mx.metal.is_available())
+    return BackendInfo(
+        device=str(mx.default_device()),
+        metal=metal,
+        blas="Metal (GPU)" if metal else loaded_blas(),
+        mlx_version=getattr(mx, "__version__", "unknown"),
+    )
+
+
+def on_cpu() -> bool:
+    import mlx.core as mx
+
+    return mx.default_device() == mx.cpu or not mx.metal.is_available()

@@ -1,0 +1,21 @@
+"""Exception types users can catch; every message names the file/argument and what is wrong."""
+
+
+class CortexStreamError(Exception):
+    """Base class for all errors raised on purpose by CortexStream."""
+
+
+class ModelLoadError(CortexStreamError):
+    """A model source could not be read (missing, truncated, malformed, no network)."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The model's architecture or tensor quantisation is not supported."""
+
+
+class InvalidArgumentError(CortexStreamError, ValueError):
+    """A user-supplied argument (sampling value, size, policy string...) is out of range."""
+
+
+class OutOfBlocksError(CortexStreamError, MemoryError):
+    """The KV arena has no room for the requested blocks; nothing was allocated."""

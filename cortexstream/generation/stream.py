@@ -1,0 +1,173 @@
+"""Single-request generation in the mlx-lm style: `stream_generate` and `generate`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from cortexstream.errors import InvalidArgumentError
+from cortexstream.generation.sampling import SamplingParams, sampling_from_kwargs
+from cortexstream.generation.text_stream import TextStream
+
+
+@dataclass
+class GenerationResponse:
+    """One streamed step, with the same fields as mlx-lm's `GenerationResponse`."""
+
+    text: str
+    token: int
+    logprobs: mx.array
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float  # GB
+    finish_reason: str | None = None
+
+
+def prompt_to_tokens(tokenizer: Any, prompt: Any) -> list[int]:
+    """Accept a string, a list of token ids, or chat messages (the chat template is applied)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidArgumentError("prompt: empty string")
+        return list(tokenizer.encode(prompt))
+    if isinstance(prompt, mx.array):
+        prompt = prompt.tolist()
+    if isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
+        for i, message in enumerate(prompt):
+            if "role" not in message or "content" not in message:
+                raise InvalidArgumentError(f"prompt: chat message {i} needs 'role' and 'content' keys")
+        tokens = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+        return list(tokens["input_ids"] if isinstance(tokens, dict) else tokens)
+    if isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        limit = len(tokenizer.get_vocab())
+        bad = [t for t in prompt if t < 0 or t >= limit]
+        if bad:
+            raise InvalidArgumentError(f"prompt: token ids out of range for the vocabulary: {bad[:5]}")
+        return list(prompt)
+    raise InvalidArgumentError(
+        "prompt: expected a non-empty string, a list of token ids, or a list of {'role','content'} messages"
+    )
+
+
+def _peak_gb() -> float:
+    return mx.get_peak_memory() / 1e9
+
+
+def stream_generate(
+    model: nn.Module,
+    tokenizer: Any,
+    prompt: Any,
+    max_tokens: int = 256,
+    *,
+    sampling: SamplingParams | None = None,
+    sampler: Any = None,
+    prompt_cache: list[Any] | None = None,
+    prefill_step_size: int = 512,
+    **sampling_kwargs: Any,
+) -> Iterator[GenerationResponse]:
+    """Yield a `GenerationResponse` per generated token; the last one carries `finish_reason`
+    ("stop" for eos or a stop string, "length" for max_tokens)."""
+    if sampling is None:
+        sampling = sampling_from_kwargs(max_tokens, **sampling_kwargs)
+    if not isinstance(prefill_step_size, int) or prefill_step_size < 1:
+        raise InvalidArgumentError(f"prefill_step_size: {prefill_step_size!r} must be an integer >= 1")
+    tokens = prompt_to_tokens(tokenizer, prompt)
+    if sampling.seed is not None:
+        mx.random.seed(sampling.seed)
+    if prompt_cache is None:
+        from cortexstream.kv.prompt_cache import make_prompt_cache
+
+        prompt_cache = make_prompt_cache(model, max_tokens=len(tokens) + sampling.max_tokens)
+    sampler = sampler or sampling.make_sampler()
+    processors = sampling.make_logits_processors()
+    eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+    text = TextStream(tokenizer, sampling.stop)
+    history = mx.array(tokens, mx.uint32)
+
+    def step(inputs: mx.array) -> tuple[mx.array, mx.array]:
+        nonlocal history
+        logits = model(inputs[None], cache=prompt_cache)[:, -1, :]
+        if processors:
+            for processor in processors:
+                logits = processor(history, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        token = sampler(logprobs)
+        if processors:
+            history = mx.concatenate([history, token])
+        return token, logprobs.squeeze(0)
+
+    start = time.perf_counter()
+    prompt = mx.array(tokens, mx.uint32)
+    # Prefill all but the last token in chunks; only the KV is needed, so the logits are never evaluated.
+    while prompt.size > 1:
+        chunk = min(prefill_step_size, prompt.size - 1)
+        model(prompt[:chunk][None], cache=prompt_cache)
+        mx.eval([c.state for c in prompt_cache])
+        prompt = prompt[chunk:]
+    if sampling.max_tokens == 0:
+        return
+    token, logprobs = step(prompt)
+    mx.async_eval(token, logprobs)
+    prompt_tps = 0.0
+    generated = 0
+    decode_start = start
+    while True:
+        has_next = generated + 1 < sampling.max_tokens
+        if has_next:
+            next_token, next_logprobs = step(token)
+            mx.async_eval(next_token, next_logprobs)
+        if generated == 0:
+            mx.eval(token)
+            decode_start = time.perf_counter()
+            prompt_tps = len(tokens) / max(decode_start - start, 1e-9)
+        generated += 1
+        token_id = int(token.item())
+        finish = None
+        if token_id in eos_ids:
+            segment, finish = text.finish(), "stop"
+        else:
+            segment = text.add_token(token_id)
+            if text.stopped:
+                finish = "stop"
+            elif not has_next:
+                segment, finish = segment + text.finish(), "length"
+        elapsed = time.perf_counter() - decode_start
+        yield GenerationResponse(
+            text=segment,
+            token=token_id,
+            logprobs=logprobs,
+            prompt_tokens=len(tokens),
+            prompt_tps=prompt_tps,
+            generation_tokens=generated,
+            generation_tps=(generated - 1) / elapsed if generated > 1 and elapsed > 0 else 0.0,
+            peak_memory=_peak_gb(),
+            finish_reason=finish,
+        )
+        if finish is not None:
+            return
+        token, logprobs = next_token, next_logprobs
+
+
+def generate(
+    model: nn.Module, tokenizer: Any, prompt: Any, max_tokens: int = 256, *, verbose: bool = False, **kwargs: Any
+) -> str:
+    """Generate a completion and return its text (eos and stop strings excluded)."""
+    pieces: list[str] = []
+    last: GenerationResponse | None = None
+    for response in stream_generate(model, tokenizer, prompt, max_tokens, **kwargs):
+        pieces.append(response.text)
+        if verbose:
+            print(response.text, end="", flush=True)
+        last = response
+    if verbose and last is not None:
+        print()
+        print("=" * 10)
+        print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
+        print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
+        print(f"Peak memory: {last.peak_memory:.3f} GB")
+    return "".join(pieces)

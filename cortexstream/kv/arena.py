@@ -1,0 +1,154 @@
+"""The KV arena: K and V storage for every layer and sequence, handed out in blocks by a `BlockAllocator`.
+
+Layout: one buffer per layer for K and one for V, each `[kv_heads, num_slots, head_dim]` (head-major), where slot
+`b * block_size + i` is token `i` of block `b`. Why this layout (see bench/results/arena_attention.md):
+- a contiguous run of blocks is a plain strided slice `buf[:, start:end, :]`, which `scaled_dot_product_attention`
+  consumes directly: the zero-copy view;
+- `buf.reshape(H, num_blocks, block_size, D)` is free, so paged sequences gather whole blocks, not single slots;
+- one buffer per layer (not one for all layers) because MLX updates a buffer in place only when nothing else
+  holds it: with a single all-layer buffer, layer l's write would find layer l-1's view still alive in the same
+  forward pass and copy the whole arena.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from cortexstream.kv.allocator import BlockAllocator
+from cortexstream.kv.arena_config import ArenaConfig
+
+_MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+class KVArena:
+    """Block-granular KV storage shared by all sequences of one model."""
+
+    def __init__(self, config: ArenaConfig) -> None:
+        self.config = config
+        self.allocator = BlockAllocator(config.num_blocks)
+        dtype = _MX_DTYPES[config.dtype]
+        heads, slots = config.num_kv_heads, config.num_slots
+        self.keys = [mx.zeros((heads, slots, config.head_dim), dtype) for _ in range(config.num_layers)]
+        self.values = [mx.zeros((heads, slots, config.value_head_dim), dtype) for _ in range(config.num_layers)]
+        mx.eval(self.keys, self.values)
+        # Serialises buffer mutation from several sequences (e.g. an engine thread and a stats reader).
+        self.lock = threading.RLock()
+        self.num_evicted_tokens = 0
+        self.num_compressed_tokens = 0
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return _MX_DTYPES[self.config.dtype]
+
+    # --- addressing -------------------------------------------------------------------------------------------
+    def slot_indices(self, blocks: Sequence[int], start: int, end: int) -> np.ndarray:
+        """Arena slots of a sequence's tokens [start, end) given its block table."""
+        bs = self.config.block_size
+        positions = np.arange(start, end)
+        table = np.asarray(blocks, dtype=np.int64)
+        return table[positions // bs] * bs + positions % bs
+
+    @staticmethod
+    def contiguous_start(blocks: Sequence[int]) -> int | None:
+        """First block of the table if its blocks are consecutive (a zero-copy view is possible), else None."""
+        if not blocks:
+            return None
+        first = blocks[0]
+        if blocks[-1] - first + 1 == len(blocks) and all(b == first + i for i, b in enumerate(blocks)):
+            return first
+        return None
+
+    # --- reads ------------------------------------------------------------------------------------------------
+    def read(self, layer: int, blocks: Sequence[int], length: int) -> tuple[mx.array, mx.array]:
+        """K, V of a sequence's first `length` tokens as `[H, length, D]`: a view if contiguous, else a gather."""
+        bs = self.config.block_size
+        first = self.contiguous_start(blocks)
+        if first is not None:
+            lo = first * bs
+            return self.keys[layer][:, lo : lo + length, :], self.values[layer][:, lo : lo + length, :]
+        used = -(-length // bs)
+        table = mx.array(np.asarray(blocks[:used], dtype=np.int32))
+        return self._gather_blocks(self.keys[layer], table, length), self._gather_blocks(self.values[layer], table, length)
+
+    def _gather_blocks(self, buffer: mx.array, table: mx.array, length: int) -> mx.array:
+        heads, _, dim = buffer.shape
+        bs = self.config.block_size
+        blocked = buffer.reshape(heads, self.config.num_blocks, bs, dim)
+        return blocked[:, table, :, :].reshape(heads, -1, dim)[:, :length, :]
+
+    def gather_slots(self, layer: int, slots: np.ndarray | mx.array) -> tuple[mx.array, mx.array]:
+        """K, V at arbitrary slots; `slots` is [n] or [H, n] (per-head selection)."""
+        slots = mx.array(np.asarray(slots, dtype=np.int32)) if isinstance(slots, np.ndarray) else slots
+        if slots.ndim == 1:
+            return self.keys[layer][:, slots, :], self.values[layer][:, slots, :]
+        return (
+            mx.take_along_axis(self.keys[layer], slots[:, :, None], axis=1),
+            mx.take_along_axis(self.values[layer], slots[:, :, None], axis=1),
+        )
+
+    # --- writes -----------------------------------------------------------------------------------------------
+    def write(self, layer: int, blocks: Sequence[int], start: int, keys: mx.array, values: mx.array) -> None:
+        """Write `[H, n, D]` keys/values at a sequence's token positions [start, start+n), in place."""
+        n = keys.shape[1]
+        if n == 0:
+            return
+        bs = self.config.block_size
+        first = self.contiguous_start(blocks)
+        k = keys.astype(self.dtype)
+        v = values.astype(self.dtype)
+        if first is not None or (start // bs == (start + n - 1) // bs):
+            lo = (first * bs + start) if first is not None else blocks[start // bs] * bs + start % bs
+            self.keys[layer][:, lo : lo + n, :] = k
+            self.values[layer][:, lo : lo + n, :] = v
+            return
+        slots = mx.array(self.slot_indices(blocks, start, start + n).astype(np.int32))
+        self.keys[layer][:, slots, :] = k
+        self.values[layer][:, slots, :] = v
+
+    def write_slots(self, layer: int, slots: np.ndarray, keys: mx.array, values: mx.array) -> None:
+        """Write `[H, n, D]` at arbitrary slots (used by compaction)."""
+        index = mx.array(np.asarray(slots, dtype=np.int32))
+        self.keys[layer][:, index, :] = keys.astype(self.dtype)
+        self.values[layer][:, index, :] = values.astype(self.dtype)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's slots, every layer (copy-on-write and relocation)."""
+        self.copy_blocks([src], [dst])
+
+    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        if not src:
+            return
+        bs = self.config.block_size
+        src_slots = mx.array((np.repeat(np.asarray(src) * bs, bs) + np.tile(np.arange(bs), len(src))).astype(np.int32))
+        dst_slots = mx.array((np.repeat(np.asarray(dst) * bs, bs) + np.tile(np.arange(bs), len(dst))).astype(np.int32))
+        for layer in range(self.config.num_layers):
+            self.keys[layer][:, dst_slots, :] = self.keys[layer][:, src_slots, :]
+            self.values[layer][:, dst_slots, :] = self.values[layer][:, src_slots, :]
+        mx.eval(self.keys, self.values)
+
+    # --- stats ------------------------------------------------------------------------------------------------
+    @property
+    def bytes_used(self) -> int:
+        return self.allocator.num_used_blocks * self.config.bytes_per_block
+
+    @property
+    def bytes_free(self) -> int:
+        return self.allocator.num_free_blocks * self.config.bytes_per_block
+
+    def stats(self) -> dict[str, float | int]:
+        alloc = self.allocator
+        return {
+            "num_blocks": alloc.num_total_blocks,
+            "num_free_blocks": alloc.num_free_blocks,
+            "num_used_blocks": alloc.num_used_blocks,
+            "block_size": self.config.block_size,
+            "bytes_used": self.bytes_used,
+            "bytes_free": self.bytes_free,
+            "fragmentation": alloc.fragmentation(),
+            "evicted_tokens": self.num_evicted_tokens,
+            "compressed_tokens": self.num_compressed_tokens,
+        }

@@ -1,0 +1,122 @@
+"""mlx-lm cache protocol over one layer of a `SequenceKV`: any mlx-lm model runs on it unchanged."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from cortexstream.errors import InvalidArgumentError
+from cortexstream.kv.sequence_kv import SequenceKV
+
+
+class ArenaKVCache:
+    """Per-layer view of a sequence's KV in the arena (batch size 1).
+
+    `offset` is the logical position (RoPE); `size()` the physical slots; they differ after eviction or compression.
+    """
+
+    def __init__(self, sequence: SequenceKV, layer: int) -> None:
+        self.sequence = sequence
+        self.layer = layer
+
+    # --- protocol: positions ----------------------------------------------------------------------------------
+    @property
+    def offset(self) -> int:
+        return self.sequence.offsets[self.layer]
+
+    @offset.setter
+    def offset(self, value: int) -> None:
+        self.sequence.offsets[self.layer] = int(value)
+
+    def size(self) -> int:
+        return self.sequence.lengths[self.layer]
+
+    def empty(self) -> bool:
+        return self.sequence.lengths[self.layer] == 0
+
+    # --- protocol: attention ----------------------------------------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write the new `[1, H, n, D]` keys/values in place; return all of this layer's K/V as `[1, H, len, D]`.
+
+        Contiguous sequences get a strided view of the arena (no copy); paged ones a block gather.
+        """
+        if keys.shape[0] != 1:
+            raise InvalidArgumentError(
+                f"ArenaKVCache holds one sequence; got batch {keys.shape[0]} (use the engine for batches)"
+            )
+        seq = self.sequence
+        start = seq.lengths[self.layer]
+        n = keys.shape[2]
+        seq.ensure_capacity(start + n)
+        seq.make_writable(start, start + n)
+        arena = seq.arena
+        arena.write(self.layer, seq.blocks, start, keys[0], values[0])
+        seq.lengths[self.layer] = start + n
+        seq.offsets[self.layer] += n
+        k, v = arena.read(self.layer, seq.blocks, start + n)
+        return k[None], v[None]
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        """Causal mask for n new queries over the physical keys (prior slots are all visible)."""
+        from mlx_lm.models.cache import create_attention_mask
+
+        return create_attention_mask(n, offset=self.size(), return_array=return_array, window_size=window_size)
+
+    # --- protocol: state --------------------------------------------------------------------------------------
+    @property
+    def state(self) -> tuple[mx.array, mx.array] | list:
+        length = self.size()
+        if length == 0:
+            return []
+        k, v = self.sequence.arena.read(self.layer, self.sequence.blocks, length)
+        return k[None], v[None]
+
+    @state.setter
+    def state(self, value: tuple[mx.array, mx.array]) -> None:
+        keys, values = value
+        seq = self.sequence
+        n = keys.shape[2]
+        seq.ensure_capacity(n)
+        seq.make_writable(0, n)
+        seq.arena.write(self.layer, seq.blocks, 0, keys[0], values[0])
+        seq.lengths[self.layer] = n
+
+    @property
+    def meta_state(self) -> tuple[str, str]:
+        return str(self.offset), str(self.size())
+
+    @meta_state.setter
+    def meta_state(self, value: tuple[str, str]) -> None:
+        self.offset = int(value[0])
+        if int(value[1]) != self.size():
+            raise InvalidArgumentError(f"meta_state: physical length {value[1]} != stored {self.size()}")
+
+    @classmethod
+    def from_state(cls, state: tuple[mx.array, mx.array], meta_state: tuple[str, str] | None = None) -> "ArenaKVCache":
+        """A single-layer cache in a private arena holding `state` (mlx-lm's `load_prompt_cache` hook)."""
+        from cortexstream.kv.prompt_cache import private_sequence
+
+        keys, values = state
+        seq = private_sequence(1, keys.shape[1], keys.shape[3], values.shape[3], keys.shape[2], str(keys.dtype))
+        cache = cls(seq, 0)
+        cache.state = state
+        cache.offset = int(meta_state[0]) if meta_state else keys.shape[2]
+        return cache
+
+    # --- protocol: trimming and size --------------------------------------------------------------------------
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last n tokens (physical and logical); returns how many were dropped."""
+        n = max(0, min(self.size(), int(n)))
+        self.sequence.lengths[self.layer] -= n
+        self.sequence.offsets[self.layer] -= n
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of arena storage this layer of the sequence occupies (allocated blocks, K and V)."""
+        cfg = self.sequence.arena.config
+        return len(self.sequence.blocks) * cfg.bytes_per_block // cfg.num_layers

@@ -1,0 +1,212 @@
+"""One sequence's KV inside a `KVArena`: its block table, per-layer lengths, and the editing primitives.
+
+Each layer keeps two counters: `offsets[l]`, the logical position (what RoPE sees), and `lengths[l]`, the number of
+physical slots in use. They start equal and part ways when a policy evicts (`keep`) or compresses (`replace`).
+All layers must hold the same number of physical tokens between forward passes, because mlx-lm models build one
+attention mask (from layer 0's cache) for every layer.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from cortexstream.errors import InvalidArgumentError, OutOfBlocksError
+from cortexstream.kv.arena import KVArena
+from cortexstream.kv.arena_config import ArenaConfig
+
+
+class SequenceKV:
+    """Block table + counters for one sequence. Mutations take the arena lock."""
+
+    def __init__(self, arena: KVArena, *, owner: int = -1, contiguous: bool = True, private: bool = False) -> None:
+        self.arena = arena
+        self.owner = owner
+        self.contiguous = contiguous
+        self.private = private  # the arena exists only for this sequence and may be regrown
+        self.blocks: list[int] = []
+        self.lengths = [0] * arena.config.num_layers
+        self.offsets = [0] * arena.config.num_layers
+        self.shared_blocks = 0  # leading blocks adopted from a shared prefix; written only after copy-on-write
+
+    # --- sizes ------------------------------------------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.arena.config.block_size
+
+    @property
+    def capacity(self) -> int:
+        return len(self.blocks) * self.block_size
+
+    @property
+    def num_tokens(self) -> int:
+        """Physical tokens held (the maximum over layers; equal between forward passes)."""
+        return max(self.lengths)
+
+    @property
+    def logical_length(self) -> int:
+        return max(self.offsets)
+
+    # --- growth -----------------------------------------------------------------------------------------------
+    def ensure_capacity(self, num_tokens: int) -> None:
+        """Make room for `num_tokens` physical tokens. Raises OutOfBlocksError and changes nothing if impossible."""
+        need = self.arena.config.blocks_for_tokens(num_tokens) - len(self.blocks)
+        if need <= 0:
+            return
+        with self.arena.lock:
+            try:
+                self._grow(need)
+            except OutOfBlocksError:
+                if not self.private:
+                    raise
+                self._regrow_private_arena(num_tokens)
+
+    def _grow(self, need: int) -> None:
+        alloc = self.arena.allocator
+        if not self.contiguous:
+            self.blocks += alloc.allocate(need, owner=self.owner)
+            return
+        if not self.blocks:
+            self.blocks = alloc.allocate(need, owner=self.owner, contiguous=True)
+            return
+        extra = alloc.extend_contiguous(self.blocks, need, owner=self.owner)
+        if extra is not None:
+            self.blocks += extra
+            return
+        # Relocate: the run behind us is taken. Copy what is used, then release the old run.
+        new = alloc.allocate(len(self.blocks) + need, owner=self.owner, contiguous=True)
+        used = self.arena.config.blocks_for_tokens(self.num_tokens)
+        self.arena.copy_blocks(self.blocks[:used], new[:used])
+        alloc.free(self.blocks)
+        self.blocks = new
+
+    def _regrow_private_arena(self, num_tokens: int) -> None:
+        old = self.arena
+        cfg = old.config
+        blocks = max(cfg.blocks_for_tokens(num_tokens), 2 * cfg.num_blocks)
+        arena = KVArena(ArenaConfig(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, blocks, cfg.block_size,
+                                    cfg.dtype, cfg.v_head_dim))
+        new_blocks = arena.allocator.allocate(cfg.blocks_for_tokens(num_tokens), owner=self.owner, contiguous=True)
+        used = self.num_tokens
+        for layer in range(cfg.num_layers):
+            k, v = old.read(layer, self.blocks, used)
+            arena.write(layer, new_blocks, 0, k, v)
+        mx.eval(arena.keys, arena.values)
+        self.arena, self.blocks = arena, new_blocks
+
+    # --- copy-on-write ----------------------------------------------------------------------------------------
+    def make_writable(self, start: int, end: int) -> None:
+        """Give this sequence private copies of shared blocks covering tokens [start, end)."""
+        if start >= self.shared_blocks * self.block_size or end <= start:
+            return
+        bs = self.block_size
+        with self.arena.lock:
+            for index in range(start // bs, min(-(-end // bs), self.shared_blocks)):
+                new, copied = self.arena.allocator.copy_on_write(self.blocks[index], owner=self.owner)
+                if copied:
+                    self.arena.copy_block(self.blocks[index], new)
+                    self.blocks[index] = new
+            if end >= self.shared_blocks * bs:
+                self.shared_blocks = min(self.shared_blocks, start // bs)
+
+    def adopt_prefix(self, blocks: Sequence[int], num_tokens: int) -> None:
+        """Start from blocks already holding a prompt prefix (the caller has taken a reference on each)."""
+        if self.blocks or self.num_tokens:
+            raise InvalidArgumentError("adopt_prefix: the sequence already holds tokens")
+        self.blocks = list(blocks)
+        self.shared_blocks = len(self.blocks)
+        self.lengths = [num_tokens] * len(self.lengths)
+        self.offsets = [num_tokens] * len(self.offsets)
+
+    # --- editing primitives -----------------------------------------------------------------------------------
+    def keep(self, indices: np.ndarray | Sequence[int]) -> int:
+        """Keep only the physical tokens at `indices` (eviction), compacted to the front in ascending order.
+
+        indices: [n] for every layer and head, [L, n] per layer, or [L, H, n] per layer and KV head. Every row
+        must have the same n. Logical offsets do not change. Returns the number of blocks freed.
+        """
+        cfg = self.arena.config
+        index = np.asarray(indices, dtype=np.int64)
+        if index.ndim == 1:
+            index = np.broadcast_to(index, (cfg.num_layers, index.shape[0]))
+        if index.ndim not in (2, 3) or index.shape[0] != cfg.num_layers or (
+            index.ndim == 3 and index.shape[1] != cfg.num_kv_heads
+        ):
+            raise InvalidArgumentError(
+                f"keep: indices shape {index.shape} must be [n], [layers={cfg.num_layers}, n] or "
+                f"[layers, kv_heads={cfg.num_kv_heads}, n]"
+            )
+        index = np.sort(index, axis=-1)
+        kept = index.shape[-1]
+        for layer in range(cfg.num_layers):
+            row = index[layer]
+            if row.size and (row.min() < 0 or row.max() >= self.lengths[layer]):
+                raise InvalidArgumentError(f"keep: layer {layer} index out of range [0, {self.lengths[layer]})")
+            if (np.diff(row, axis=-1) == 0).any():
+                raise InvalidArgumentError(f"keep: layer {layer} has duplicate indices")
+        with self.arena.lock:
+            self.make_writable(0, kept)
+            for layer in range(cfg.num_layers):
+                slots = self.arena.slot_indices(self.blocks, 0, self.lengths[layer])[index[layer]]
+                k, v = self.arena.gather_slots(layer, slots)
+                mx.eval(k, v)  # materialise before overwriting the same buffer in place
+                self.arena.write(layer, self.blocks, 0, k, v)
+                self.arena.num_evicted_tokens += self.lengths[layer] - kept
+                self.lengths[layer] = kept
+            mx.eval(self.arena.keys, self.arena.values)
+            return self._free_unused_blocks()
+
+    def replace(self, start: int, end: int, new_keys: Sequence[mx.array], new_values: Sequence[mx.array]) -> int:
+        """Replace physical tokens [start, end) of every layer by M new tokens (compression, M <= end - start).
+
+        new_keys/new_values: per layer `[H, M, D]` (a list, or one array `[L, H, M, D]`). Returns blocks freed.
+        """
+        cfg = self.arena.config
+        if len(new_keys) != cfg.num_layers or len(new_values) != cfg.num_layers:
+            raise InvalidArgumentError(f"replace: need keys/values for all {cfg.num_layers} layers")
+        m = int(new_keys[0].shape[1])
+        for layer in range(cfg.num_layers):
+            if not 0 <= start <= end <= self.lengths[layer]:
+                raise InvalidArgumentError(f"replace: range [{start}, {end}) outside layer {layer}'s 0..{self.lengths[layer]}")
+            expected_k = (cfg.num_kv_heads, m, cfg.head_dim)
+            expected_v = (cfg.num_kv_heads, m, cfg.value_head_dim)
+            if tuple(new_keys[layer].shape) != expected_k or tuple(new_values[layer].shape) != expected_v:
+                raise InvalidArgumentError(f"replace: layer {layer} new keys/values must be {expected_k}/{expected_v}")
+        if m > end - start:
+            raise InvalidArgumentError(f"replace: {m} new tokens exceed the {end - start} replaced (it only shrinks)")
+        with self.arena.lock:
+            for layer in range(cfg.num_layers):
+                length = self.lengths[layer]
+                new_length = length - (end - start) + m
+                self.make_writable(start, new_length)
+                tail_k, tail_v = self.arena.read(layer, self.blocks, length)
+                tail_k, tail_v = tail_k[:, end:, :], tail_v[:, end:, :]
+                k = mx.concatenate([new_keys[layer].astype(self.arena.dtype), tail_k], axis=1)
+                v = mx.concatenate([new_values[layer].astype(self.arena.dtype), tail_v], axis=1)
+                mx.eval(k, v)
+                self.arena.write(layer, self.blocks, start, k, v)
+                self.lengths[layer] = new_length
+            self.arena.num_compressed_tokens += end - start - m
+            mx.eval(self.arena.keys, self.arena.values)
+            return self._free_unused_blocks()
+
+    def _free_unused_blocks(self) -> int:
+        used = self.arena.config.blocks_for_tokens(self.num_tokens)
+        surplus = self.blocks[used:]
+        if not surplus:
+            return 0
+        self.blocks = self.blocks[:used]
+        self.shared_blocks = min(self.shared_blocks, used)
+        return self.arena.allocator.free(surplus)
+
+    def release(self) -> int:
+        """Return every block to the allocator (shared blocks just lose a reference)."""
+        with self.arena.lock:
+            freed = self.arena.allocator.free(self.blocks) if self.blocks else 0
+            self.blocks = []
+            self.shared_blocks = 0
+            self.lengths = [0] * len(self.lengths)
+            self.offsets = [0] * len(self.offsets)
+            return freed

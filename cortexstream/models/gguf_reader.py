@@ -1,0 +1,87 @@
+"""Read a GGUF file into (tensors, metadata) in the form `mx.load(path, return_metadata=True)` gives.
+
+`mx.load` reads F32/F16/Q4_0/Q4_1/Q8_0 natively (the quantised ones as MLX (weight, scales, biases) triplets with
+group size 32). Anything else (K-quants, Q5_x, IQ*) makes it fail for the whole file, so we fall back to the
+`gguf` package, which dequantises every tensor to float32 on the host.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from cortexstream.errors import ModelLoadError, UnsupportedModelError
+
+GGUF_MAGIC = b"GGUF"
+
+
+def check_gguf_file(path: str) -> None:
+    """Fail early, naming the file, when it is missing, empty or not a GGUF at all."""
+    if not os.path.exists(path):
+        raise ModelLoadError(f"{path}: file not found")
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{path}: not a regular file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+
+
+def read_gguf(path: str) -> tuple[dict[str, mx.array], dict[str, Any], str]:
+    """Return (tensors, metadata, reader) where reader is "mlx" or "gguf-py" (the dequantising fallback)."""
+    check_gguf_file(path)
+    try:
+        tensors, metadata = mx.load(path, return_metadata=True)
+        return tensors, metadata, "mlx"
+    except Exception as native_error:  # mlx raises RuntimeError/ValueError with terse messages
+        native_message = str(native_error)
+    try:
+        tensors, metadata = _read_with_gguf_py(path)
+    except UnsupportedModelError:
+        raise
+    except Exception as fallback_error:
+        raise ModelLoadError(
+            f"{path}: cannot read GGUF (truncated or corrupt?): mlx said '{native_message}', "
+            f"gguf said '{fallback_error}'"
+        ) from fallback_error
+    return tensors, metadata, "gguf-py"
+
+
+def _read_with_gguf_py(path: str) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    import gguf
+
+    reader = gguf.GGUFReader(path, "r")
+    metadata: dict[str, Any] = {}
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF."):
+            continue
+        metadata[field.name] = _field_value(field, gguf)
+    tensors: dict[str, mx.array] = {}
+    for tensor in reader.tensors:
+        try:
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as exc:
+            raise UnsupportedModelError(
+                f"{path}: tensor '{tensor.name}' uses quantisation {tensor.tensor_type.name}, "
+                "which the gguf package cannot dequantise"
+            ) from exc
+        # GGML lists dims fastest-first; numpy/MLX want them slowest-first.
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        tensors[tensor.name] = mx.array(np.ascontiguousarray(values, dtype=np.float32).reshape(shape))
+    return tensors, metadata
+
+
+def _field_value(field: Any, gguf: Any) -> Any:
+    """Convert a GGUFReader field into what mx.load reports: str, list[str], or an mx.array."""
+    value = field.contents()
+    main_type = field.types[0] if field.types else None
+    if main_type == gguf.GGUFValueType.STRING:
+        return value
+    if main_type == gguf.GGUFValueType.ARRAY:
+        if field.types[-1] == gguf.GGUFValueType.STRING:
+            return list(value)
+        return mx.array(np.asarray(value))
+    return mx.array(value)
