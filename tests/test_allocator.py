@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from cortexstream.errors import OutOfBlocksError
+from cortexstream.kv import free_runs
 from cortexstream.kv.allocator import BlockAllocator
+from cortexstream.kv.free_runs import SortedInts
 
 
 def singles(a: BlockAllocator) -> list[list[int]]:
@@ -178,6 +180,21 @@ def test_share_and_ref_counts() -> None:
     a.check_invariants()
 
 
+def test_handles_as_arrays_tuples_duplicates() -> None:
+    a = BlockAllocator(10)
+    x = a.allocate(4, owner=1, contiguous=True)  # [0..3]
+    a.share(np.array([1, 3, 3]))  # NumPy ids; duplicates add one reference each
+    assert [a.ref_count(b) for b in x] == [1, 2, 1, 3]
+    assert a.free((3, 3)) == 0 and a.ref_count(3) == 1  # duplicate ids: the Counter path
+    assert a.free(b for b in [np.int64(1), 3]) == 1  # a generator of NumPy ints, not consecutive
+    assert a.ref_count(1) == 1 and a.owner_of(3) == -1
+    for bad in ([9, 10], [-1, 0], np.array([[0]]), np.array([0.0]), ["0"], [0, None]):
+        with pytest.raises(ValueError):
+            a.free(bad)
+    assert a.free(np.array([0, 1, 2], dtype=np.uint16)) == 3 and a.num_free_blocks == 10
+    a.check_invariants()
+
+
 def test_copy_on_write() -> None:
     a = BlockAllocator(4)
     blocks = a.allocate(3, owner=1, contiguous=True)
@@ -300,8 +317,10 @@ def test_allocator_does_not_import_mlx() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-# ---------------------------------------------------------------------------- state machine
-from hypothesis import settings  # noqa: E402
+# ---------------------------------------------------------------------------- property tests
+from unittest import mock  # noqa: E402
+
+from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import (  # noqa: E402
     RuleBasedStateMachine,
@@ -312,7 +331,29 @@ from hypothesis.stateful import (  # noqa: E402
 )
 
 
-def free_runs(rc: list[int]) -> list[tuple[int, int]]:
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("apq"), st.integers(0, 60)), max_size=120))
+def test_sorted_ints_matches_sorted_set(ops: list[tuple[str, int]]) -> None:
+    with mock.patch.object(free_runs, "LOAD", 2):
+        keys, model = SortedInts(), set()
+        for op, x in ops:
+            if op == "a" and x not in model:
+                keys.add(x)
+                model.add(x)
+            elif op == "a":
+                keys.remove(x)
+                model.discard(x)
+            elif op == "p" and model:
+                assert keys.pop_first() == min(model)
+                model.discard(min(model))
+            assert keys.first_ge(x) == min((k for k in model if k >= x), default=None)
+            keys.check()
+            assert keys.tolist() == sorted(model) and len(keys) == len(model)
+            if model:
+                assert (keys.first(), keys.last()) == (min(model), max(model))
+
+
+def model_free_runs(rc: list[int]) -> list[tuple[int, int]]:
     """(start, length) of maximal free runs, by brute force over the model's ref counts."""
     runs, start = [], None
     for i, c in enumerate([*rc, 1]):
@@ -330,8 +371,10 @@ class AllocatorMachine(RuleBasedStateMachine):
     Each handle holds one reference to each of its blocks; `contig` handles must stay consecutive.
     """
 
-    @initialize(n=st.integers(1, 40))
-    def setup(self, n: int) -> None:
+    @initialize(n=st.integers(1, 40), load=st.sampled_from([1, 2, 512]))
+    def setup(self, n: int, load: int) -> None:
+        # tiny sublists make the size index split and merge buckets even in a 40-block pool
+        self.saved_load, free_runs.LOAD = free_runs.LOAD, load
         self.a = BlockAllocator(n)
         self.rc = [0] * n
         self.owner = [-1] * n
@@ -350,7 +393,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(0, 12), owner=st.integers(-1, 70), contiguous=st.booleans())
     def allocate(self, n: int, owner: int, contiguous: bool) -> None:
-        runs = free_runs(self.rc)
+        runs = model_free_runs(self.rc)
         fits = [r for r in runs if r[1] >= n]
         ok = bool(fits) or n == 0 if contiguous else n <= sum(length for _, length in runs)
         assert self.a.can_allocate(n, contiguous=contiguous) == ok
@@ -446,7 +489,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         n_free = self.rc.count(0)
         assert a.num_free_blocks == n_free and a.num_used_blocks == len(self.rc) - n_free
         assert a.num_free_blocks + a.num_used_blocks == a.num_total_blocks
-        largest = max((length for _, length in free_runs(self.rc)), default=0)
+        largest = max((length for _, length in model_free_runs(self.rc)), default=0)
         assert a.largest_free_run() == largest
         assert a.fragmentation() == pytest.approx(0.0 if n_free == 0 else 1 - largest / n_free)
         expect = [-1 if c == 0 else -2 if c > 1 else (-3 if o == -1 else o) for c, o in zip(self.rc, self.owner)]
@@ -455,6 +498,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if not hasattr(self, "a"):
             return
+        free_runs.LOAD = self.saved_load
         for blocks, _ in self.handles:
             self.a.free(blocks)
         self.a.check_invariants()

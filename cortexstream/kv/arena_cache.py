@@ -49,7 +49,8 @@ class ArenaKVCache:
         start = seq.lengths[self.layer]
         n = keys.shape[2]
         seq.ensure_capacity(start + n)
-        seq.make_writable(start, start + n)
+        if self.layer == 0:  # blocks span all layers: one copy-on-write check per forward pass
+            seq.make_writable(start, start + n)
         arena = seq.arena
         arena.write(self.layer, seq.blocks, start, keys[0], values[0])
         seq.lengths[self.layer] = start + n

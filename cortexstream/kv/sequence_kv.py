@@ -21,15 +21,23 @@ from cortexstream.kv.arena_config import ArenaConfig
 class SequenceKV:
     """Block table + counters for one sequence. Mutations take the arena lock."""
 
-    def __init__(self, arena: KVArena, *, owner: int = -1, contiguous: bool = True, private: bool = False) -> None:
+    def __init__(
+        self,
+        arena: KVArena,
+        *,
+        owner: int = -1,
+        contiguous: bool = True,
+        private: bool = False,
+        blocks: list[int] | None = None,
+    ) -> None:
         self.arena = arena
         self.owner = owner
         self.contiguous = contiguous
         self.private = private  # the arena exists only for this sequence and may be regrown
-        self.blocks: list[int] = []
+        # The block table. It is only ever mutated in place, so a scheduler may hold the same list object.
+        self.blocks: list[int] = blocks if blocks is not None else []
         self.lengths = [0] * arena.config.num_layers
         self.offsets = [0] * arena.config.num_layers
-        self.shared_blocks = 0  # leading blocks adopted from a shared prefix; written only after copy-on-write
 
     # --- sizes ------------------------------------------------------------------------------------------------
     @property
@@ -66,21 +74,21 @@ class SequenceKV:
     def _grow(self, need: int) -> None:
         alloc = self.arena.allocator
         if not self.contiguous:
-            self.blocks += alloc.allocate(need, owner=self.owner)
+            self.blocks.extend(alloc.allocate(need, owner=self.owner))
             return
         if not self.blocks:
-            self.blocks = alloc.allocate(need, owner=self.owner, contiguous=True)
+            self.blocks.extend(alloc.allocate(need, owner=self.owner, contiguous=True))
             return
         extra = alloc.extend_contiguous(self.blocks, need, owner=self.owner)
         if extra is not None:
-            self.blocks += extra
+            self.blocks.extend(extra)
             return
         # Relocate: the run behind us is taken. Copy what is used, then release the old run.
         new = alloc.allocate(len(self.blocks) + need, owner=self.owner, contiguous=True)
         used = self.arena.config.blocks_for_tokens(self.num_tokens)
         self.arena.copy_blocks(self.blocks[:used], new[:used])
         alloc.free(self.blocks)
-        self.blocks = new
+        self.blocks[:] = new
 
     def _regrow_private_arena(self, num_tokens: int) -> None:
         old = self.arena
@@ -94,29 +102,31 @@ class SequenceKV:
             k, v = old.read(layer, self.blocks, used)
             arena.write(layer, new_blocks, 0, k, v)
         mx.eval(arena.keys, arena.values)
-        self.arena, self.blocks = arena, new_blocks
+        self.arena = arena
+        self.blocks[:] = new_blocks
 
     # --- copy-on-write ----------------------------------------------------------------------------------------
     def make_writable(self, start: int, end: int) -> None:
-        """Give this sequence private copies of shared blocks covering tokens [start, end)."""
-        if start >= self.shared_blocks * self.block_size or end <= start:
+        """Give this sequence private copies of shared blocks (ref count > 1) covering tokens [start, end).
+
+        Blocks hold every layer, so one call before a forward pass covers all layers' writes.
+        """
+        if end <= start:
             return
         bs = self.block_size
+        alloc = self.arena.allocator
         with self.arena.lock:
-            for index in range(start // bs, min(-(-end // bs), self.shared_blocks)):
-                new, copied = self.arena.allocator.copy_on_write(self.blocks[index], owner=self.owner)
+            for index in range(start // bs, min(-(-end // bs), len(self.blocks))):
+                new, copied = alloc.copy_on_write(self.blocks[index], owner=self.owner)
                 if copied:
                     self.arena.copy_block(self.blocks[index], new)
                     self.blocks[index] = new
-            if end >= self.shared_blocks * bs:
-                self.shared_blocks = min(self.shared_blocks, start // bs)
 
     def adopt_prefix(self, blocks: Sequence[int], num_tokens: int) -> None:
         """Start from blocks already holding a prompt prefix (the caller has taken a reference on each)."""
         if self.blocks or self.num_tokens:
             raise InvalidArgumentError("adopt_prefix: the sequence already holds tokens")
-        self.blocks = list(blocks)
-        self.shared_blocks = len(self.blocks)
+        self.blocks[:] = blocks
         self.lengths = [num_tokens] * len(self.lengths)
         self.offsets = [num_tokens] * len(self.offsets)
 
@@ -197,16 +207,14 @@ class SequenceKV:
         surplus = self.blocks[used:]
         if not surplus:
             return 0
-        self.blocks = self.blocks[:used]
-        self.shared_blocks = min(self.shared_blocks, used)
+        del self.blocks[used:]
         return self.arena.allocator.free(surplus)
 
     def release(self) -> int:
         """Return every block to the allocator (shared blocks just lose a reference)."""
         with self.arena.lock:
             freed = self.arena.allocator.free(self.blocks) if self.blocks else 0
-            self.blocks = []
-            self.shared_blocks = 0
+            self.blocks.clear()
             self.lengths = [0] * len(self.lengths)
             self.offsets = [0] * len(self.offsets)
             return freed

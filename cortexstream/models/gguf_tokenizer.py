@@ -131,9 +131,9 @@ def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> lis
 
 def _build_backend(
     model_type: str, metadata: Mapping[str, Any], tokens: list[str], types: list[int], source: str
-) -> tuple[Tokenizer, Any, bool, bool]:
-    """The ``tokenizers.Tokenizer`` (without special tokens), its detokenizer class, default add_bos,
-    and whether token strings are byte-level encoded."""
+) -> tuple[Tokenizer, Any, bool]:
+    """The ``tokenizers.Tokenizer`` (without special tokens), its streaming detokenizer class (the one
+    mlx-lm picks for the same decoder) and llama.cpp's default for add_bos."""
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if model_type == "gpt2":
         pre = _get(metadata, "tokenizer.ggml.pre", "default")
@@ -162,7 +162,7 @@ def _build_backend(
             backend.normalizer = spec.normalizer()
         backend.pre_tokenizer = spec.pre_tokenizer()
         backend.decoder = decoders.ByteLevel()
-        return backend, BPEStreamingDetokenizer, spec.add_bos, True
+        return backend, BPEStreamingDetokenizer, spec.add_bos
 
     if model_type == "llama":
         scores = _get(metadata, "tokenizer.ggml.scores")
@@ -191,7 +191,7 @@ def _build_backend(
         def detok(tok: Any) -> SPMStreamingDetokenizer:
             return SPMStreamingDetokenizer(tok, trim_space=add_prefix)
 
-        return backend, detok, True, False
+        return backend, detok, True
 
     raise UnsupportedModelError(
         f"{source}: unsupported GGUF tokenizer model tokenizer.ggml.model={model_type!r} "
@@ -221,18 +221,26 @@ def build_gguf_tokenizer(metadata: dict, source: str) -> TokenizerWrapper:
             f"{source}: tokenizer.ggml.token_type has {len(types)} entries for {n_vocab} tokens"
         )
 
-    backend, detokenizer_class, add_bos_default, _ = _build_backend(model_type, metadata, tokens, types, source)
+    backend, detokenizer_class, add_bos_default = _build_backend(model_type, metadata, tokens, types, source)
 
     ids = {
         name: _token_id(metadata, f"tokenizer.ggml.{name}_token_id", n_vocab, source)
         for name in ("bos", "eos", "unknown", "padding", "eot", "eom")
     }
     # Control and unknown tokens are special (skipped by skip_special_tokens); user-defined ones are plain
-    # added tokens.  Both are matched verbatim before pre-tokenization, so they are never split.  bos/eos/
-    # unk/pad are included even if a file mistypes them, because transformers treats them as special.
+    # added tokens.  Both are matched as a whole before BPE, so they are never split.  Control tokens match
+    # the raw text, as llama.cpp parses them.  SentencePiece matches user-defined pieces (Gemma's "▁▁▁"...)
+    # in the normalized text; we can do the same only without a dummy prefix, since tokenizers would
+    # prepend "▁" to the piece itself too.  bos/eos/unk/pad are included even if a file mistypes them,
+    # because transformers treats them as special anyway.
+    match_normalized = model_type == "llama" and not _get(metadata, "tokenizer.ggml.add_space_prefix", True)
     named = {i for key, i in ids.items() if i is not None and key in ("bos", "eos", "unknown", "padding")}
     added = [
-        AddedToken(tok, special=types[i] != _USER_DEFINED, normalized=False)
+        AddedToken(
+            tok,
+            special=types[i] != _USER_DEFINED,
+            normalized=match_normalized and types[i] == _USER_DEFINED,
+        )
         for i, tok in enumerate(tokens)
         if tok and (types[i] in (_CONTROL, _UNKNOWN, _USER_DEFINED) or i in named)
     ]

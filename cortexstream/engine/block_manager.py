@@ -1,0 +1,165 @@
+"""Block accounting for the scheduler: admission, growth, release and the prefix cache. Pure Python.
+
+Prefix cache: every full block of a sequence whose KV matches its tokens one-to-one is hashed by
+(parent hash, token ids), with the chain rooted in a per-tenant salt so a prefix never crosses tenants. The cache
+holds its own reference on each registered block, so (a) any later write to it goes through copy-on-write and
+(b) it survives the sequence that computed it; those pool-only blocks are reclaimed, least recently used first,
+when an allocation would otherwise fail.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from cortexstream.engine.sequence import Sequence
+from cortexstream.errors import OutOfBlocksError
+from cortexstream.kv.allocator import BlockAllocator
+
+
+@dataclass(frozen=True)
+class _CachedBlock:
+    block: int
+    tokens: tuple[int, ...]
+
+
+class BlockManager:
+    def __init__(self, allocator: BlockAllocator, block_size: int, prefix_caching: bool = True) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self._by_hash: dict[int, _CachedBlock] = {}
+        self._lru: OrderedDict[int, int] = OrderedDict()  # block -> hash, oldest first
+        self.num_prefix_hits = 0
+
+    # --- sizes ------------------------------------------------------------------------------------------------
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._lru)
+
+    def num_reclaimable(self) -> int:
+        return sum(1 for block in self._lru if self.allocator.ref_count(block) == 1)
+
+    def num_available(self) -> int:
+        return self.allocator.num_free_blocks + self.num_reclaimable()
+
+    # --- prefix cache -----------------------------------------------------------------------------------------
+    def _root(self, tenant: str | None) -> int:
+        return hash(("cortexstream-prefix-root", tenant))
+
+    def _match(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """Blocks (and their hashes) of the longest cached chain of full prompt blocks."""
+        if not self.prefix_caching:
+            return [], []
+        bs = self.block_size
+        parent = self._root(seq.tenant)
+        blocks: list[int] = []
+        hashes: list[int] = []
+        ids = seq.all_ids
+        for i in range(len(ids) // bs):
+            tokens = tuple(ids[i * bs : (i + 1) * bs])
+            h = hash((parent, tokens))
+            cached = self._by_hash.get(h)
+            if cached is None or cached.tokens != tokens:
+                break
+            blocks.append(cached.block)
+            hashes.append(h)
+            parent = h
+        return blocks, hashes
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Add the sequence's newly completed blocks to the prefix cache (only while KV matches tokens 1:1)."""
+        if not self.prefix_caching or seq.num_physical != seq.num_computed:
+            return
+        bs = self.block_size
+        ids = seq.all_ids
+        full = min(seq.num_computed // bs, len(seq.block_table))
+        parent = seq.block_hashes[-1] if seq.block_hashes else self._root(seq.tenant)
+        for i in range(len(seq.block_hashes), full):
+            tokens = tuple(ids[i * bs : (i + 1) * bs])
+            h = hash((parent, tokens))
+            seq.block_hashes.append(h)
+            parent = h
+            block = seq.block_table[i]
+            if h in self._by_hash or block in self._lru:
+                continue
+            self.allocator.share([block])
+            self._by_hash[h] = _CachedBlock(block, tokens)
+            self._lru[block] = h
+
+    def _reclaim(self, num_blocks: int, protect: set[int] = frozenset()) -> int:
+        freed = 0
+        for block in list(self._lru):
+            if freed >= num_blocks:
+                break
+            if block in protect or self.allocator.ref_count(block) != 1:
+                continue
+            h = self._lru.pop(block)
+            del self._by_hash[h]
+            freed += self.allocator.free([block])
+        return freed
+
+    def _allocate(self, n: int, owner: int, protect: set[int] = frozenset()) -> list[int]:
+        short = n - self.allocator.num_free_blocks
+        if short > 0:
+            self._reclaim(short, protect)
+        return self.allocator.allocate(n, owner=owner)
+
+    # --- admission and growth ---------------------------------------------------------------------------------
+    def _admission_need(self, seq: Sequence, hits: list[int]) -> int:
+        need = self.blocks_for(seq.num_tokens) - len(hits)
+        if hits and len(hits) * self.block_size >= seq.num_tokens:
+            need += 1  # the last prompt token is recomputed into a shared block: copy-on-write
+        return need
+
+    def can_admit(self, seq: Sequence) -> bool:
+        """Whether `seq` fits now: free blocks plus reclaimable cached ones (not counting its own hits)."""
+        hits, _ = self._match(seq)
+        hit_set = set(hits)
+        reclaimable = sum(1 for b in self._lru if b not in hit_set and self.allocator.ref_count(b) == 1)
+        return self._admission_need(seq, hits) <= self.allocator.num_free_blocks + reclaimable
+
+    def admit(self, seq: Sequence) -> None:
+        """Give `seq` its prefix-cache hits plus fresh blocks for the rest. OutOfBlocksError changes nothing."""
+        hits, hashes = self._match(seq)
+        need = self.blocks_for(seq.num_tokens) - len(hits)
+        fresh = self._allocate(need, seq.owner, protect=set(hits)) if need > 0 else []
+        self.allocator.share(hits)
+        for block in hits:
+            self._lru.move_to_end(block)
+        seq.block_table[:] = hits + fresh
+        seq.block_hashes = list(hashes)
+        cached = min(len(hits) * self.block_size, seq.num_tokens - 1)
+        seq.num_computed = seq.num_physical = seq.num_cached_prefix = cached
+        self.num_prefix_hits += len(hits)
+
+    def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Room for `num_new_tokens` more physical tokens, including a free block for each shared block the
+        write touches (the runner copies it on write). False, with nothing changed, when it cannot be had."""
+        bs = self.block_size
+        first, last = seq.num_physical // bs, (seq.num_physical + num_new_tokens - 1) // bs
+        shared = sum(
+            1 for i in range(first, min(last + 1, len(seq.block_table)))
+            if self.allocator.ref_count(seq.block_table[i]) > 1
+        )
+        grow = max(0, last + 1 - len(seq.block_table))
+        if grow + shared == 0:
+            return True
+        if self.allocator.num_free_blocks < grow + shared:
+            self._reclaim(grow + shared - self.allocator.num_free_blocks)
+        if self.allocator.num_free_blocks < grow + shared:
+            return False
+        if grow:
+            seq.block_table.extend(self.allocator.allocate(grow, owner=seq.owner))
+        return True
+
+    def release(self, seq: Sequence) -> int:
+        """Drop the sequence's references; blocks also held by the prefix cache stay cached."""
+        freed = self.allocator.free(seq.block_table) if seq.block_table else 0
+        seq.block_table.clear()
+        seq.block_hashes = []
+        seq.num_computed = seq.num_physical = 0
+        return freed

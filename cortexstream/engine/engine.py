@@ -1,0 +1,193 @@
+"""`Engine`: add_request / step / abort over the scheduler and runner; step() = schedule -> run -> postprocess."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from cortexstream.engine.block_manager import BlockManager
+from cortexstream.engine.runner import ModelRunner
+from cortexstream.engine.scheduler import Scheduler, SchedulerConfig
+from cortexstream.engine.sequence import Sequence
+from cortexstream.errors import InvalidArgumentError
+from cortexstream.generation.sampling import SamplingParams, sampling_from_kwargs
+from cortexstream.generation.stream import prompt_to_tokens
+from cortexstream.generation.text_stream import TextStream
+from cortexstream.kv.arena import KVArena
+from cortexstream.kv.arena_config import ArenaConfig
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    token: int | None
+    text: str
+    logprobs: mx.array | None
+    prompt_tokens: int
+    generation_tokens: int
+    finish_reason: str | None = None
+    error: str | None = None
+    ttft: float | None = None  # seconds from arrival to the first token
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class _RequestState:
+    def __init__(self, seq: Sequence, tokenizer: Any, eos_ids: set[int]) -> None:
+        self.seq = seq
+        self.text = TextStream(tokenizer, seq.sampling.stop)
+        self.sampler = seq.sampling.make_sampler()
+        self.processors = seq.sampling.make_logits_processors()
+        self.eos_ids = eos_ids
+
+
+class Engine:
+    """Continuous-batching engine over one KV arena. Not thread-safe by itself: see `ThreadedEngine`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        *,
+        arena: KVArena | None = None,
+        kv_tokens: int | None = None,
+        kv_bytes: int | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 16,
+        prefill_step_size: int = 512,
+        prefix_caching: bool = True,
+    ) -> None:
+        if arena is None:
+            if kv_tokens is None and kv_bytes is None:
+                kv_tokens = 16384
+            arena = KVArena(ArenaConfig.for_model(model, num_tokens=kv_tokens, num_bytes=kv_bytes,
+                                                  block_size=block_size))
+        self.model = model
+        self.tokenizer = tokenizer
+        self.arena = arena
+        self.block_manager = BlockManager(arena.allocator, arena.config.block_size, prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, SchedulerConfig(max_num_seqs, prefill_step_size))
+        self.runner = ModelRunner(model, arena)
+        self._states: dict[str, _RequestState] = {}
+        self._eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens_computed = 0
+
+    # --- requests ---------------------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: Any,
+        sampling: SamplingParams | None = None,
+        kv_policy: Any = None,
+        tenant: str | None = None,
+        request_id: str | None = None,
+        **sampling_kwargs: Any,
+    ) -> str:
+        """Queue a prompt (string, token ids or chat messages); returns its request id."""
+        if sampling is None:
+            sampling = sampling_from_kwargs(**sampling_kwargs)
+        elif sampling_kwargs:
+            raise InvalidArgumentError(f"add_request: pass either sampling= or {sorted(sampling_kwargs)}, not both")
+        tokens = prompt_to_tokens(self.tokenizer, prompt)
+        seq = Sequence(tokens, sampling, tenant=tenant, kv_policy=kv_policy)
+        if request_id is not None:
+            if request_id in self._states:
+                raise InvalidArgumentError(f"request_id: '{request_id}' is already in use")
+            seq.request_id = request_id
+        self._states[seq.request_id] = _RequestState(seq, self.tokenizer, self._eos_ids)
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            self.runner.drop(seq)
+        return seq is not None
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # --- the step ---------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        step = self.scheduler.schedule()
+        outputs = [self._final_output(seq) for seq in step.finished]
+        for seq in step.preempted:
+            self.runner.drop(seq)
+        sampled: list[tuple[Sequence, mx.array]] = []
+        for seq, chunk in step.prefill:
+            logits = self.runner.prefill(seq, chunk)
+            self.num_prompt_tokens_computed += chunk
+            if logits is not None:
+                sampled.append((seq, logits))
+        if step.decode:
+            logits = self.runner.decode(step.decode)
+            sampled.extend((seq, logits[i : i + 1]) for i, seq in enumerate(step.decode))
+        outputs.extend(self._postprocess(sampled))
+        return outputs
+
+    def _sample(self, state: _RequestState, logits: mx.array) -> tuple[mx.array, mx.array]:
+        if state.processors:
+            history = mx.array(state.seq.all_ids, dtype=mx.uint32)
+            for processor in state.processors:
+                logits = processor(history, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return state.sampler(logprobs), logprobs[0]
+
+    def _postprocess(self, sampled: list[tuple[Sequence, mx.array]]) -> list[RequestOutput]:
+        if not sampled:
+            return []
+        draws = [self._sample(self._states[seq.request_id], logits) for seq, logits in sampled]
+        mx.eval([token for token, _ in draws])
+        now = time.perf_counter()
+        outputs = []
+        for (seq, _), (token, logprobs) in zip(sampled, draws):
+            state = self._states[seq.request_id]
+            token_id = int(token.item())
+            seq.output_ids.append(token_id)
+            self.num_generated_tokens += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if token_id in state.eos_ids:
+                text, reason = state.text.finish(), "stop"
+            else:
+                text = state.text.add_token(token_id)
+                reason = "stop" if state.text.stopped else None
+                if reason is None and len(seq.output_ids) >= seq.sampling.max_tokens:
+                    text, reason = text + state.text.finish(), "length"
+            self.block_manager.register_full_blocks(seq)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self.runner.drop(seq)
+                del self._states[seq.request_id]
+            outputs.append(RequestOutput(
+                seq.request_id, token_id, text, logprobs, len(seq.prompt_ids), len(seq.output_ids), reason,
+                ttft=seq.first_token_time - seq.arrival_time,
+            ))
+        return outputs
+
+    def _final_output(self, seq: Sequence) -> RequestOutput:
+        self._states.pop(seq.request_id, None)
+        return RequestOutput(seq.request_id, None, "", None, len(seq.prompt_ids), len(seq.output_ids),
+                             seq.finish_reason, seq.error)
+
+    # --- stats ------------------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = dict(self.arena.stats())
+        stats.update(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            preemptions=self.scheduler.num_preemptions,
+            prefix_cached_blocks=self.block_manager.num_cached_blocks,
+            prefix_hit_blocks=self.block_manager.num_prefix_hits,
+            generated_tokens=self.num_generated_tokens,
+        )
+        return stats

@@ -1,0 +1,148 @@
+"""Continuous-batching scheduler: admission, chunked prefill, one decode batch, preemption. Pure Python.
+
+Each step the scheduler (1) admits waiting requests in arrival order while their blocks fit, (2) hands out
+prefill chunks within a token budget, and (3) puts every running sequence that is ready to decode into one batch.
+When a decode step cannot get a block, the newest running sequence is preempted (its blocks are released and it
+is recomputed later from its tokens, which are never lost).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from cortexstream.engine.block_manager import BlockManager
+from cortexstream.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 16
+    prefill_step_size: int = 512  # prompt tokens computed per step, over all prefilling sequences
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: {self.max_num_seqs!r} must be an integer >= 1")
+        if not isinstance(self.prefill_step_size, int) or self.prefill_step_size < 1:
+            raise ValueError(f"prefill_step_size: {self.prefill_step_size!r} must be an integer >= 1")
+
+
+@dataclass
+class ScheduledStep:
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute now)
+    decode: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)  # rejected or aborted since the last step
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.prefill or self.decode or self.finished)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, config: SchedulerConfig | None = None) -> None:
+        self.blocks = block_manager
+        self.config = config or SchedulerConfig()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._finished: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # --- requests ---------------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a request, or finish it at once as 'rejected' (with the reason) if it can never fit."""
+        needed = self.blocks.blocks_for(self.physical_budget(seq))
+        total = self.blocks.allocator.num_total_blocks
+        if needed > total:
+            seq.finish(
+                "rejected",
+                f"needs {needed} KV blocks ({self.physical_budget(seq)} tokens) but the arena has {total}; "
+                "lower max_tokens, shorten the prompt, or use a KV policy with a budget",
+            )
+            self._finished.append(seq)
+            return
+        self.waiting.append(seq)
+
+    def physical_budget(self, seq: Sequence) -> int:
+        """Most KV slots the sequence can ever hold: its policy's bound, else prompt + max_tokens."""
+        policy = seq.kv_policy
+        bound = getattr(policy, "max_physical_tokens", None)
+        limit = bound(seq.max_total_tokens, self.config.prefill_step_size) if bound else None
+        return min(seq.max_total_tokens, limit) if limit else seq.max_total_tokens
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for seq in list(self.waiting) + self.running:
+            if seq.request_id == request_id:
+                if seq in self.running:
+                    self.running.remove(seq)
+                    self.blocks.release(seq)
+                else:
+                    self.waiting.remove(seq)
+                seq.finish("aborted")
+                self._finished.append(seq)
+                return seq
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Called by the engine when a running sequence hit eos, a stop string or max_tokens."""
+        seq.finish(reason)
+        if seq in self.running:
+            self.running.remove(seq)
+        self.blocks.release(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._finished)
+
+    # --- the step ---------------------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledStep:
+        step = ScheduledStep(finished=self._finished)
+        self._finished = []
+        self._admit()
+        budget = self.config.prefill_step_size
+        for seq in self.running:
+            # More than one pending token is prompt (or recompute after preemption); one is a decode step.
+            if seq.num_pending > 1:
+                if budget <= 0:
+                    continue
+                chunk = min(seq.num_pending, budget)
+                if not self.blocks.reserve(seq, chunk):
+                    continue  # its blocks were allocated at admission; only copy-on-write can be short
+                step.prefill.append((seq, chunk))
+                budget -= chunk
+        prefilling = {id(s) for s, _ in step.prefill}
+        for seq in list(self.running):
+            if id(seq) in prefilling or seq.num_pending != 1 or seq not in self.running:
+                continue
+            while not self.blocks.reserve(seq, 1):
+                victim = self._newest_other_than(seq, prefilling)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                step.preempted.append(victim)
+                step.decode = [s for s in step.decode if s is not victim]
+            else:
+                step.decode.append(seq)
+        return step
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.blocks.can_admit(seq):
+                break
+            self.waiting.popleft()
+            self.blocks.admit(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+
+    def _newest_other_than(self, seq: Sequence, protected: set[int]) -> Sequence | None:
+        candidates = [s for s in self.running if s is not seq and id(s) not in protected]
+        return max(candidates, key=lambda s: s.arrival_time) if candidates else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

@@ -1,0 +1,69 @@
+"""A request's life in the engine: its tokens, block table and status. Pure Python (no mlx)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from cortexstream.generation.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request. `num_computed` counts tokens (prompt + output) whose KV is in the cache."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    tenant: str | None = None
+    kv_policy: Any = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    output_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_physical: int = 0  # KV slots in use; below num_computed once a policy evicted or compressed
+    block_hashes: list[int] = field(default_factory=list)  # prefix-cache hash chain of the leading full blocks
+    num_cached_prefix: int = 0  # prompt tokens served from the prefix cache at the last admission
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    first_token_time: float | None = None
+    owner: int = field(default_factory=lambda: next(_ids))
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose KV still has to be computed (the whole prompt at first, then one per decode step)."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_ids) + self.sampling.max_tokens
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error

