@@ -6,7 +6,10 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["load", "generate", "stream_generate", "make_prompt_cache", "SamplingParams", "__version__"]
+__all__ = [
+    "load", "generate", "stream_generate", "batch_generate", "make_prompt_cache", "Engine", "ThreadedEngine",
+    "SamplingParams", "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -19,6 +22,18 @@ def __getattr__(name: str) -> Any:
         from cortexstream.generation import stream
 
         return getattr(stream, name)
+    if name == "batch_generate":
+        from cortexstream.generation.batch import batch_generate
+
+        return batch_generate
+    if name == "Engine":
+        from cortexstream.engine.engine import Engine
+
+        return Engine
+    if name == "ThreadedEngine":
+        from cortexstream.engine.threaded import ThreadedEngine
+
+        return ThreadedEngine
     if name == "make_prompt_cache":
         from cortexstream.kv.prompt_cache import make_prompt_cache
 

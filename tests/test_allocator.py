@@ -6,9 +6,14 @@ import random
 import subprocess
 import sys
 import threading
+from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from cortexstream.errors import OutOfBlocksError
 from cortexstream.kv import free_runs
@@ -314,21 +319,10 @@ def test_thread_safety() -> None:
 
 def test_allocator_does_not_import_mlx() -> None:
     code = "import sys, cortexstream.kv.allocator; assert not [m for m in sys.modules if m.startswith('mlx')]"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)
 
 
 # ---------------------------------------------------------------------------- property tests
-from unittest import mock  # noqa: E402
-
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from hypothesis.stateful import (  # noqa: E402
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    precondition,
-    rule,
-)
 
 
 @settings(max_examples=200, deadline=None)

@@ -68,10 +68,17 @@ def stream_generate(
     sampler: Any = None,
     prompt_cache: list[Any] | None = None,
     prefill_step_size: int = 512,
+    kv_policy: Any = None,
+    engine: Any = None,
     **sampling_kwargs: Any,
 ) -> Iterator[GenerationResponse]:
     """Yield a `GenerationResponse` per generated token; the last one carries `finish_reason`
-    ("stop" for eos or a stop string, "length" for max_tokens)."""
+    ("stop" for eos or a stop string, "length" for max_tokens).
+
+    Runs through the engine (a private one sized for this request unless `engine` is given). With an explicit
+    `prompt_cache` (mlx-lm style, e.g. to continue a conversation) or a custom `sampler` callable, the request
+    runs directly on that cache instead.
+    """
     if sampling is None:
         sampling = sampling_from_kwargs(max_tokens, **sampling_kwargs)
     if not isinstance(prefill_step_size, int) or prefill_step_size < 1:
@@ -79,6 +86,59 @@ def stream_generate(
     tokens = prompt_to_tokens(tokenizer, prompt)
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
+    if prompt_cache is not None or sampler is not None:
+        yield from _direct_generate(model, tokenizer, tokens, sampling, sampler, prompt_cache, prefill_step_size)
+        return
+    yield from _engine_generate(model, tokenizer, tokens, sampling, kv_policy, engine, prefill_step_size)
+
+
+def _engine_generate(
+    model: nn.Module, tokenizer: Any, tokens: list[int], sampling: SamplingParams, kv_policy: Any, engine: Any,
+    prefill_step_size: int,
+) -> Iterator[GenerationResponse]:
+    from cortexstream.engine.engine import Engine
+
+    if engine is None:
+        engine = Engine(model, tokenizer, kv_tokens=len(tokens) + sampling.max_tokens + 1, max_num_seqs=1,
+                        prefill_step_size=prefill_step_size, prefix_caching=False)
+    if sampling.max_tokens == 0:
+        return
+    start = time.perf_counter()
+    request_id = engine.add_request(tokens, sampling, kv_policy=kv_policy)
+    first_token_at = None
+    try:
+        while True:
+            for output in engine.step():
+                if output.request_id != request_id:
+                    continue
+                if output.finish_reason == "rejected":
+                    raise InvalidArgumentError(f"request rejected: {output.error}")
+                now = time.perf_counter()
+                if first_token_at is None:
+                    first_token_at = now
+                generated = output.generation_tokens
+                elapsed = now - first_token_at
+                yield GenerationResponse(
+                    text=output.text,
+                    token=output.token,
+                    logprobs=output.logprobs,
+                    prompt_tokens=len(tokens),
+                    prompt_tps=len(tokens) / max(first_token_at - start, 1e-9),
+                    generation_tokens=generated,
+                    generation_tps=(generated - 1) / elapsed if generated > 1 and elapsed > 0 else 0.0,
+                    peak_memory=_peak_gb(),
+                    finish_reason=output.finish_reason,
+                )
+                if output.finished:
+                    return
+    finally:
+        engine.abort(request_id)  # no-op once finished; frees the blocks if the caller stopped early
+
+
+def _direct_generate(
+    model: nn.Module, tokenizer: Any, tokens: list[int], sampling: SamplingParams, sampler: Any,
+    prompt_cache: list[Any] | None, prefill_step_size: int,
+) -> Iterator[GenerationResponse]:
     if prompt_cache is None:
         from cortexstream.kv.prompt_cache import make_prompt_cache
 

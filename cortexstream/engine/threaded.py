@@ -1,0 +1,144 @@
+"""`ThreadedEngine`: the engine on its own thread, serving per-request streaming iterators.
+
+Callers (the TUI, a server, `stream_generate`) never touch the engine's state: they enqueue commands and read
+`RequestOutput`s from a per-request queue. All engine mutation happens on the engine thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Callable, Iterator
+
+from cortexstream.engine.engine import Engine, RequestOutput
+from cortexstream.errors import CortexStreamError
+
+_DONE = object()
+
+
+class RequestStream:
+    """Iterator over one request's outputs; `abort()` stops it early."""
+
+    def __init__(self, engine: "ThreadedEngine", request_id: str) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: queue.Queue = queue.Queue()
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while True:
+            item = self._queue.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished:
+                return
+
+    def abort(self) -> None:
+        self._engine.abort(self.request_id)
+
+
+class ThreadedEngine:
+    def __init__(self, engine: Engine, on_step: Callable[[Engine, list[RequestOutput]], None] | None = None) -> None:
+        self.engine = engine
+        self.on_step = on_step  # called on the engine thread after every step (e.g. to post UI stats)
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, RequestStream] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="cortexstream-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> "ThreadedEngine":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def __enter__(self) -> "ThreadedEngine":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def submit(self, prompt: Any, **kwargs: Any) -> RequestStream:
+        """Queue a request from any thread; returns its stream. Bad arguments raise here, in the caller."""
+        reply: queue.Queue = queue.Queue()
+        self._commands.put(("add", (prompt, kwargs), reply))
+        self._wake.set()
+        result = reply.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id, None))
+        self._wake.set()
+
+    def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread and return its result (e.g. a consistent stats snapshot)."""
+        reply: queue.Queue = queue.Queue()
+        self._commands.put(("call", fn, reply))
+        self._wake.set()
+        result = reply.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _handle_commands(self) -> None:
+        while True:
+            try:
+                kind, payload, reply = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if kind == "add":
+                    prompt, kwargs = payload
+                    request_id = self.engine.add_request(prompt, **kwargs)
+                    stream = RequestStream(self, request_id)
+                    self._streams[request_id] = stream
+                    reply.put(stream)
+                elif kind == "abort":
+                    self.engine.abort(payload)
+                elif kind == "call":
+                    reply.put(payload(self.engine))
+            except Exception as exc:  # noqa: BLE001 - handed back to the caller's thread
+                if reply is not None:
+                    reply.put(exc)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._handle_commands()
+            if not self.engine.has_unfinished:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - a failed step must not hang every waiting stream
+                self.error = exc
+                failure = CortexStreamError(f"engine step failed: {type(exc).__name__}: {exc}")
+                for stream in self._streams.values():
+                    stream._queue.put(failure)
+                self._streams.clear()
+                self._reset_after_failure()
+                continue
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is not None:
+                    stream._queue.put(output)
+                    if output.finished:
+                        del self._streams[output.request_id]
+            if self.on_step is not None:
+                self.on_step(self.engine, outputs)
+        for stream in self._streams.values():
+            stream._queue.put(_DONE)
+
+    def _reset_after_failure(self) -> None:
+        for seq in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
+            self.engine.abort(seq.request_id)
+        self.engine.step()  # flush the aborted outputs; nothing is running now

@@ -1,0 +1,117 @@
+"""`batch_generate`: many prompts through the continuous-batching engine, mlx_lm.batch_generate style."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from cortexstream.errors import InvalidArgumentError
+from cortexstream.generation.sampling import sampling_from_kwargs
+
+
+@dataclass
+class BatchStats:
+    prompt_tokens: int = 0
+    prompt_tps: float = 0.0
+    prompt_time: float = 0.0
+    generation_tokens: int = 0
+    generation_tps: float = 0.0
+    generation_time: float = 0.0
+    peak_memory: float = 0.0  # GB
+    ttft: list[float] = field(default_factory=list)  # per request, seconds
+
+
+@dataclass
+class BatchResponse:
+    texts: list[str]
+    stats: BatchStats
+    token_ids: list[list[int]] | None = None
+    finish_reasons: list[str] | None = None
+    errors: list[str | None] | None = None
+
+
+def batch_generate(
+    model: nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[Any],
+    max_tokens: int | Sequence[int] = 128,
+    *,
+    verbose: bool = False,
+    return_token_ids: bool = False,
+    kv_policy: Any = None,
+    engine: Any = None,
+    kv_tokens: int | None = None,
+    max_num_seqs: int | None = None,
+    prefill_step_size: int = 512,
+    **sampling_kwargs: Any,
+) -> BatchResponse:
+    """Generate for every prompt concurrently; texts come back in prompt order.
+
+    Stats: `prompt_*` covers the time until the last request got its first token, `generation_*` the decode
+    tokens after that point. A request that cannot fit is reported in `errors` with its reason, never dropped.
+    """
+    from cortexstream.engine.engine import Engine
+
+    if not prompts:
+        raise InvalidArgumentError("prompts: empty list")
+    limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+    if len(limits) != len(prompts):
+        raise InvalidArgumentError(f"max_tokens: {len(limits)} values for {len(prompts)} prompts")
+    samplings = [sampling_from_kwargs(limit, **sampling_kwargs) for limit in limits]
+    if engine is None:
+        engine = Engine(
+            model, tokenizer,
+            kv_tokens=kv_tokens or max(16384, sum(len(p) if isinstance(p, list) else 512 for p in prompts)
+                                       + sum(limits)),
+            max_num_seqs=max_num_seqs or len(prompts),
+            prefill_step_size=prefill_step_size,
+        )
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    ids = [engine.add_request(p, s, kv_policy=kv_policy) for p, s in zip(prompts, samplings)]
+    index = {rid: i for i, rid in enumerate(ids)}
+    texts = [""] * len(ids)
+    tokens: list[list[int]] = [[] for _ in ids]
+    reasons: list[str] = [""] * len(ids)
+    errors: list[str | None] = [None] * len(ids)
+    first_token = [0.0] * len(ids)
+    prompt_tokens = 0
+    while engine.has_unfinished:
+        for out in engine.step():
+            i = index.get(out.request_id)
+            if i is None:
+                continue
+            if out.token is not None:
+                if not tokens[i]:
+                    first_token[i] = time.perf_counter()
+                    prompt_tokens += out.prompt_tokens
+                tokens[i].append(out.token)
+                texts[i] += out.text
+            if out.finished:
+                reasons[i], errors[i] = out.finish_reason, out.error
+                if verbose:
+                    done = sum(1 for r in reasons if r)
+                    print(f"[batch_generate] finished {done}/{len(ids)}", end="\r")
+    end = time.perf_counter()
+    started = [t for t in first_token if t > 0]
+    prefill_done = max(started) if started else end
+    decode_tokens = sum(max(0, len(t) - 1) for t in tokens)
+    stats = BatchStats(
+        prompt_tokens=prompt_tokens,
+        prompt_time=prefill_done - start,
+        prompt_tps=prompt_tokens / max(prefill_done - start, 1e-9),
+        generation_tokens=sum(len(t) for t in tokens),
+        generation_time=end - prefill_done,
+        generation_tps=decode_tokens / max(end - min(started, default=end), 1e-9),
+        peak_memory=mx.get_peak_memory() / 1e9,
+        ttft=[t - start for t in first_token if t > 0],
+    )
+    if verbose:
+        print(f"\n[batch_generate] Prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.3f} tokens-per-sec")
+        print(f"[batch_generate] Generation: {stats.generation_tokens} tokens, {stats.generation_tps:.3f} tokens-per-sec")
+        print(f"[batch_generate] Peak memory: {stats.peak_memory:.3f} GB")
+    return BatchResponse(texts, stats, tokens if return_token_ids else None, reasons, errors)
