@@ -44,10 +44,11 @@ def loaded_blas() -> str:
     return "not loaded yet"
 
 
-def maybe_reexec_with_openblas(argv: list[str]) -> None:
-    """Replace this process with one that has OpenBLAS preloaded, when that helps and is possible.
+def maybe_reexec_with_openblas() -> None:
+    """Replace this process with the same command line plus OpenBLAS in LD_PRELOAD, when that helps and is possible.
 
-    Must be called before `mlx.core` is imported. Returns normally when nothing is to be done.
+    Must run before `mlx.core` is imported (the CLI's entry point, the test suite's conftest). Returns normally when
+    there is nothing to do: not Linux, already done, opted out (CORTEXSTREAM_NO_OPENBLAS=1), or no OpenBLAS.
     """
     if not sys.platform.startswith("linux") or os.environ.get(REEXEC_MARKER) or os.environ.get(DISABLE_ENV):
         return
@@ -62,7 +63,9 @@ def maybe_reexec_with_openblas(argv: list[str]) -> None:
     env = dict(os.environ)
     env["LD_PRELOAD"] = f"{lib}:{preload}" if preload else lib
     env[REEXEC_MARKER] = "1"
-    os.execve(sys.executable, [sys.executable, "-m", "cortexstream.cli.main", *argv], env)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, list(sys.orig_argv), env)
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ def _command(name: str) -> Callable[[argparse.Namespace], int]:
 def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else argv
     if argv is None:
-        maybe_reexec_with_openblas(args_list)
+        maybe_reexec_with_openblas()
     args = build_parser().parse_args(args_list)
     try:
         return _command(args.command)(args)
