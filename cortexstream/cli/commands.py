@@ -111,3 +111,25 @@ def run_chat(args: argparse.Namespace) -> int:
             reply.append(response.text)
         sys.stdout.write("\n")
         history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.bench_kind == "throughput":
+        from cortexstream.benchmarks import throughput
+
+        levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+        if not levels or any(c < 1 for c in levels):
+            raise ValueError(f"--concurrency: '{args.concurrency}' must be positive integers separated by commas")
+        payload = throughput.run(args.model, levels, args.prompt_tokens, args.max_tokens, args.out, args.repeats)
+    else:
+        from cortexstream.benchmarks import single_stream
+
+        payload = single_stream.run(args.model, args.prompt_tokens, args.max_tokens, args.out, args.repeats)
+    print(open(f"{args.out}/{payload['benchmark']}.md", encoding="utf-8").read())
+    return 0
+
+
+def run_tui(args: argparse.Namespace) -> int:
+    from apps.tui.app import main as tui_main
+
+    return tui_main(args)

@@ -49,6 +49,27 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None)
     _add_model_args(chat)
     _add_sampling_args(chat)
+
+    tui = commands.add_parser("tui", help="terminal UI: chat with several conversations and watch the KV arena")
+    _add_model_args(tui)
+    tui.add_argument("--kv-tokens", type=int, default=8192, help="arena size in tokens")
+    tui.add_argument("--block-size", type=int, default=16)
+    tui.add_argument("--max-tokens", "-m", type=int, default=512)
+
+    bench = commands.add_parser("bench", help="benchmarks (results as JSON + Markdown)")
+    kinds = bench.add_subparsers(dest="bench_kind", required=True)
+    throughput = kinds.add_parser("throughput", help="engine vs mlx_lm.batch_generate vs sequential generate_step")
+    throughput.add_argument("--concurrency", default="1,4,8,16", help="comma-separated levels")
+    throughput.add_argument("--prompt-tokens", type=int, default=128)
+    throughput.add_argument("--max-tokens", type=int, default=128)
+    throughput.add_argument("--repeats", type=int, default=1)
+    single = kinds.add_parser("single", help="one request: prefill/decode tok/s vs mlx_lm.generate_step")
+    single.add_argument("--prompt-tokens", type=int, default=512)
+    single.add_argument("--max-tokens", type=int, default=128)
+    single.add_argument("--repeats", type=int, default=3)
+    for sub in (throughput, single):
+        sub.add_argument("--model", default=None)
+        sub.add_argument("--out", default="bench/results", help="output folder")
     return parser
 
 

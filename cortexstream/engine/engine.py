@@ -80,6 +80,10 @@ class Engine:
         self._eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
         self.num_generated_tokens = 0
         self.num_prompt_tokens_computed = 0
+        # Wall time spent in prefill chunks vs decode batches (each evaluated before the clock is read).
+        self.prefill_time = 0.0
+        self.decode_time = 0.0
+        self.num_decode_tokens = 0
 
     # --- requests ---------------------------------------------------------------------------------------------
     def add_request(
@@ -123,15 +127,22 @@ class Engine:
         for seq in step.preempted:
             self.runner.drop(seq)
         sampled: list[tuple[Sequence, mx.array]] = []
+        tic = time.perf_counter()
         for seq, chunk in step.prefill:
             logits = self.runner.prefill(seq, chunk)
             self.num_prompt_tokens_computed += chunk
             if logits is not None:
                 sampled.append((seq, logits))
+        if sampled:
+            mx.eval([logits for _, logits in sampled])
+        outputs.extend(self._postprocess(sampled))
+        toc = time.perf_counter()
+        self.prefill_time += toc - tic
         if step.decode:
             logits = self.runner.decode(step.decode)
-            sampled.extend((seq, logits[i : i + 1]) for i, seq in enumerate(step.decode))
-        outputs.extend(self._postprocess(sampled))
+            outputs.extend(self._postprocess([(seq, logits[i : i + 1]) for i, seq in enumerate(step.decode)]))
+            self.decode_time += time.perf_counter() - toc
+            self.num_decode_tokens += len(step.decode)
         return outputs
 
     def _sample(self, state: _RequestState, logits: mx.array) -> tuple[mx.array, mx.array]:

@@ -1,0 +1,1 @@
+"""Benchmarks behind `cortexstream bench ...`; results are written as JSON + Markdown under bench/results/."""

@@ -1,0 +1,63 @@
+"""Shared benchmark helpers: machine description, real-text prompts, result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from typing import Any
+
+
+def machine() -> dict[str, Any]:
+    import mlx.core as mx
+
+    from cortexstream.backend import backend_info
+
+    info = backend_info()
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "device": info.device,
+        "blas": info.blas,
+        "mlx": mx.__version__,
+    }
+
+
+def real_text(min_chars: int = 200_000) -> str:
+    """Real English prose and code from the Python docs that ship with CPython (`pydoc_data`)."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    while len(text) < min_chars:
+        text += text
+    return text
+
+
+def prompt_token_lists(tokenizer: Any, count: int, length: int) -> list[list[int]]:
+    """`count` different real-text prompts of exactly `length` tokens."""
+    tokens = tokenizer.encode(real_text())
+    stride = max(length, 997)
+    if count * stride + length > len(tokens):
+        raise ValueError(f"not enough text for {count} prompts of {length} tokens")
+    return [tokens[i * stride : i * stride + length] for i in range(count)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def write_results(out_dir: str, name: str, payload: dict[str, Any], markdown: str) -> tuple[str, str]:
+    os.makedirs(out_dir, exist_ok=True)
+    json_path = os.path.join(out_dir, f"{name}.json")
+    md_path = os.path.join(out_dir, f"{name}.md")
+    with open(json_path, "w", encoding="utf-8") as f:
+        json.dump(payload, f, indent=2)
+    with open(md_path, "w", encoding="utf-8") as f:
+        f.write(markdown)
+    return json_path, md_path
