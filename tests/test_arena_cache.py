@@ -200,3 +200,17 @@ def test_protocol_odds_and_ends(model):
     np.testing.assert_array_equal(np.array(restored.state[0]), np.array(cache[1].state[0]))
     with pytest.raises(InvalidArgumentError, match="batch"):
         cache[0].update_and_fetch(mx.zeros((2, 2, 1, 16)), mx.zeros((2, 2, 1, 16)))
+
+
+def test_stats_and_block_map(model):
+    arena = arena_for(model, num_blocks=16, block_size=4)
+    cache = make_prompt_cache(model, arena=arena, contiguous=False, owner=3)
+    mx.eval(model(mx.array([PROMPT[:10]]), cache=cache))
+    seq = cache[0].sequence
+    assert seq.stats() == {"owner": 3, "blocks": 3, "logical_tokens": 10, "physical_tokens": 10,
+                           "bytes": 3 * arena.config.bytes_per_block}
+    stats = arena.stats()
+    assert stats["num_used_blocks"] == 3 and stats["bytes_used"] == 3 * arena.config.bytes_per_block
+    assert stats["bytes_used"] + stats["bytes_free"] == arena.config.total_bytes
+    dump = arena.format_block_map(width=8)
+    assert dump.count("3") >= 3 and "." in dump

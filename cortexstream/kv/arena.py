@@ -139,6 +139,10 @@ class KVArena:
     def bytes_free(self) -> int:
         return self.allocator.num_free_blocks * self.config.bytes_per_block
 
+    def format_block_map(self, width: int = 64) -> str:
+        """Text dump of the block map (one character per block), with a summary line."""
+        return self.allocator.format_block_map(width)
+
     def stats(self) -> dict[str, float | int]:
         alloc = self.allocator
         return {

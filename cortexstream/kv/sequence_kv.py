@@ -57,6 +57,17 @@ class SequenceKV:
     def logical_length(self) -> int:
         return max(self.offsets)
 
+    def stats(self) -> dict[str, int]:
+        """Per-sequence figures for the UI and benchmarks."""
+        cfg = self.arena.config
+        return {
+            "owner": self.owner,
+            "blocks": len(self.blocks),
+            "logical_tokens": self.logical_length,
+            "physical_tokens": self.num_tokens,
+            "bytes": len(self.blocks) * cfg.bytes_per_block,
+        }
+
     # --- growth -----------------------------------------------------------------------------------------------
     def ensure_capacity(self, num_tokens: int) -> None:
         """Make room for `num_tokens` physical tokens. Raises OutOfBlocksError and changes nothing if impossible."""
