@@ -136,3 +136,51 @@ def test_hub_repo_offline_is_a_clear_error_not_a_hang(monkeypatch, tmp_path):
         cortexstream.load("someone/some-model")
     with pytest.raises(ModelLoadError, match="not a hub repo id"):
         cortexstream.load(str(tmp_path / "no" / "such" / "dir"))
+
+
+def _save_mlx_lm_directory(path, model, tokenizer, quantize=False):
+    import json
+
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    path.mkdir()
+    config = dict(TINY_CONFIG)
+    if quantize:
+        nn.quantize(model, group_size=32, bits=8)
+        config["quantization"] = {"group_size": 32, "bits": 8}
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config))
+    tokenizer._tokenizer.save_pretrained(str(path))
+
+
+def test_local_mlx_lm_directory_loads_with_its_tokenizer(tmp_path, tiny):
+    _, gguf_tokenizer = tiny
+    source = tiny_model(seed=9)
+    expected = _logits(source)
+    _save_mlx_lm_directory(tmp_path / "plain", source, gguf_tokenizer)
+    loaded, tokenizer = cortexstream.load(str(tmp_path / "plain"))
+    np.testing.assert_allclose(_logits(loaded), expected, atol=1e-5)
+    assert tokenizer.encode("hello there") == gguf_tokenizer.encode("hello there")
+    assert model_info(loaded).format.startswith("mlx-lm directory")
+
+
+def test_quantized_directory_is_dequantised_on_cpu(tmp_path, tiny):
+    import mlx.nn as nn
+
+    _, gguf_tokenizer = tiny
+    source = tiny_model(seed=10)
+    _save_mlx_lm_directory(tmp_path / "q8", source, gguf_tokenizer, quantize=True)
+    quantized_logits = _logits(source)  # `source` is quantised in place by the helper
+    loaded, _ = cortexstream.load(str(tmp_path / "q8"))
+    assert isinstance(loaded.model.layers[0].self_attn.q_proj, nn.Linear)
+    assert loaded.model.layers[0].self_attn.q_proj.weight.dtype == mx.float32
+    np.testing.assert_allclose(_logits(loaded), quantized_logits, atol=2e-3)
+    kept, _ = cortexstream.load(str(tmp_path / "q8"), dequantize=False)
+    assert isinstance(kept.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+
+
+def test_directory_without_config_is_a_clear_error(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        cortexstream.load(str(tmp_path / "empty"))

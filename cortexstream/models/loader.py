@@ -174,8 +174,9 @@ def _download_repo(repo_id: str) -> Path:
         return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=offline))
     except Exception as exc:
         mode = "offline (HF_HUB_OFFLINE is set)" if offline else "download failed"
+        detail = " ".join(str(exc).split())[:300]
         raise ModelLoadError(
-            f"{repo_id}: hub repo not available locally and {mode}: {type(exc).__name__}: {exc}. "
+            f"{repo_id}: hub repo not available locally and {mode}: {type(exc).__name__}: {detail}. "
             "Pass a local .gguf file or model directory instead."
         ) from exc
 
