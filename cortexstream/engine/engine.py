@@ -9,6 +9,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from cortexstream.backend import ensure_buffer_cache
 from cortexstream.engine.block_manager import BlockManager
 from cortexstream.engine.runner import ModelRunner
 from cortexstream.engine.scheduler import Scheduler, SchedulerConfig
@@ -70,6 +71,7 @@ class Engine:
                 kv_tokens = 16384
             arena = KVArena(ArenaConfig.for_model(model, num_tokens=kv_tokens, num_bytes=kv_bytes,
                                                   block_size=block_size))
+        ensure_buffer_cache()
         self.model = model
         self.tokenizer = tokenizer
         self.arena = arena

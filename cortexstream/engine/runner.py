@@ -49,7 +49,11 @@ class ModelRunner:
         if seq.num_pending > 0:
             mx.eval(self.arena.keys, self.arena.values)  # logits not needed: evaluate only the KV writes
             return None
-        return logits[0, -1:, :]
+        # Evaluate now: a later prefill in the same step writing the arena while this graph (holding views of
+        # the layer buffers) is pending would make MLX copy every layer buffer instead of writing in place.
+        last = logits[0, -1:, :]
+        mx.eval(last)
+        return last
 
     def decode(self, seqs: list[Sequence]) -> mx.array:
         """One forward for all `seqs` (each with exactly one pending token); returns logits [B, V]."""

@@ -21,6 +21,7 @@ import numpy as np
 from cortexstream.kv.allocator import BlockAllocator
 from cortexstream.kv.arena_config import ArenaConfig
 
+_UNKNOWN = object()  # sentinel: contiguity of a block table not known by the caller
 _MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
@@ -58,15 +59,23 @@ class KVArena:
         if not blocks:
             return None
         first = blocks[0]
-        if blocks[-1] - first + 1 == len(blocks) and all(b == first + i for i, b in enumerate(blocks)):
+        if blocks[-1] - first + 1 != len(blocks):  # O(1) rejection for most paged tables
+            return None
+        if all(b == first + i for i, b in enumerate(blocks)):
             return first
         return None
 
     # --- reads ------------------------------------------------------------------------------------------------
-    def read(self, layer: int, blocks: Sequence[int], length: int) -> tuple[mx.array, mx.array]:
-        """K, V of a sequence's first `length` tokens as `[H, length, D]`: a view if contiguous, else a gather."""
+    def read(
+        self, layer: int, blocks: Sequence[int], length: int, first: int | None | object = _UNKNOWN
+    ) -> tuple[mx.array, mx.array]:
+        """K, V of a sequence's first `length` tokens as `[H, length, D]`: a view if contiguous, else a gather.
+
+        `first`: the table's contiguous start if the caller already knows it (see `SequenceKV.contiguous_first`).
+        """
         bs = self.config.block_size
-        first = self.contiguous_start(blocks)
+        if first is _UNKNOWN:
+            first = self.contiguous_start(blocks)
         if first is not None:
             lo = first * bs
             return self.keys[layer][:, lo : lo + length, :], self.values[layer][:, lo : lo + length, :]
@@ -91,13 +100,17 @@ class KVArena:
         )
 
     # --- writes -----------------------------------------------------------------------------------------------
-    def write(self, layer: int, blocks: Sequence[int], start: int, keys: mx.array, values: mx.array) -> None:
+    def write(
+        self, layer: int, blocks: Sequence[int], start: int, keys: mx.array, values: mx.array,
+        first: int | None | object = _UNKNOWN,
+    ) -> None:
         """Write `[H, n, D]` keys/values at a sequence's token positions [start, start+n), in place."""
         n = keys.shape[1]
         if n == 0:
             return
         bs = self.config.block_size
-        first = self.contiguous_start(blocks)
+        if first is _UNKNOWN:
+            first = self.contiguous_start(blocks)
         k = keys.astype(self.dtype)
         v = values.astype(self.dtype)
         if first is not None or (start // bs == (start + n - 1) // bs):

@@ -52,10 +52,11 @@ class ArenaKVCache:
         if self.layer == 0:  # blocks span all layers: one copy-on-write check per forward pass
             seq.make_writable(start, start + n)
         arena = seq.arena
-        arena.write(self.layer, seq.blocks, start, keys[0], values[0])
+        first = seq.contiguous_first()
+        arena.write(self.layer, seq.blocks, start, keys[0], values[0], first)
         seq.lengths[self.layer] = start + n
         seq.offsets[self.layer] += n
-        k, v = arena.read(self.layer, seq.blocks, start + n)
+        k, v = arena.read(self.layer, seq.blocks, start + n, first)
         return k[None], v[None]
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:

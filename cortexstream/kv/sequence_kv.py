@@ -36,6 +36,10 @@ class SequenceKV:
         self.private = private  # the arena exists only for this sequence and may be regrown
         # The block table. It is only ever mutated in place, so a scheduler may hold the same list object.
         self.blocks: list[int] = blocks if blocks is not None else []
+        # Cached contiguity of `blocks`: (len, first, last, epoch) -> contiguous start. Every in-place change that
+        # keeps len/first/last (copy-on-write, regrowth) bumps the epoch.
+        self._table_epoch = 0
+        self._contiguity: tuple[tuple[int, int, int, int], int | None] | None = None
         self.lengths = [0] * arena.config.num_layers
         self.offsets = [0] * arena.config.num_layers
 
@@ -67,6 +71,16 @@ class SequenceKV:
             "physical_tokens": self.num_tokens,
             "bytes": len(self.blocks) * cfg.bytes_per_block,
         }
+
+    def contiguous_first(self) -> int | None:
+        """First block if the table is one consecutive run (zero-copy views possible), else None. Cached."""
+        blocks = self.blocks
+        if not blocks:
+            return None
+        key = (len(blocks), blocks[0], blocks[-1], self._table_epoch)
+        if self._contiguity is None or self._contiguity[0] != key:
+            self._contiguity = (key, self.arena.contiguous_start(blocks))
+        return self._contiguity[1]
 
     # --- growth -----------------------------------------------------------------------------------------------
     def ensure_capacity(self, num_tokens: int) -> None:
@@ -115,6 +129,7 @@ class SequenceKV:
         mx.eval(arena.keys, arena.values)
         self.arena = arena
         self.blocks[:] = new_blocks
+        self._table_epoch += 1
 
     # --- copy-on-write ----------------------------------------------------------------------------------------
     def make_writable(self, start: int, end: int) -> None:
@@ -132,6 +147,7 @@ class SequenceKV:
                 if copied:
                     self.arena.copy_block(self.blocks[index], new)
                     self.blocks[index] = new
+                    self._table_epoch += 1
 
     def adopt_prefix(self, blocks: Sequence[int], num_tokens: int) -> None:
         """Start from blocks already holding a prompt prefix (the caller has taken a reference on each)."""
