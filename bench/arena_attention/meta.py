@@ -1,0 +1,69 @@
+"""The machine record written into the JSON: platform, library versions, BLAS, shapes and run settings."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .common import BIG_CACHE, BLOCK, HEAD_DIM, KV_HEADS, OPENBLAS, Q_HEADS, SEED, SPARE
+
+
+def openblas_loaded() -> bool:
+    """Whether OpenBLAS was LD_PRELOADed (MLX's wheel otherwise uses its bundled reference BLAS; NumPy's own
+    OpenBLAS, which is always mapped, does not count)."""
+    preload = [p for p in os.environ.get("LD_PRELOAD", "").replace(":", " ").split() if "openblas" in p]
+    if not preload:
+        return False
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return True
+    return any(os.path.realpath(p) in maps or p in maps for p in preload)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_meta(args: argparse.Namespace, warmup: int, steps: int) -> dict:
+    import mlx_lm
+
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "cores_note": "shared with other workloads",
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "numpy": np.__version__,
+        "mlx_device": str(mx.default_device()),
+        "blas": f"OpenBLAS ({OPENBLAS} via LD_PRELOAD)" if openblas_loaded() else "NOT OpenBLAS-preloaded",
+        "shapes": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "float32",
+                   "block_size": BLOCK},
+        "warmup": warmup,
+        "steps": steps,
+        "quick": args.quick,
+        "seed": SEED,
+        "spare_blocks_fraction": SPARE,
+        "mlx_default_cache_limit": default_cache_limit(),
+        "big_cache_limit": BIG_CACHE,
+    }
+
+
+def default_cache_limit() -> int:
+    limit = mx.set_cache_limit(0)
+    mx.set_cache_limit(limit)
+    return limit
+
