@@ -37,7 +37,8 @@ def loaded_blas() -> str:
             mapped = maps.read()
     except OSError:
         return "unknown"
-    if "openblas" in mapped:
+    # numpy wheels map their own libscipy_openblas; only the system OpenBLAS standing in for libblas counts.
+    if "openblas-pthread/libblas" in mapped or "openblas-openmp/libblas" in mapped or "/libopenblas" in mapped:
         return "OpenBLAS"
     if "mlx_cpu.libs/libblas" in mapped or "libblas" in mapped:
         return "reference BLAS (netlib, from the mlx[cpu] wheel)"
