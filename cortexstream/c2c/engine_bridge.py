@@ -1,0 +1,149 @@
+"""Fusing running engine sequences: read a request's KV out of the arena, write fused KV back, keep decoding.
+
+Uses only public pieces (`engine.scheduler.running`, `engine.runner.kv(seq)`, `SequenceKV.make_writable`,
+`KVArena.read/write`); no engine file is changed. Call these between `engine.step()` calls (for a
+`ThreadedEngine`, while holding its lock), never during one.
+
+Flow: `run_until_prefilled(engine, rid)` -> `extract_cache(src_engine, src_rid)` and `extract_cache(engine, rid)`
+-> `fuser.fused_layers(...)` (or `fuse_requests`, which does all of it with the tenant check) -> `fuse_into`
+-> `engine.step()` as usual: the fused blocks are ordinary arena blocks, so decode (single or batched) reads them.
+
+Caveats, each a small engine hook away (see README.md "Engine hooks wanted"):
+- The engine samples the first token right after the prompt's prefill, so on this path the first token comes
+  from the unfused prompt; fusion affects every later token. The paper fuses all prompt tokens but the last and
+  computes the last one on the fused cache: `pipeline.fused_prompt_cache` does exactly that (same arena if you
+  like), and an engine "prefill hook" would do it for scheduled requests.
+- Shared blocks (prefix cache, forked prefixes) are copied on write, so other requests never see fused KV.
+  After fusion, KV no longer follows from tokens alone, so the sequence must never register blocks in the
+  prefix cache; without an engine flag for that, `fuse_into` fills `seq.block_hashes` up to the request's
+  largest possible block count so `register_full_blocks` has nothing left to register (a stop-gap).
+- If the scheduler preempts a fused request, it is recomputed from its tokens and the fusion is lost
+  (silently: correct text, just unfused). Use an arena with room, or fuse again.
+- Requests whose KV policy evicted or compressed tokens are refused: their slots no longer map to positions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import mlx.core as mx
+
+from cortexstream.c2c.fusion import CacheFuser, LayerKV
+from cortexstream.c2c.safety import DPConfig, check_tenants
+from cortexstream.errors import InvalidArgumentError
+
+
+def find_running(engine: Any, request_id: str) -> Any:
+    """The scheduler's `Sequence` of a running request (InvalidArgumentError if waiting, finished or unknown)."""
+    for seq in engine.scheduler.running:
+        if seq.request_id == request_id:
+            return seq
+    raise InvalidArgumentError(f"request '{request_id}' is not running (waiting, finished or unknown)")
+
+
+def run_until_prefilled(engine: Any, request_id: str, max_steps: int = 100_000) -> list[Any]:
+    """Step the engine until the request's whole prompt is in the KV; returns every output produced meanwhile
+    (other requests' too, so the caller loses nothing)."""
+    outputs: list[Any] = []
+    for _ in range(max_steps):
+        seq = next((s for s in engine.scheduler.running if s.request_id == request_id), None)
+        if seq is not None and seq.num_computed >= len(seq.prompt_ids):
+            return outputs
+        if not engine.has_unfinished:
+            break
+        step = engine.step()
+        outputs.extend(step)
+        if any(o.request_id == request_id and o.finished for o in step):
+            raise InvalidArgumentError(f"request '{request_id}' finished before it could be fused")
+    raise InvalidArgumentError(f"request '{request_id}' was not prefilled within {max_steps} steps")
+
+
+def extract_cache(engine: Any, request_id: str, num_tokens: int | None = None) -> list[LayerKV]:
+    """Per layer `(K, V)` `[1, H, N, D]` of a running request's first `num_tokens` (default all) KV slots.
+
+    The arrays are evaluated copies, not views of the arena, so later arena writes never alias them (and a held
+    view would make MLX copy a whole layer buffer on the next in-place write).
+    """
+    seq = find_running(engine, request_id)
+    if seq.num_physical != seq.num_computed:
+        raise InvalidArgumentError(f"request '{request_id}': its KV policy evicted or compressed tokens, so cache "
+                                   "slots no longer correspond to token positions")
+    kv = engine.runner.kv(seq)
+    n = kv.num_tokens if num_tokens is None else int(num_tokens)
+    if not 0 < n <= kv.num_tokens:
+        raise InvalidArgumentError(f"num_tokens: {n} must be in 1..{kv.num_tokens} for request '{request_id}'")
+    layers = []
+    for layer in range(kv.arena.config.num_layers):
+        k, v = kv.arena.read(layer, kv.blocks, n)
+        layers.append((mx.multiply(k, 1)[None], mx.multiply(v, 1)[None]))  # x*1 copies bit-exactly (keeps -0.0)
+    mx.eval(layers)
+    return layers
+
+
+def _forbid_prefix_registration(engine: Any, seq: Any) -> None:
+    bm = engine.block_manager
+    limit = max(bm.blocks_for(seq.max_total_tokens), len(seq.block_table)) + 1
+    tag = ("cortexstream-c2c-fused", seq.request_id, seq.owner)
+    seq.block_hashes.extend(hash((tag, i)) for i in range(len(seq.block_hashes), limit))
+
+
+def fuse_into(engine: Any, request_id: str, layers: Sequence[LayerKV | None], start: int = 0) -> int:
+    """Overwrite tokens [start, start + N) of every layer given (None = leave the layer alone) of a running
+    request with new K/V `[1, H, N, D]`. Shared blocks are copied first. Returns the number of layers written."""
+    seq = find_running(engine, request_id)
+    if seq.num_physical != seq.num_computed:
+        raise InvalidArgumentError(f"request '{request_id}': KV was evicted/compressed; positions do not match")
+    kv = engine.runner.kv(seq)
+    cfg = kv.arena.config
+    if len(layers) != cfg.num_layers:
+        raise InvalidArgumentError(f"fuse_into: {len(layers)} layers given, the engine's model has {cfg.num_layers}")
+    written = [(i, pair) for i, pair in enumerate(layers) if pair is not None]
+    if not written:
+        return 0
+    n = written[0][1][0].shape[2]
+    if start < 0 or start + n > kv.num_tokens:
+        raise InvalidArgumentError(f"fuse_into: tokens [{start}, {start + n}) outside the request's 0..{kv.num_tokens}")
+    for i, (k, v) in written:
+        want_k, want_v = (1, cfg.num_kv_heads, n, cfg.head_dim), (1, cfg.num_kv_heads, n, cfg.value_head_dim)
+        if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
+            raise InvalidArgumentError(f"fuse_into: layer {i} K/V {k.shape}/{v.shape}, expected {want_k}/{want_v}")
+    mx.eval([pair for _, pair in written])
+    with kv.arena.lock:
+        kv.make_writable(start, start + n)
+        for i, (k, v) in written:
+            kv.arena.write(i, kv.blocks, start, k[0], v[0])
+        mx.eval(kv.arena.keys, kv.arena.values)
+    _forbid_prefix_registration(engine, seq)
+    return len(written)
+
+
+def fuse_requests(
+    fuser: CacheFuser,
+    source: tuple[Any, str],
+    target: tuple[Any, str],
+    *,
+    layer_mask: Any = None,
+    allow_cross_tenant: bool = False,
+    num_tokens: int | None = None,
+    dp: DPConfig | None = None,
+) -> int:
+    """Fuse request `source = (engine, id)` (the sharer, any model) into `target = (engine, id)` (the receiver).
+
+    Tenants are the requests' own (`add_request(tenant=...)`), checked before any KV is read. Fuses the first
+    `num_tokens` positions (default: the shorter of the two); the two requests must hold token-aligned prompts
+    (the same ids, or ids from `alignment.TokenAligner`; checked when both engines share one tokenizer).
+    Returns the number of receiver layers changed.
+    """
+    (src_engine, src_id), (tgt_engine, tgt_id) = source, target
+    src_seq, tgt_seq = find_running(src_engine, src_id), find_running(tgt_engine, tgt_id)
+    check_tenants(src_seq.tenant, tgt_seq.tenant, allow_cross_tenant)
+    n = num_tokens if num_tokens is not None else min(src_seq.num_physical, tgt_seq.num_physical)
+    if src_engine.tokenizer is tgt_engine.tokenizer and src_seq.all_ids[:n] != tgt_seq.all_ids[:n]:
+        raise InvalidArgumentError(f"requests '{src_id}' and '{tgt_id}' hold different tokens in positions 0..{n}; "
+                                   "fusion needs token-aligned sequences")
+    src = extract_cache(src_engine, src_id, n)
+    tgt = extract_cache(tgt_engine, tgt_id, n)
+    fused = fuser.fuse(src, tgt, layer_mask, src_seq.tenant, tgt_seq.tenant, allow_cross_tenant, dp=dp)
+    changed = [f if (f[0] is not t[0] or f[1] is not t[1]) else None for f, t in zip(fused, tgt)]
+    return fuse_into(tgt_engine, tgt_id, changed, start=0)
+
