@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "load", "generate", "stream_generate", "batch_generate", "make_prompt_cache", "Engine", "ThreadedEngine",
-    "SamplingParams", "__version__",
+    "SamplingParams", "perplexity", "__version__",
 ]
 
 
@@ -42,4 +42,8 @@ def __getattr__(name: str) -> Any:
         from cortexstream.generation.sampling import SamplingParams
 
         return SamplingParams
+    if name == "perplexity":
+        from cortexstream.evaluation.perplexity import perplexity
+
+        return perplexity
     raise AttributeError(f"module 'cortexstream' has no attribute {name!r}")

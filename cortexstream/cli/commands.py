@@ -56,17 +56,25 @@ def _messages(system: str | None, history: list[dict[str, str]]) -> list[dict[st
     return ([{"role": "system", "content": system}] if system else []) + history
 
 
+def _kv_policy(args: argparse.Namespace) -> Any:
+    """Parse --kv-policy before the model loads, so a typo fails fast with the bad key named."""
+    from cortexstream.policies import parse_policy
+
+    return parse_policy(getattr(args, "kv_policy", None))
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from cortexstream.generation.stream import stream_generate
 
     sampling = _sampling(args)
+    policy = _kv_policy(args)
     model, tokenizer = _load(args)
     if args.no_chat_template or not getattr(tokenizer, "has_chat_template", False):
         prompt: Any = args.prompt
     else:
         prompt = _messages(args.system, [{"role": "user", "content": args.prompt}])
     last = None
-    for response in stream_generate(model, tokenizer, prompt, sampling=sampling):
+    for response in stream_generate(model, tokenizer, prompt, sampling=sampling, kv_policy=policy):
         sys.stdout.write(response.text)
         sys.stdout.flush()
         last = response
@@ -81,11 +89,48 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+class _ChatCache:
+    """The chat's persistent prompt cache: each turn feeds only the part of the templated conversation that the
+    cache lacks, so an evicted cache is continued, never recomputed (the text itself is kept in `history`).
+
+    The cache has seen `fed_text` (the templated history plus the reply tokens it computed); when the new
+    templated conversation starts with it, the rest is encoded and fed. Otherwise (a template that rewrites old
+    turns) the conversation is recomputed on a fresh cache: correct, only slower.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, policy: Any) -> None:
+        self.model, self.tokenizer, self.policy = model, tokenizer, policy
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache: list[Any] | None = None
+        self.fed_text = ""
+
+    def turn_tokens(self, messages: list[dict[str, str]]) -> list[int]:
+        from cortexstream.kv.prompt_cache import make_prompt_cache
+
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if self.cache is not None and self.fed_text and text.startswith(self.fed_text):
+            tokens = list(self.tokenizer.encode(text[len(self.fed_text):], add_special_tokens=False))
+        else:
+            self.cache = make_prompt_cache(self.model)
+            tokens = list(self.tokenizer.encode(text, add_special_tokens=False))
+        self.fed_text = text
+        self._offset = self.cache[0].offset + len(tokens)
+        return tokens
+
+    def after_reply(self, reply_tokens: list[int]) -> None:
+        fed = self.cache[0].offset - self._offset  # the last sampled token may not have been fed
+        self.fed_text += self.tokenizer.decode(reply_tokens[:fed])
+
+
 def run_chat(args: argparse.Namespace) -> int:
     from cortexstream.generation.stream import stream_generate
 
     sampling = _sampling(args)
+    policy = _kv_policy(args)
     model, tokenizer = _load(args)
+    chat_cache = _ChatCache(model, tokenizer, policy)
     history: list[dict[str, str]] = []
     print("cortexstream chat: type a message; /reset clears the conversation, /quit or Ctrl-D exits.")
     while True:
@@ -99,16 +144,21 @@ def run_chat(args: argparse.Namespace) -> int:
             return 0
         if command == "/reset":
             history.clear()
+            chat_cache.reset()
             print("(conversation cleared)")
             continue
         if not command:
             continue
         history.append({"role": "user", "content": line})
-        reply = []
-        for response in stream_generate(model, tokenizer, _messages(args.system, history), sampling=sampling):
+        reply, reply_tokens = [], []
+        tokens = chat_cache.turn_tokens(_messages(args.system, history))
+        for response in stream_generate(model, tokenizer, tokens, sampling=sampling, prompt_cache=chat_cache.cache,
+                                        kv_policy=policy):
             sys.stdout.write(response.text)
             sys.stdout.flush()
             reply.append(response.text)
+            reply_tokens.append(response.token)
+        chat_cache.after_reply(reply_tokens)
         sys.stdout.write("\n")
         history.append({"role": "assistant", "content": "".join(reply)})
 
@@ -121,11 +171,36 @@ def run_bench(args: argparse.Namespace) -> int:
         if not levels or any(c < 1 for c in levels):
             raise ValueError(f"--concurrency: '{args.concurrency}' must be positive integers separated by commas")
         payload = throughput.run(args.model, levels, args.prompt_tokens, args.max_tokens, args.out, args.repeats)
+    elif args.bench_kind == "quality":
+        return _run_bench_quality(args)
     else:
         from cortexstream.benchmarks import single_stream
 
         payload = single_stream.run(args.model, args.prompt_tokens, args.max_tokens, args.out, args.repeats)
     print(open(f"{args.out}/{payload['benchmark']}.md", encoding="utf-8").read())
+    return 0
+
+
+def _run_bench_quality(args: argparse.Namespace) -> int:
+    from cortexstream.benchmarks import quality
+    from cortexstream.policies import parse_policy
+
+    def ints(text: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+
+    specs = tuple(p.strip() for p in args.passkey_policies.split(";") if p.strip())
+    for spec in specs:
+        parse_policy(spec)  # fail before loading anything
+    quality.run(
+        args.model, args.out, quick=args.quick, contexts=ints(args.contexts),
+        budgets=tuple(float(x) for x in args.budgets.split(",") if x.strip()), ppl_chunk=args.ppl_chunk,
+        passkey_contexts=ints(args.passkey_contexts), passkey_policies=specs, passkey_trials=args.passkey_trials,
+        passkey_chunk=args.passkey_chunk, stream_tokens=args.stream_tokens, stream_cache=args.stream_cache,
+        parts=tuple(p.strip() for p in args.parts.split(",") if p.strip()), resume=args.resume,
+        max_minutes=args.max_minutes,
+    )
+    name = "quality_quick" if args.quick else "quality"
+    print(open(f"{args.out}/{name}.md", encoding="utf-8").read())
     return 0
 
 

@@ -29,6 +29,36 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def _add_kv_policy_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-policy", default=None,
+        help="KV eviction policy, e.g. 'h2o:budget=0.2', 'h2o:budget=512,sinks=4,recent=64,keep_prefix=40', "
+             "'streaming:window=1020' (budgets: tokens, or a fraction of prompt + max tokens)",
+    )
+
+
+def _add_quality_parser(kinds: argparse._SubParsersAction) -> None:
+    quality = kinds.add_parser("quality", help="KV eviction quality: perplexity, passkey, streaming (+ PNG plot)")
+    quality.add_argument("--quick", action="store_true", help="smoke run with tiny sizes (quality_quick.*)")
+    quality.add_argument("--parts", default="perplexity,streaming,restart,chunkcheck,passkey",
+                         help="comma-separated parts to run")
+    quality.add_argument("--max-minutes", type=float, default=None,
+                         help="start no new cell after this many minutes (skipped cells are listed as missing)")
+    quality.add_argument("--contexts", default="2048,4096", help="perplexity contexts (tokens)")
+    quality.add_argument("--budgets", default="0.1,0.2,0.5", help="budget fractions of the context")
+    quality.add_argument("--ppl-chunk", type=int, default=16, help="tokens scored between evictions")
+    quality.add_argument("--passkey-contexts", default="2048,4096")
+    quality.add_argument("--passkey-policies", default="full;streaming:budget=0.2;h2o:budget=0.2",
+                         help="semicolon-separated policy strings")
+    quality.add_argument("--passkey-trials", type=int, default=20)
+    quality.add_argument("--passkey-chunk", type=int, default=64)
+    quality.add_argument("--stream-tokens", type=int, default=16384)
+    quality.add_argument("--stream-cache", type=int, default=1024)
+    quality.add_argument("--resume", action="store_true", help="keep cells already in the JSON, run the rest")
+    quality.add_argument("--model", default=None)
+    quality.add_argument("--out", default="bench/results", help="output folder")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cortexstream", description="MLX-native LLM inference engine")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -44,17 +74,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--verbose", action="store_true", help="print speed and memory after the text")
     _add_model_args(gen)
     _add_sampling_args(gen)
+    _add_kv_policy_arg(gen)
 
     chat = commands.add_parser("chat", help="plain terminal chat REPL")
     chat.add_argument("--system", default=None)
     _add_model_args(chat)
     _add_sampling_args(chat)
+    _add_kv_policy_arg(chat)
 
     tui = commands.add_parser("tui", help="terminal UI: chat with several conversations and watch the KV arena")
     _add_model_args(tui)
     tui.add_argument("--kv-tokens", type=int, default=8192, help="arena size in tokens")
     tui.add_argument("--block-size", type=int, default=16)
     tui.add_argument("--max-tokens", "-m", type=int, default=512)
+    tui.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
+    tui.add_argument("--repetition-penalty", type=float, default=None)
+    tui.add_argument("--system", default="", help="system prompt of new conversations (default: the template's)")
+    tui.add_argument("--kv-policy", default="full", help="KV policy of new conversations, e.g. 'h2o:budget=0.2'")
+    tui.add_argument("--share-prefix", action="store_true",
+                     help="one prefix-cache tenant for all conversations (identical system prompts share blocks)")
 
     bench = commands.add_parser("bench", help="benchmarks (results as JSON + Markdown)")
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
@@ -67,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     single.add_argument("--prompt-tokens", type=int, default=512)
     single.add_argument("--max-tokens", type=int, default=128)
     single.add_argument("--repeats", type=int, default=3)
+    _add_quality_parser(kinds)
     for sub in (throughput, single):
         sub.add_argument("--model", default=None)
         sub.add_argument("--out", default="bench/results", help="output folder")

@@ -50,6 +50,9 @@ class DecodeBatch:
 
 
 class BatchLayerCache:
+    # Set by the runner when a sequence's KV policy needs attention scores (see policies.attention_scores).
+    attention_hook: Any = None
+
     def __init__(self, batch: DecodeBatch, layer: int) -> None:
         self.batch = batch
         self.layer = layer

@@ -163,3 +163,18 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_computed = seq.num_physical = 0
         return freed
+
+    # --- forgetting (the TUI's "clear conversation") ----------------------------------------------------------
+    def drop_cached(self, owners: "set[int] | frozenset[int] | list[int]") -> int:
+        """Remove every prefix-cache entry whose block was allocated by one of `owners` (Sequence.owner ids) and
+        drop the cache's reference to it; returns how many blocks became free.
+
+        Cached blocks otherwise outlive their sequence until an allocation reclaims them, so a "clear" in a UI
+        would not return them to the arena. Always safe: a block still in some running sequence's table only
+        loses its cache entry (that sequence keeps its own reference); the cache is only an optimisation.
+        """
+        wanted = set(owners)
+        doomed = [block for block in self._lru if self.allocator.owner_of(block) in wanted]
+        for block in doomed:
+            del self._by_hash[self._lru.pop(block)]
+        return self.allocator.free(doomed) if doomed else 0

@@ -20,6 +20,7 @@ from cortexstream.generation.stream import prompt_to_tokens
 from cortexstream.generation.text_stream import TextStream
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_config import ArenaConfig
+from cortexstream.policies.base import parse_policy
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Engine:
         max_num_seqs: int = 16,
         prefill_step_size: int = 512,
         prefix_caching: bool = True,
+        kv_policy: Any = None,
     ) -> None:
         if arena is None:
             if kv_tokens is None and kv_bytes is None:
@@ -73,6 +75,8 @@ class Engine:
                                                   block_size=block_size))
         ensure_buffer_cache()
         self.model = model
+        # Policy for requests that name none (a KVPolicy or a string such as 'h2o:budget=0.2').
+        self.kv_policy = parse_policy(kv_policy)
         self.tokenizer = tokenizer
         self.arena = arena
         self.block_manager = BlockManager(arena.allocator, arena.config.block_size, prefix_caching)
@@ -103,7 +107,8 @@ class Engine:
         elif sampling_kwargs:
             raise InvalidArgumentError(f"add_request: pass either sampling= or {sorted(sampling_kwargs)}, not both")
         tokens = prompt_to_tokens(self.tokenizer, prompt)
-        seq = Sequence(tokens, sampling, tenant=tenant, kv_policy=kv_policy)
+        policy = self.kv_policy if kv_policy is None else parse_policy(kv_policy)
+        seq = Sequence(tokens, sampling, tenant=tenant, kv_policy=policy)
         if request_id is not None:
             if request_id in self._states:
                 raise InvalidArgumentError(f"request_id: '{request_id}' is already in use")
@@ -176,7 +181,10 @@ class Engine:
                 reason = "stop" if state.text.stopped else None
                 if reason is None and len(seq.output_ids) >= seq.sampling.max_tokens:
                     text, reason = text + state.text.finish(), "length"
-            self.block_manager.register_full_blocks(seq)
+            if not getattr(seq.kv_policy, "evicts", False):
+                # An evicting sequence's blocks stay private: a shared block would have to be copied on write
+                # by the next eviction, which may find no free block.
+                self.block_manager.register_full_blocks(seq)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self.runner.drop(seq)

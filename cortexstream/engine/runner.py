@@ -1,4 +1,11 @@
-"""Runs the scheduled step on the model: prefill chunks (one sequence each) and one batched decode forward."""
+"""Runs the scheduled step on the model: prefill chunks (one sequence each) and one batched decode forward.
+
+KV policies: a sequence whose policy evicts gets a `PolicyState` here. After each of its forward passes (a whole
+prefill chunk or the decode step, never in the middle of one, so the causal mask of a chunk is never broken) the
+runner evaluates the logits first (so no lazy graph still reads the arena buffers the eviction rewrites in place),
+then lets the policy evict through `SequenceKV.keep`, which frees surplus blocks at once, and sets
+`seq.num_physical` from the sequence's physical length. Sequences without such a policy take the unchanged path.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ from cortexstream.engine.sequence import Sequence
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_cache import ArenaKVCache
 from cortexstream.kv.sequence_kv import SequenceKV
+from cortexstream.policies.state import PolicyState, batch_score_hook, policy_caches
 
 
 class ModelRunner:
@@ -20,6 +28,7 @@ class ModelRunner:
         self.model = model
         self.arena = arena
         self._kv: dict[str, SequenceKV] = {}
+        self._policy: dict[str, PolicyState] = {}
 
     # --- per-sequence KV views --------------------------------------------------------------------------------
     def kv(self, seq: Sequence) -> SequenceKV:
@@ -30,10 +39,35 @@ class ModelRunner:
             kv.lengths = [seq.num_physical] * len(kv.lengths)
             kv.offsets = [seq.num_computed] * len(kv.offsets)
             self._kv[seq.request_id] = kv
+            self._policy.pop(seq.request_id, None)
         return kv
+
+    def policy_state(self, seq: Sequence) -> PolicyState | None:
+        """The sequence's policy runtime, or None when its policy never evicts (the fast path)."""
+        policy = seq.kv_policy
+        if policy is None or not getattr(policy, "evicts", False):
+            return None
+        state = self._policy.get(seq.request_id)
+        if state is None:
+            state = PolicyState.for_sequence(policy, self.kv(seq))
+            self._policy[seq.request_id] = state
+        return state
 
     def drop(self, seq: Sequence) -> None:
         self._kv.pop(seq.request_id, None)
+        self._policy.pop(seq.request_id, None)
+
+    def _caches(self, seq: Sequence, kv: SequenceKV) -> list[Any]:
+        state = self.policy_state(seq)
+        if state is not None:
+            return policy_caches(kv, state)
+        return [ArenaKVCache(kv, layer) for layer in range(self.arena.config.num_layers)]
+
+    def _evict(self, seq: Sequence, kv: SequenceKV) -> None:
+        state = self.policy_state(seq)
+        if state is not None:
+            state.after_forward(kv, seq.max_total_tokens)
+        seq.num_physical = kv.num_tokens
 
     # --- forward passes ---------------------------------------------------------------------------------------
     def prefill(self, seq: Sequence, num_tokens: int) -> mx.array | None:
@@ -42,33 +76,40 @@ class ModelRunner:
         start = seq.num_computed
         tokens = mx.array(seq.all_ids[start : start + num_tokens], dtype=mx.uint32)
         kv.make_writable(kv.num_tokens, kv.num_tokens + num_tokens)
-        caches = [ArenaKVCache(kv, layer) for layer in range(self.arena.config.num_layers)]
-        logits = self.model(tokens[None], cache=caches)
+        state = self.policy_state(seq)
+        logits = self.model(tokens[None], cache=self._caches(seq, kv))
         seq.num_computed += num_tokens
+        out = logits[0, -1:, :] if seq.num_pending == 0 else None
+        if state is not None:
+            mx.eval([a for a in (out,) if a is not None], self.arena.keys, self.arena.values, state.pending_arrays())
+            self._evict(seq, kv)
+            return out
         seq.num_physical = kv.num_tokens
-        if seq.num_pending > 0:
+        if out is None:
             mx.eval(self.arena.keys, self.arena.values)  # logits not needed: evaluate only the KV writes
-            return None
-        # Evaluate now: a later prefill in the same step writing the arena while this graph (holding views of
-        # the layer buffers) is pending would make MLX copy every layer buffer instead of writing in place.
-        last = logits[0, -1:, :]
-        mx.eval(last)
-        return last
+        return out
 
     def decode(self, seqs: list[Sequence]) -> mx.array:
         """One forward for all `seqs` (each with exactly one pending token); returns logits [B, V]."""
         kvs = [self.kv(seq) for seq in seqs]
+        states = [self.policy_state(seq) for seq in seqs]
         for kv in kvs:
             kv.make_writable(kv.num_tokens, kv.num_tokens + 1)
         tokens = mx.array(np.array([[seq.all_ids[seq.num_computed]] for seq in seqs], dtype=np.uint32))
         if len(seqs) == 1:  # contiguous tables get zero-copy views through the single-sequence cache
-            caches: list[Any] = [ArenaKVCache(kvs[0], layer) for layer in range(self.arena.config.num_layers)]
-            logits = self.model(tokens, cache=caches)
+            logits = self.model(tokens, cache=self._caches(seqs[0], kvs[0]))
         else:
             batch = DecodeBatch(self.arena, kvs)
-            logits = self.model(tokens, cache=batch.caches())
+            caches = batch.caches()
+            if any(s is not None and s.policy.needs_attention_scores for s in states):
+                for cache in caches:
+                    cache.attention_hook = batch_score_hook(cache.layer, batch.lengths_after, states)
+            logits = self.model(tokens, cache=caches)
             batch.commit()
+        logits = logits[:, -1, :]
+        if any(s is not None for s in states):
+            mx.eval(logits, [s.pending_arrays() for s in states if s is not None])
         for seq, kv in zip(seqs, kvs):
             seq.num_computed += 1
-            seq.num_physical = kv.num_tokens
-        return logits[:, -1, :]
+            self._evict(seq, kv)
+        return logits

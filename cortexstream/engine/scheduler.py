@@ -128,12 +128,34 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not self.blocks.can_admit(seq):
-                break
-            self.waiting.popleft()
-            self.blocks.admit(seq)
+            if self._evicts(seq):
+                if not self._admit_bounded(seq):
+                    break
+                self.waiting.popleft()
+            else:
+                if not self.blocks.can_admit(seq):
+                    break
+                self.waiting.popleft()
+                self.blocks.admit(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+
+    @staticmethod
+    def _evicts(seq: Sequence) -> bool:
+        return bool(getattr(seq.kv_policy, "evicts", False))
+
+    def _admit_bounded(self, seq: Sequence) -> bool:
+        """Admit a sequence whose policy evicts with blocks for its first prefill chunk only.
+
+        Its physical KV never exceeds the policy's budget plus one chunk, so taking blocks for the whole prompt
+        (as `BlockManager.admit` does) could make a long prompt wait forever for an arena it never needs. The
+        prefix cache is not used either way: hits could exceed the budget before the first eviction, and shared
+        blocks would have to be copied on write by every later eviction (the engine does not register them).
+        """
+        seq.block_table.clear()
+        seq.block_hashes = []
+        seq.num_computed = seq.num_physical = seq.num_cached_prefix = 0
+        return self.blocks.reserve(seq, min(seq.num_tokens, self.config.prefill_step_size))
 
     def _newest_other_than(self, seq: Sequence, protected: set[int]) -> Sequence | None:
         candidates = [s for s in self.running if s is not seq and id(s) not in protected]

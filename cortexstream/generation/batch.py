@@ -51,6 +51,8 @@ def batch_generate(
 ) -> BatchResponse:
     """Generate for every prompt concurrently; texts come back in prompt order.
 
+    `kv_policy`: one policy (object or string) for every prompt, or a list with one per prompt (None: full cache).
+
     Stats: `prompt_*` covers the time until the last request got its first token, `generation_*` the decode
     tokens after that point. A request that cannot fit is reported in `errors` with its reason, never dropped.
     """
@@ -62,6 +64,9 @@ def batch_generate(
     if len(limits) != len(prompts):
         raise InvalidArgumentError(f"max_tokens: {len(limits)} values for {len(prompts)} prompts")
     samplings = [sampling_from_kwargs(limit, **sampling_kwargs) for limit in limits]
+    policies = list(kv_policy) if isinstance(kv_policy, (list, tuple)) else [kv_policy] * len(prompts)
+    if len(policies) != len(prompts):
+        raise InvalidArgumentError(f"kv_policy: {len(policies)} policies for {len(prompts)} prompts")
     if engine is None:
         engine = Engine(
             model, tokenizer,
@@ -72,7 +77,7 @@ def batch_generate(
         )
     mx.reset_peak_memory()
     start = time.perf_counter()
-    ids = [engine.add_request(p, s, kv_policy=kv_policy) for p, s in zip(prompts, samplings)]
+    ids = [engine.add_request(p, s, kv_policy=k) for p, s, k in zip(prompts, samplings, policies)]
     index = {rid: i for i, rid in enumerate(ids)}
     texts = [""] * len(ids)
     tokens: list[list[int]] = [[] for _ in ids]

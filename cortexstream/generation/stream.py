@@ -78,6 +78,10 @@ def stream_generate(
     Runs through the engine (a private one sized for this request unless `engine` is given). With an explicit
     `prompt_cache` (mlx-lm style, e.g. to continue a conversation) or a custom `sampler` callable, the request
     runs directly on that cache instead.
+
+    `kv_policy` (a `cortexstream.policies` object or a string such as 'h2o:budget=0.2') bounds the physical KV.
+    With a `prompt_cache` the policy travels with the cache (it is upgraded in place), so calling again with the
+    same cache and only the next turn's tokens continues on the evicted cache without recomputing it.
     """
     if sampling is None:
         sampling = sampling_from_kwargs(max_tokens, **sampling_kwargs)
@@ -87,7 +91,8 @@ def stream_generate(
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
     if prompt_cache is not None or sampler is not None:
-        yield from _direct_generate(model, tokenizer, tokens, sampling, sampler, prompt_cache, prefill_step_size)
+        yield from _direct_generate(model, tokenizer, tokens, sampling, sampler, prompt_cache, prefill_step_size,
+                                    kv_policy)
         return
     yield from _engine_generate(model, tokenizer, tokens, sampling, kv_policy, engine, prefill_step_size)
 
@@ -99,7 +104,12 @@ def _engine_generate(
     from cortexstream.engine.engine import Engine
 
     if engine is None:
-        engine = Engine(model, tokenizer, kv_tokens=len(tokens) + sampling.max_tokens + 1, max_num_seqs=1,
+        from cortexstream.policies.base import parse_policy
+
+        kv_policy = parse_policy(kv_policy)
+        total = len(tokens) + sampling.max_tokens
+        bound = kv_policy.max_physical_tokens(total, prefill_step_size) if kv_policy is not None else None
+        engine = Engine(model, tokenizer, kv_tokens=min(total, bound or total) + 1, max_num_seqs=1,
                         prefill_step_size=prefill_step_size, prefix_caching=False)
     if sampling.max_tokens == 0:
         return
@@ -137,12 +147,22 @@ def _engine_generate(
 
 def _direct_generate(
     model: nn.Module, tokenizer: Any, tokens: list[int], sampling: SamplingParams, sampler: Any,
-    prompt_cache: list[Any] | None, prefill_step_size: int,
+    prompt_cache: list[Any] | None, prefill_step_size: int, kv_policy: Any = None,
 ) -> Iterator[GenerationResponse]:
     if prompt_cache is None:
         from cortexstream.kv.prompt_cache import make_prompt_cache
 
         prompt_cache = make_prompt_cache(model, max_tokens=len(tokens) + sampling.max_tokens)
+    evict = None
+    if kv_policy is not None or getattr(prompt_cache[0], "policy_state", None) is not None:
+        from cortexstream.policies.direct import apply_policy, attach_policy
+
+        if attach_policy(prompt_cache, kv_policy) is not None:
+            # Fraction budgets resolve against everything this turn can reach (see policies.base).
+            context = prompt_cache[0].offset + len(tokens) + sampling.max_tokens
+
+            def evict() -> None:
+                apply_policy(prompt_cache, context)
     sampler = sampler or sampling.make_sampler()
     processors = sampling.make_logits_processors()
     eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
@@ -159,6 +179,9 @@ def _direct_generate(
         token = sampler(logprobs)
         if processors:
             history = mx.concatenate([history, token])
+        if evict is not None:  # evict between forward passes, once this one is computed
+            mx.eval(token, logprobs)
+            evict()
         return token, logprobs.squeeze(0)
 
     start = time.perf_counter()
@@ -167,7 +190,10 @@ def _direct_generate(
     while prompt.size > 1:
         chunk = min(prefill_step_size, prompt.size - 1)
         model(prompt[:chunk][None], cache=prompt_cache)
-        mx.eval([c.state for c in prompt_cache])
+        if evict is not None:
+            evict()
+        else:
+            mx.eval([c.state for c in prompt_cache])
         prompt = prompt[chunk:]
     if sampling.max_tokens == 0:
         return

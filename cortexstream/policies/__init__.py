@@ -1,5 +1,11 @@
-"""KV policies: `FullCache` (default); eviction policies StreamingLLM and H2O follow."""
+"""KV policies: `FullCache` (default), `StreamingLLM` (sinks + window) and `H2O` (heavy hitters + recent).
+
+Attach one to a request with `kv_policy=` (an object or a string such as 'h2o:budget=0.2,sinks=4,recent=64');
+see `base` for budgets, `attention_scores` for how H2O sees attention weights, `state` for the runtime.
+"""
 
 from cortexstream.policies.base import FullCache, KVPolicy, parse_policy
+from cortexstream.policies.h2o import H2O
+from cortexstream.policies.streaming_llm import StreamingLLM
 
-__all__ = ["FullCache", "KVPolicy", "parse_policy"]
+__all__ = ["FullCache", "H2O", "KVPolicy", "StreamingLLM", "parse_policy"]

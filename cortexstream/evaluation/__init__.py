@@ -1,0 +1,1 @@
+"""Quality evaluation: perplexity with a KV policy active (`perplexity`, `token_nlls`)."""

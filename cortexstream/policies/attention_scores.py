@@ -1,0 +1,140 @@
+"""The attention each key received, for policies that need it (H2O), without touching model code.
+
+Why this design. `mx.fast.scaled_dot_product_attention` returns only the attention output, and mlx-lm models call
+`cache.update_and_fetch(keys, values)` and then `scaled_dot_product_attention(queries, keys, values, cache=cache,
+...)` from `mlx_lm.models.base`, imported by name into every model module. Options considered:
+
+1. Recompute attention from what the cache sees: the cache gets post-RoPE keys but never the queries, and
+   rebuilding the queries needs the layer input and model-specific projections/RoPE: model code in disguise.
+2. Wrap each model's attention module: model-specific attribute names, and it breaks `model.update()`/weights.
+3. Patch the SDPA function once (chosen). `base.scaled_dot_product_attention` already receives `cache=cache`, so
+   `install_attention_hook()` replaces it (in `mlx_lm.models.base` and in every loaded `mlx_lm.models.*` module
+   that imported it) by `dispatch_sdpa`, which looks for `cache.attention_hook` and, when it is absent (every
+   cache except a score-collecting one), calls the original function with the same arguments: outputs are
+   bit-identical and the cost is one `getattr` per layer call. The hook is installed lazily, the first time a
+   policy that needs scores builds its caches, and again whenever new model modules were imported since.
+
+A hooked cache computes the attention output with the same original SDPA call (so tokens match the unhooked
+path exactly) and, in addition, `attention_received`: softmax(q k^T * scale + mask) summed over its queries and
+over the query heads of each GQA group, giving `[B, kv_heads, keys]`. Queries are processed in blocks of
+`query_block` so a prefill chunk needs O(query_block * keys) memory per head, not O(chunk * keys); a decode step
+is one query: a single `[heads, keys]` matmul. Batched decode works the same way (the batch cache carries the
+hook; padding is hidden by the batch's boolean mask).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import mlx.core as mx
+
+_original: Callable[..., mx.array] | None = None
+_patched: dict[str, Any] = {}  # module name -> module whose attribute we replaced
+_seen_modules = -1
+
+
+def _base_original() -> Callable[..., mx.array]:
+    global _original
+    if _original is None:
+        from mlx_lm.models import base
+
+        _original = base.scaled_dot_product_attention
+    return _original
+
+
+def original_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
+                  mask: Any, sinks: mx.array | None = None) -> mx.array:
+    """mlx-lm's own `scaled_dot_product_attention`, whatever is installed."""
+    return _base_original()(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def dispatch_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
+                  mask: Any, sinks: mx.array | None = None) -> mx.array:
+    """Drop-in for mlx-lm's SDPA: a cache with an `attention_hook` gets the call, every other cache the original."""
+    hook = getattr(cache, "attention_hook", None)
+    if hook is None:
+        return _base_original()(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+    return hook(queries, keys, values, scale, mask, sinks)
+
+
+def install_attention_hook() -> None:
+    """Route mlx-lm's SDPA through `dispatch_sdpa` in every loaded mlx-lm model module. Idempotent and cheap."""
+    global _seen_modules
+    if len(sys.modules) == _seen_modules:
+        return
+    original = _base_original()
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("mlx_lm.models"):
+            continue
+        if getattr(module, "scaled_dot_product_attention", None) is original:
+            setattr(module, "scaled_dot_product_attention", dispatch_sdpa)
+            _patched[name] = module
+    _seen_modules = len(sys.modules)
+
+
+def uninstall_attention_hook() -> None:
+    """Put the original function back everywhere (tests use this to prove the unhooked path is untouched)."""
+    global _seen_modules
+    original = _base_original()
+    for module in _patched.values():
+        if getattr(module, "scaled_dot_product_attention", None) is dispatch_sdpa:
+            setattr(module, "scaled_dot_product_attention", original)
+    _patched.clear()
+    _seen_modules = -1
+
+
+def hook_installed() -> bool:
+    from mlx_lm.models import base
+
+    return base.scaled_dot_product_attention is dispatch_sdpa
+
+
+def _additive_mask(mask: Any, start: int, stop: int, num_queries: int, num_keys: int) -> mx.array | None:
+    """Mask rows of queries [start, stop) as an additive float32 array broadcastable to `[B, Hq, n, K]`."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"attention scores: unsupported mask {mask!r}")
+        rows = mx.arange(start, stop) + (num_keys - num_queries)  # bottom-right aligned, as mx.fast does
+        block = rows[:, None] >= mx.arange(num_keys)[None, :]
+    else:
+        block = mask[..., start:stop, :]
+    if block.dtype == mx.bool_:
+        block = mx.where(block, mx.array(0.0, mx.float32), mx.array(-mx.inf, mx.float32))
+    block = block.astype(mx.float32)
+    while block.ndim < 4:
+        block = block[None]
+    return block
+
+
+def attention_received(queries: mx.array, keys: mx.array, scale: float, mask: Any = None,
+                       sinks: mx.array | None = None, query_block: int = 128) -> mx.array:
+    """Attention probability each key received, summed over queries and over each GQA group's query heads.
+
+    queries `[B, Hq, N, D]`, keys `[B, H, K, D]` (post-RoPE, as the model attends), mask as mlx-lm passes it
+    (None, "causal", bool or additive array). Returns float32 `[B, H, K]`. One plain batched matmul per block
+    (the group's query heads stacked as rows) and a fused softmax: about the cost of the SDPA itself.
+    """
+    batch, q_heads, num_queries, dim = queries.shape
+    kv_heads, num_keys = keys.shape[1], keys.shape[2]
+    group = q_heads // kv_heads
+    k_t = keys.astype(mx.float32).swapaxes(-1, -2)  # [B, H, D, K]
+    total = mx.zeros((batch, kv_heads, num_keys), mx.float32)
+    for start in range(0, num_queries, query_block):
+        stop = min(num_queries, start + query_block)
+        n = stop - start
+        q = (queries[:, :, start:stop].astype(mx.float32) * scale).reshape(batch, kv_heads, group * n, dim)
+        logits = (q @ k_t).reshape(batch, q_heads, n, num_keys)
+        block = _additive_mask(mask, start, stop, num_queries, num_keys)
+        if block is not None:
+            logits = logits + block
+        if sinks is None:
+            probs = mx.softmax(logits, axis=-1, precise=True)
+        else:  # learned per-head sink logits take part in the normalisation only
+            norm = mx.logaddexp(mx.logsumexp(logits, axis=-1, keepdims=True),
+                                sinks.astype(mx.float32).reshape(1, q_heads, 1, 1))
+            probs = mx.exp(logits - norm)
+        total = total + probs.reshape(batch, kv_heads, group * n, num_keys).sum(axis=2)
+    return total

@@ -1,0 +1,197 @@
+"""Offline training of the sidecar on collected trajectories: AdamW, progress bar, checkpoints, exact resume.
+
+Why resume is exact. Everything a step depends on is a function of (seed, step): the batch (an epoch's order is
+drawn from `default_rng([seed, epoch])`: chunks are shuffled, taken `mix_chunks` at a time and their rows
+shuffled together, so at most two groups of chunks are in memory), the Hutchinson probes (`mx.random.key` of a
+hash of seed and step) and the learning rate (a schedule of the optimizer's own step counter). A checkpoint holds
+the weights (`sidecar.safetensors`), the full optimizer state (`optimizer.safetensors`: step, moments) and
+`state.json` (step, configs, recent losses), each written to a temporary file and renamed, `state.json` last, so
+a run killed mid-write resumes from the previous complete checkpoint. Resuming with a different TrainConfig
+(other than `checkpoint_every`) would silently change the data order or schedule, so it is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from cortexstream.sidecar.loss import force_matching_loss
+from cortexstream.sidecar.network import SidecarConfig, SidecarNet
+from cortexstream.sidecar.porting import load_sidecar, save_sidecar
+from cortexstream.sidecar.trajectories import TrajectoryStore
+
+_BATCH_FIELDS = ("window_keys", "window_values", "queries", "rest_keys", "rest_values", "rest_bias", "group")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """probes: Hutchinson directions per query (None: exact Jacobian norms); lam weighs the consistency term."""
+
+    steps: int = 2000
+    batch_size: int = 128
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.01
+    warmup: int = 100
+    lam: float = 1.0
+    probes: int | None = 8
+    grad_clip: float = 1.0
+    checkpoint_every: int = 200
+    mix_chunks: int = 4
+    seed: int = 0
+
+
+class BatchStream:
+    """Deterministic batches: `batch(step)` depends only on (seed, step), whatever was loaded before."""
+
+    def __init__(self, store: TrajectoryStore, batch_size: int, seed: int, mix_chunks: int):
+        if store.num_rows < batch_size:
+            raise ValueError(f"trajectories have {store.num_rows} rows, fewer than batch_size {batch_size}")
+        self.store, self.batch_size, self.seed, self.mix = store, batch_size, seed, max(1, mix_chunks)
+        self.per_epoch = store.num_rows // batch_size
+        self._cache: dict[tuple[int, int], dict[str, mx.array]] = {}
+
+    def _plan(self, epoch: int) -> list[tuple[list[int], np.ndarray]]:
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(len(self.store.chunk_rows)).tolist()
+        groups = [order[i:i + self.mix] for i in range(0, len(order), self.mix)]
+        return [(g, rng.permutation(sum(self.store.chunk_rows[c] for c in g))) for g in groups]
+
+    def _group(self, epoch: int, index: int, chunks: list[int], perm: np.ndarray) -> dict[str, mx.array]:
+        key = (epoch, index)
+        if key not in self._cache:
+            if len(self._cache) >= 2:
+                self._cache.pop(next(iter(self._cache)))
+            parts = [self.store.load_chunk(c) for c in chunks]
+            rows = {name: mx.concatenate([p[name] for p in parts]) for name in _BATCH_FIELDS}
+            order = mx.array(perm.astype(np.int32))
+            self._cache[key] = {name: a[order] for name, a in rows.items()}
+        return self._cache[key]
+
+    def batch(self, step: int) -> dict[str, mx.array]:
+        epoch, start = divmod(step, self.per_epoch)
+        start *= self.batch_size
+        pieces: list[dict[str, mx.array]] = []
+        offset, need = 0, self.batch_size
+        for index, (chunks, perm) in enumerate(self._plan(epoch)):
+            size = len(perm)
+            if need and start < offset + size:
+                lo = max(start, offset) - offset
+                hi = min(size, lo + need)
+                rows = self._group(epoch, index, chunks, perm)
+                pieces.append({name: a[lo:hi] for name, a in rows.items()})
+                need -= hi - lo
+                start = offset + hi
+            offset += size
+        return {name: mx.concatenate([p[name] for p in pieces]) for name in _BATCH_FIELDS}
+
+
+def _probe_key(seed: int, step: int) -> mx.array:
+    return mx.random.key((seed * 1_000_003 + step) % (2**31))
+
+
+def _atomic(path: str, write: Any) -> None:
+    tmp = path + ".tmp" + (os.path.splitext(path)[1] if path.endswith(".safetensors") else "")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def _save(out_dir: str, net: SidecarNet, opt: optim.Optimizer, state: dict[str, Any]) -> None:
+    _atomic(os.path.join(out_dir, "sidecar.safetensors"),
+            lambda p: save_sidecar(net, p, {"step": state["step"], "train": state["train"]}))
+    _atomic(os.path.join(out_dir, "optimizer.safetensors"),
+            lambda p: mx.save_safetensors(p, dict(tree_flatten(opt.state))))
+
+    def write_json(p: str) -> None:
+        with open(p, "w", encoding="utf-8") as fh:
+            json.dump(state, fh, indent=1)
+
+    _atomic(os.path.join(out_dir, "state.json"), write_json)
+
+
+def _schedule(cfg: TrainConfig) -> Any:
+    warmup = max(1, min(cfg.warmup, cfg.steps - 1))
+    decay = optim.cosine_decay(cfg.learning_rate, max(1, cfg.steps - warmup), cfg.learning_rate * 0.1)
+    return optim.join_schedules([optim.linear_schedule(cfg.learning_rate * 0.01, cfg.learning_rate, warmup), decay],
+                                [warmup])
+
+
+def train_sidecar(trajectories: str | TrajectoryStore, out_dir: str, *,
+                  network: SidecarConfig | Mapping[str, Any] | None = None, config: TrainConfig = TrainConfig(),
+                  resume: bool = True, progress: bool = True,
+                  stop_at: int | None = None) -> tuple[SidecarNet, dict[str, Any]]:
+    """Train (or resume training) a sidecar on a trajectory collection; returns (network, state dict).
+
+    network: SidecarConfig fields overriding what the trajectories imply (head_dim, value_dim, window, layers, KV
+    heads come from the collection). stop_at: end this run after that step (checkpointed), e.g. to split a long
+    run; a later call with resume=True continues to `config.steps`.
+    """
+    from tqdm import tqdm
+
+    store = trajectories if isinstance(trajectories, TrajectoryStore) else TrajectoryStore(trajectories)
+    meta = store.meta
+    implied = {"head_dim": meta["head_dim"], "value_dim": 0 if meta["value_dim"] == meta["head_dim"] else
+               meta["value_dim"], "window": meta["collect"]["window"], "num_layers": meta["num_layers"],
+               "num_kv_heads": meta["num_kv_heads"]}
+    given = network.to_dict() if isinstance(network, SidecarConfig) else dict(network or {})
+    os.makedirs(out_dir, exist_ok=True)
+    state_path = os.path.join(out_dir, "state.json")
+    mx.random.seed(config.seed)
+    net = SidecarNet(SidecarConfig.from_dict({**implied, **given}))
+    opt = optim.AdamW(learning_rate=_schedule(config), weight_decay=config.weight_decay)
+    state: dict[str, Any] = {"step": 0, "train": asdict(config), "network": net.config.to_dict(), "history": []}
+    if resume and os.path.exists(state_path):
+        with open(state_path, encoding="utf-8") as fh:
+            saved = json.load(fh)
+        ignore = {"checkpoint_every": None}
+        if {**saved["train"], **ignore} != {**asdict(config), **ignore}:
+            raise ValueError(f"{state_path}: saved TrainConfig {saved['train']} differs from {asdict(config)}")
+        net = load_sidecar(os.path.join(out_dir, "sidecar.safetensors"))
+        net.train()
+        opt.state = tree_unflatten(list(mx.load(os.path.join(out_dir, "optimizer.safetensors")).items()))
+        state = {**saved, "train": asdict(config)}
+    scale, cfg = store.scale, config
+    stream = BatchStream(store, cfg.batch_size, cfg.seed, cfg.mix_chunks)
+
+    def loss_fn(model: SidecarNet, batch: dict[str, mx.array], key: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        k_b, v_b, log_mass = model(batch["window_keys"], batch["window_values"], batch["group"])
+        loss, parts = force_matching_loss(batch, k_b, v_b, log_mass, scale, lam=cfg.lam, probes=cfg.probes, key=key)
+        return loss, parts["force"], parts["consistency"]
+
+    value_and_grad = nn.value_and_grad(net, loss_fn)
+    end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
+    bar = tqdm(total=end, initial=state["step"], desc="sidecar", unit="step", disable=not progress)
+    while state["step"] < end:
+        step = state["step"]
+        (loss, force, cons), grads = value_and_grad(net, stream.batch(step), _probe_key(cfg.seed, step))
+        if cfg.grad_clip:
+            grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
+        opt.update(net, grads)
+        mx.eval(net.parameters(), opt.state, loss, force, cons)
+        state["step"] = step + 1
+        state["history"] = (state["history"] + [[step, loss.item(), force.item(), cons.item()]])[-200:]
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.4f}", force=f"{force.item():.3f}", cons=f"{cons.item():.3f}")
+        if state["step"] % cfg.checkpoint_every == 0 or state["step"] == end:
+            _save(out_dir, net, opt, state)
+    bar.close()
+    net.eval()
+    return net, state
+
+
+def evaluate(net: SidecarNet, batch: Mapping[str, mx.array], scale: float, *, lam: float = 1.0,
+             probes: int | None = None) -> dict[str, float]:
+    """Exact (probes=None) force and consistency losses of a network on a batch of rows."""
+    k_b, v_b, log_mass = net(batch["window_keys"], batch["window_values"], batch["group"])
+    loss, parts = force_matching_loss(batch, k_b, v_b, log_mass, scale, lam=lam, probes=probes)
+    return {"loss": loss.item(), **{k: v.item() for k, v in parts.items()}}
+
+
+__all__ = ["BatchStream", "TrainConfig", "evaluate", "train_sidecar"]
