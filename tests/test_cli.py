@@ -36,7 +36,7 @@ def test_generate_streams_text_from_a_tiny_gguf(tiny_gguf):
 def test_info_names_backend_and_blas():
     result = run_cli("info")
     assert result.returncode == 0, result.stderr
-    assert "device:" in result.stdout and "blas:" in result.stdout
+    assert "device:" in result.stdout and "blas:" in result.stdout and "kernels:" in result.stdout
 
 
 def test_missing_model_file(tmp_path):

@@ -37,6 +37,9 @@ def run_info(args: argparse.Namespace) -> int:
     print(f"cortexstream {cortexstream.__version__}  (mlx {backend.mlx_version})")
     print(f"device:  {backend.device}  ({'Metal GPU' if backend.metal else 'CPU backend'})")
     print(f"blas:    {backend.blas}")
+    from cortexstream.kernels.dispatch import kernel_backend_description
+
+    print(f"kernels: {kernel_backend_description()}")
     if not backend.metal and "OpenBLAS" not in backend.blas:
         lib = find_openblas()
         hint = f"set LD_PRELOAD={lib}" if lib else "apt-get install libopenblas0-pthread"
@@ -173,6 +176,12 @@ def run_bench(args: argparse.Namespace) -> int:
         payload = throughput.run(args.model, levels, args.prompt_tokens, args.max_tokens, args.out, args.repeats)
     elif args.bench_kind == "quality":
         return _run_bench_quality(args)
+    elif args.bench_kind == "kernels":
+        from cortexstream.benchmarks import kernels
+
+        kernels.run(args.out, repeats=args.repeats)
+        print(open(f"{args.out}/kernels.md", encoding="utf-8").read())
+        return 0
     else:
         from cortexstream.benchmarks import single_stream
 

@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     single.add_argument("--prompt-tokens", type=int, default=512)
     single.add_argument("--max-tokens", type=int, default=128)
     single.add_argument("--repeats", type=int, default=3)
+    kernels = kinds.add_parser("kernels", help="each custom kernel vs its pure-MLX reference on this device")
+    kernels.add_argument("--repeats", type=int, default=20)
+    kernels.add_argument("--out", default="bench/results", help="output folder")
     _add_quality_parser(kinds)
     for sub in (throughput, single):
         sub.add_argument("--model", default=None)
