@@ -73,6 +73,8 @@ def test_resume_refuses_a_different_config(store, tmp_path):
     with pytest.raises(ValueError, match="differs"):
         train_sidecar(store, str(tmp_path), network=NET, config=TrainConfig(**{**TRAIN.__dict__, "seed": 6}),
                       progress=False)
+    with pytest.raises(ValueError, match="network"):
+        train_sidecar(store, str(tmp_path), network={**NET, "d_model": 16}, config=TRAIN, progress=False)
     # checkpoint_every may change; resume=False starts over
     _, state = train_sidecar(store, str(tmp_path), network=NET, config=TrainConfig(**{**TRAIN.__dict__,
                              "checkpoint_every": 1}), progress=False)

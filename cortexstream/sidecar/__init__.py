@@ -3,8 +3,10 @@
 A window of N cached (key, value) pairs of one KV head is replaced by one synthesised bead that pulls future
 queries the way the whole window did (value and Jacobian of the attention output in the query).
 
-- `network`: `SidecarNet` (set encoder + learned attention pooling, ~0.7M parameters at head_dim 64) and
-  `SidecarNet.beads(keys [H, W, N, D], values, layer) -> (k_bead [H, W, D], v_bead)` for policies.
+- `network`: `SidecarNet` (set encoder + learned attention pooling; 140k parameters at SmolLM2's shape with the
+  default d_model 64 x 2 layers, 0.71M at 128 x 3) and
+  `SidecarNet.beads(keys [H, W, N, D], values, layer) -> (k_bead [H, W, D], v_bead)` for policies
+  (`layer=None`: all layers at once, [L, H, W, N, D]).
 - `trajectories`: `collect_trajectories` (frozen model, real text -> chunked row files), `TrajectoryStore`.
 - `loss`: `force_matching_loss` (Jacobian by MLX autodiff, Hutchinson or exact) and its definition.
 - `train`: `train_sidecar` (AdamW, progress bar, safetensors checkpoints + JSON state, exact resume).
@@ -28,8 +30,10 @@ bias cannot travel through the model's mask. It can travel through the SDPA hook
 mask, sinks) and calls the original SDPA with `mask + bias`, where bias is [1, Hq, 1, K] (beta of each bead at
 its slot, repeated over the GQA group, 0 elsewhere; a "causal" string mask becomes an additive array first).
 `SidecarNet.beads_with_mass` returns beta for that. A policy that cannot add the bias needs weights trained with
-`log_mass=False`, whose beads must absorb the mass into the key (beta fixed at 0; weaker, see the measurements in
-the module tests).
+`log_mass=False`, whose beads must absorb the mass into the key (beta fixed at 0). Measured on held-out SmolLM2
+trajectories (1024 rows, exact Jacobians; loss parts as fractions of evicting the window, 1 = eviction): mean
+pooling without mass 0.97 force / 0.96 consistency, with log N 0.81 / 0.73; after 300 short training steps the
+log_mass network reached 0.76 / 0.65 and the log_mass=False one only 0.92 / 0.87. The mass term is not optional.
 """
 
 from cortexstream.sidecar.loss import attention_jacobian, force_matching_loss, pooling_beads

@@ -153,6 +153,8 @@ def train_sidecar(trajectories: str | TrajectoryStore, out_dir: str, *,
         ignore = {"checkpoint_every": None}
         if {**saved["train"], **ignore} != {**asdict(config), **ignore}:
             raise ValueError(f"{state_path}: saved TrainConfig {saved['train']} differs from {asdict(config)}")
+        if saved["network"] != net.config.to_dict():
+            raise ValueError(f"{state_path}: saved network {saved['network']} differs from {net.config.to_dict()}")
         net = load_sidecar(os.path.join(out_dir, "sidecar.safetensors"))
         net.train()
         opt.state = tree_unflatten(list(mx.load(os.path.join(out_dir, "optimizer.safetensors")).items()))

@@ -12,9 +12,10 @@ What is stored (one row = one window x KV head x layer). A sequence of T tokens 
 the ones a policy would compress: [s, s + N) for s = num_sinks + i * N with s + N < T. For each row, F future
 queries are drawn uniformly without replacement from the (position t >= s + N, query head in the KV head's GQA
 group) pairs whose mask shows them the whole window (a sliding-window layer hides old windows; the loss compares
-against attention over the full window, so only queries that saw all of it are valid; no such query: no row), and for each the rest of its real context (all keys it attends except the window, plus sink
-logits) is summarised exactly at that query as a first-order pseudo-key (see `loss`): rest_keys = softmax-mean
-key, rest_values = softmax-mean value, rest_bias = L_R - scale * q.rest_key. window_share is the window's true
+against attention over the full window, so only queries that saw all of it are valid; no such query: no row).
+For each query the rest of its real context (all keys it attends except the window, plus sink logits) is
+summarised exactly at that query as a first-order pseudo-key (see `loss`): rest_keys = softmax-mean key,
+rest_values = softmax-mean value, rest_bias = L_R - scale * q.rest_key. window_share is the window's true
 attention share for that query (diagnostic). Rows are float32 in memory and `dtype` on disk.
 
 Bounded memory: rows are computed inside the hook one layer at a time (the layer's tensors are evaluated there
