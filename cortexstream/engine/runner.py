@@ -85,8 +85,9 @@ class ModelRunner:
             self._evict(seq, kv)
             return out
         seq.num_physical = kv.num_tokens
-        if out is None:
-            mx.eval(self.arena.keys, self.arena.values)  # logits not needed: evaluate only the KV writes
+        # Evaluate now, not with the step's other logits: a later prefill in the same step writing the arena while
+        # this graph (holding views of the layer buffers) is pending would make MLX copy every layer buffer.
+        mx.eval([a for a in (out,) if a is not None], self.arena.keys, self.arena.values)
         return out
 
     def decode(self, seqs: list[Sequence]) -> mx.array:
