@@ -54,7 +54,7 @@ class _Results:
         self.data: dict[str, Any] = {"benchmark": "quality", "settings": settings, "machine": machine(),
                                      "perplexity": old.get("perplexity", []), "passkey": old.get("passkey", []),
                                      "streaming": old.get("streaming", []), "chunkcheck": old.get("chunkcheck", []),
-                                     "restart": old.get("restart", [])}
+                                     "restart": old.get("restart", []), "runs": old.get("runs", [])}
 
     def has(self, part: str, **key: Any) -> bool:
         return any(all(row.get(k) == v for k, v in key.items()) for row in self.data[part])
@@ -153,6 +153,22 @@ def restart_check(model: Any, ids: list[int], stream: dict[str, Any], chunk: int
             "seconds": time.perf_counter() - tic}
 
 
+def expected_but_absent(data: dict[str, Any], budgets: list[float], ppl_chunk: int) -> list[str]:
+    """Every cell the settings ask for that the results lack (interrupted, skipped for time, or not requested)."""
+    s, missing = data["settings"], []
+    for context in s["contexts"]:
+        missing += [f"perplexity context={context} {label}" for label, _ in policies_for(budgets)
+                    if not any(r["context"] == context and r["policy"] == label for r in data["perplexity"])]
+    for context in s["passkey_contexts"]:
+        missing += [f"passkey context={context} {spec}" for spec in s["passkey_policies"]
+                    if not any(r["context"] == context and r["policy"] == spec for r in data["passkey"])]
+    if not data["streaming"]:
+        missing.append(f"streaming {s['stream_tokens']} tokens / {s['stream_cache']} cache")
+    if len(data.get("chunkcheck", [])) < 5:
+        missing.append(f"chunk check (chunk 1 vs {ppl_chunk})")
+    return missing
+
+
 def run(model_source: str | None = None, out_dir: str = "bench/results", *, quick: bool = False,
         contexts: tuple[int, ...] = (2048, 4096), budgets: tuple[float, ...] = (0.1, 0.2, 0.5),
         ppl_chunk: int = 16, passkey_contexts: tuple[int, ...] = (2048, 4096),
@@ -181,12 +197,11 @@ def run(model_source: str | None = None, out_dir: str = "bench/results", *, quic
     results = _Results(os.path.join(out_dir, f"{name}.json"), settings, resume)
     os.makedirs(out_dir, exist_ok=True)
     started = time.perf_counter()
-    missing: list[str] = []
 
     def due(what: str) -> bool:
-        """False (and `what` recorded as missing) once the time budget is spent: cells never start late."""
+        """False once the time budget is spent: cells never start late (they are then listed as missing)."""
         if max_minutes is not None and time.perf_counter() - started > 60 * max_minutes:
-            missing.append(what)
+            log(f"time budget spent: skipping {what}")
             return False
         return True
 
@@ -211,14 +226,15 @@ def run(model_source: str | None = None, out_dir: str = "bench/results", *, quic
         results.add("restart", restart_check(model, ids, results.data["streaming"][-1], stream_chunk, log))
     if "chunkcheck" in parts:
         check = 256 if quick else 512
-        for label, policy in policies_for([0.2])[1:]:
-            for chunk in (1, ppl_chunk):
+        for label, policy in policies_for([0.2]):
+            for chunk in (1, ppl_chunk) if policy is not None else (FULL_CHUNK,):
                 if results.has("chunkcheck", context=check, policy=label, chunk=chunk) \
                         or not due(f"chunkcheck {check} {label} chunk {chunk}"):
                     continue
                 tic = time.perf_counter()
                 nll = token_nlls(model, ids[:check], policy, chunk_size=chunk)
-                results.add("chunkcheck", {"context": check, "policy": label, "spec": policy.describe(),
+                results.add("chunkcheck", {"context": check, "policy": label,
+                                           "spec": policy.describe() if policy else "full",
                                            "chunk": chunk, "ppl": float(np.exp(nll.mean())),
                                            "seconds": time.perf_counter() - tic})
                 log(f"chunkcheck {label} chunk={chunk}: {results.data['chunkcheck'][-1]['ppl']:.3f}")
@@ -236,7 +252,8 @@ def run(model_source: str | None = None, out_dir: str = "bench/results", *, quic
                             budget_tokens=policy.budget_tokens(context + ANSWER_TOKENS) if policy else context)
                 results.add("passkey", cell)
                 log(f"passkey ctx={context} {spec}: {cell['correct']}/{cell['trials']} ({cell['seconds']:.0f}s)")
-    results.data["missing"] = missing
-    results.data["total_seconds_this_run"] = time.perf_counter() - started
+    results.data["missing"] = expected_but_absent(results.data, list(budgets), ppl_chunk)
+    results.data.setdefault("runs", []).append({"parts": list(parts), "max_minutes": max_minutes,
+                                                "seconds": round(time.perf_counter() - started, 1)})
     write_report(results.data, out_dir, name)
     return results.data

@@ -82,6 +82,11 @@ def markdown(data: dict[str, Any]) -> str:
                 for r in data["chunkcheck"]] + [""]
     if data.get("missing"):
         out += ["## Not measured", ""] + [f"- {m}" for m in data["missing"]] + [""]
+    for run in data.get("runs", []):
+        out.append(f"Run: parts {', '.join(run['parts'])}; {run['seconds'] / 60:.1f} min"
+                   + (f" (time budget {run['max_minutes']} min)" if run.get("max_minutes") else "") + ".")
+    for note in data.get("notes", []):
+        out += ["", note]
     return "\n".join(out)
 
 
@@ -122,7 +127,8 @@ def plot(data: dict[str, Any], path: str) -> bool:
         if ref:
             ax.plot([(i + 1) * r["segment_tokens"] for i in range(len(ref))], ref, "x:", color="gray",
                     label="full cache (same text)")
-    ax.set(xlabel="tokens processed", ylabel="segment perplexity", title="Streaming through a fixed cache")
+    ax.set(xlabel="tokens processed", ylabel="segment perplexity (log)", title="Streaming through a fixed cache",
+           yscale="log")
     if data["streaming"]:
         ax.legend(fontsize=8)
     fig.tight_layout()

@@ -78,12 +78,6 @@ class ModelRunner:
         kv.make_writable(kv.num_tokens, kv.num_tokens + num_tokens)
         state = self.policy_state(seq)
         caches = self._caches(seq, kv)
-        if state is None and num_tokens > 1 and seq.num_pending == num_tokens:
-            # The chunk ends the prompt: only its last token's logits are needed. Computing the rest without the
-            # vocabulary projection (their logits are never evaluated) saves a [chunk x vocab] matmul.
-            self.model(tokens[None, :-1], cache=caches)
-            mx.eval(self.arena.keys, self.arena.values)
-            tokens = tokens[-1:]
         logits = self.model(tokens[None], cache=caches)
         seq.num_computed += num_tokens
         out = logits[0, -1:, :] if seq.num_pending == 0 else None

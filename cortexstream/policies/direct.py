@@ -17,7 +17,7 @@ from cortexstream.errors import InvalidArgumentError
 from cortexstream.kv.arena_cache import ArenaKVCache
 from cortexstream.kv.prompt_cache import private_sequence
 from cortexstream.policies.base import KVPolicy, parse_policy
-from cortexstream.policies.state import PolicyKVCache, PolicyState, policy_caches
+from cortexstream.policies.state import PolicyState, policy_caches
 
 
 def policy_state_of(prompt_cache: list[Any]) -> PolicyState | None:
