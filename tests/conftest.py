@@ -29,3 +29,15 @@ def smollm():
     import cortexstream
 
     return cortexstream.load()
+
+
+@pytest.fixture(scope="module")
+def sharp(tiny):
+    """A tiny model with sharpened attention (so which keys survive eviction matters) and the tiny tokenizer."""
+    import mlx.core as mx
+
+    model = tiny_model(seed=11)
+    for layer in model.model.layers:
+        layer.self_attn.q_proj.weight = layer.self_attn.q_proj.weight * 4.0
+    mx.eval(model.parameters())
+    return model, tiny[1]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -11,23 +10,14 @@ from cortexstream.evaluation import perplexity as ppl_module
 from cortexstream.evaluation.perplexity import token_nlls
 from cortexstream.policies import H2O, FullCache, StreamingLLM
 from cortexstream.policies import direct
-from tiny_models import tiny_model
+from tiny_models import random_token_ids
 
 POLICIES = [StreamingLLM(sinks=3, budget=24), H2O(budget=24, sinks=3, recent=6), H2O(budget=0.25, keep_prefix=7)]
 
 
-@pytest.fixture(scope="module")
-def sharp(tiny):
-    """A tiny model with sharpened attention (so which keys survive matters) and the tiny tokenizer."""
-    model = tiny_model(seed=11)
-    for layer in model.model.layers:
-        layer.self_attn.q_proj.weight = layer.self_attn.q_proj.weight * 4.0
-    mx.eval(model.parameters())
-    return model, tiny[1]
 
 
-def token_stream(n: int, seed: int = 0) -> list[int]:
-    return np.random.default_rng(seed).integers(3, 250, n).tolist()
+token_stream = random_token_ids
 
 
 def engine_run(model, tokenizer, prompts, policies, max_tokens=12, **kwargs):

@@ -13,20 +13,12 @@ from cortexstream.evaluation.perplexity import token_nlls
 from cortexstream.generation.stream import stream_generate
 from cortexstream.kv.prompt_cache import make_prompt_cache
 from cortexstream.policies import H2O, StreamingLLM, attention_scores, direct
-from tiny_models import tiny_model
+from tiny_models import random_token_ids
 
 
-@pytest.fixture(scope="module")
-def sharp(tiny):
-    model = tiny_model(seed=11)
-    for layer in model.model.layers:
-        layer.self_attn.q_proj.weight = layer.self_attn.q_proj.weight * 4.0
-    mx.eval(model.parameters())
-    return model, tiny[1]
 
 
-def tokens(n: int, seed: int = 0) -> list[int]:
-    return np.random.default_rng(seed).integers(3, 250, n).tolist()
+tokens = random_token_ids
 
 
 @pytest.mark.parametrize("chunk", [1, 4])

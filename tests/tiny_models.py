@@ -161,3 +161,8 @@ def default_gguf_path() -> str | None:
         return None
     path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
     return path if os.path.exists(path) else None
+
+
+def random_token_ids(n: int, seed: int = 0) -> list[int]:
+    """`n` random ids from the tiny vocabulary's ordinary range (no special tokens)."""
+    return np.random.default_rng(seed).integers(3, 250, n).tolist()
