@@ -43,9 +43,6 @@ class BlockManager:
     def num_reclaimable(self) -> int:
         return sum(1 for block in self._lru if self.allocator.ref_count(block) == 1)
 
-    def num_available(self) -> int:
-        return self.allocator.num_free_blocks + self.num_reclaimable()
-
     # --- prefix cache -----------------------------------------------------------------------------------------
     def _root(self, tenant: str | None) -> int:
         return hash(("cortexstream-prefix-root", tenant))

@@ -122,12 +122,6 @@ class KVArena:
         self.keys[layer][:, slots, :] = k
         self.values[layer][:, slots, :] = v
 
-    def write_slots(self, layer: int, slots: np.ndarray, keys: mx.array, values: mx.array) -> None:
-        """Write `[H, n, D]` at arbitrary slots (used by compaction)."""
-        index = mx.array(np.asarray(slots, dtype=np.int32))
-        self.keys[layer][:, index, :] = keys.astype(self.dtype)
-        self.values[layer][:, index, :] = values.astype(self.dtype)
-
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's slots, every layer (copy-on-write and relocation)."""
         self.copy_blocks([src], [dst])
