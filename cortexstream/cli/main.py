@@ -8,6 +8,7 @@ import traceback
 from typing import Callable
 
 from cortexstream.backend import maybe_reexec_with_openblas
+from cortexstream.cli.training import add_train_parsers
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -109,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     kernels.add_argument("--repeats", type=int, default=20)
     kernels.add_argument("--out", default="bench/results", help="output folder")
     _add_quality_parser(kinds)
+    add_train_parsers(commands)
     for sub in (throughput, single):
         sub.add_argument("--model", default=None)
         sub.add_argument("--out", default="bench/results", help="output folder")
@@ -117,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _command(name: str) -> Callable[[argparse.Namespace], int]:
     from cortexstream.cli import commands
+
+    if name == "train":
+        from cortexstream.cli.training import run_train
+
+        return run_train
 
     return getattr(commands, f"run_{name}")
 

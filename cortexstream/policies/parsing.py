@@ -7,6 +7,7 @@ key or value and list what is accepted.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from cortexstream.errors import InvalidArgumentError
@@ -19,7 +20,15 @@ _NAMES: dict[str, type[KVPolicy]] = {
     "streaming": StreamingLLM, "streamingllm": StreamingLLM, "streaming_llm": StreamingLLM, "sllm": StreamingLLM,
     "h2o": H2O,
 }
-_KEYS: dict[type[KVPolicy], dict[str, str]] = {  # key -> kind ("count" int, "budget" int or fraction)
+# Policies defined in their own modules, imported on first use; each class declares `parse_keys` (key -> kind).
+_LAZY: dict[str, tuple[str, str]] = {
+    "meanpool": ("cortexstream.policies.mean_pool", "MeanPool"),
+    "compressor": ("cortexstream.policies.compressor", "Compressor"),
+    "sidecar": ("cortexstream.policies.sidecar", "Sidecar"),
+    "tome": ("cortexstream.policies.token_merging", "TokenMerging"),
+}
+# key -> kind: "count" int, "budget" int or fraction, "float", "bool" (0/1/true/false), "str" (e.g. a path)
+_KEYS: dict[type[KVPolicy], dict[str, str]] = {
     FullCache: {},
     StreamingLLM: {"sinks": "count", "window": "budget", "budget": "budget"},
     H2O: {"budget": "budget", "sinks": "count", "recent": "count", "keep_prefix": "count"},
@@ -27,6 +36,20 @@ _KEYS: dict[type[KVPolicy], dict[str, str]] = {  # key -> kind ("count" int, "bu
 
 
 def _value(policy: str, key: str, text: str, kind: str) -> Any:
+    if kind == "str":
+        return text
+    if kind == "bool":
+        lowered = text.lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise InvalidArgumentError(f"kv_policy '{policy}': {key}={text!r} is not a boolean (0/1/true/false)")
+    if kind == "float":
+        try:
+            return float(text)
+        except ValueError:
+            raise InvalidArgumentError(f"kv_policy '{policy}': {key}={text!r} is not a number") from None
     try:
         if kind == "budget" and any(c in text for c in ".eE"):
             return float(text)
@@ -36,6 +59,19 @@ def _value(policy: str, key: str, text: str, kind: str) -> Any:
         raise InvalidArgumentError(f"kv_policy '{policy}': {key}={text!r} is not {want}") from None
 
 
+def _policy_class(name: str) -> type[KVPolicy] | None:
+    if name in _NAMES:
+        return _NAMES[name]
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+    return None
+
+
 def parse_policy(spec: "str | KVPolicy | None") -> KVPolicy | None:
     """A policy from its string form; policies and None pass through unchanged."""
     if spec is None or isinstance(spec, KVPolicy):
@@ -43,12 +79,11 @@ def parse_policy(spec: "str | KVPolicy | None") -> KVPolicy | None:
     if not isinstance(spec, str):
         raise InvalidArgumentError(f"kv_policy: expected a string or a KVPolicy, got {type(spec).__name__}")
     name, _, rest = spec.strip().partition(":")
-    cls = _NAMES.get(name.strip().lower())
+    cls = _policy_class(name.strip().lower())
     if cls is None:
-        raise InvalidArgumentError(
-            f"kv_policy: unknown policy '{name}' in '{spec}' (known: full, streaming, h2o)"
-        )
-    allowed = _KEYS[cls]
+        known = ", ".join(["full", "streaming", "h2o", *_LAZY])
+        raise InvalidArgumentError(f"kv_policy: unknown policy '{name}' in '{spec}' (known: {known})")
+    allowed = _KEYS.get(cls) or dict(getattr(cls, "parse_keys", {}))
     kwargs: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, eq, text = item.partition("=")
