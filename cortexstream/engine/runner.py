@@ -20,7 +20,7 @@ from cortexstream.engine.sequence import Sequence
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_cache import ArenaKVCache
 from cortexstream.kv.sequence_kv import SequenceKV
-from cortexstream.policies.state import PolicyState, batch_score_hook, policy_caches
+from cortexstream.policies.state import PolicyState, batch_attention_hook, needs_batch_hook, policy_caches
 
 
 class ModelRunner:
@@ -103,9 +103,9 @@ class ModelRunner:
         else:
             batch = DecodeBatch(self.arena, kvs)
             caches = batch.caches()
-            if any(s is not None and s.policy.needs_attention_scores for s in states):
+            if needs_batch_hook(states):  # attention scores (H2O) or logit biases of merged slots
                 for cache in caches:
-                    cache.attention_hook = batch_score_hook(cache.layer, batch.lengths_after, states)
+                    cache.attention_hook = batch_attention_hook(cache.layer, batch.lengths_after, states)
             logits = self.model(tokens, cache=caches)
             batch.commit()
         logits = logits[:, -1, :]

@@ -1,4 +1,5 @@
-"""KV policies: `FullCache` (default), `StreamingLLM` (sinks + window) and `H2O` (heavy hitters + recent).
+"""KV policies: `FullCache` (default), `StreamingLLM` (sinks + window), `H2O` (heavy hitters + recent), and the
+merging policies (`merging`: `MeanPool`, the learned `Compressor` and `Sidecar`, `TokenMerging`).
 
 Attach one to a request with `kv_policy=` (an object or a string such as 'h2o:budget=0.2,sinks=4,recent=64');
 see `base` for budgets, `attention_scores` for how H2O sees attention weights, `state` for the runtime.
@@ -6,6 +7,8 @@ see `base` for budgets, `attention_scores` for how H2O sees attention weights, `
 
 from cortexstream.policies.base import FullCache, KVPolicy, parse_policy
 from cortexstream.policies.h2o import H2O
+from cortexstream.policies.mean_pool import MeanPool
+from cortexstream.policies.merging import Merged, MergingPolicy
 from cortexstream.policies.streaming_llm import StreamingLLM
 
-__all__ = ["FullCache", "H2O", "KVPolicy", "StreamingLLM", "parse_policy"]
+__all__ = ["FullCache", "H2O", "KVPolicy", "MeanPool", "Merged", "MergingPolicy", "StreamingLLM", "parse_policy"]

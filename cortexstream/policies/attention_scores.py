@@ -90,7 +90,7 @@ def hook_installed() -> bool:
     return base.scaled_dot_product_attention is dispatch_sdpa
 
 
-def _additive_mask(mask: Any, start: int, stop: int, num_queries: int, num_keys: int) -> mx.array | None:
+def additive_mask(mask: Any, start: int, stop: int, num_queries: int, num_keys: int) -> mx.array | None:
     """Mask rows of queries [start, stop) as an additive float32 array broadcastable to `[B, Hq, n, K]`."""
     if mask is None:
         return None
@@ -127,7 +127,7 @@ def attention_received(queries: mx.array, keys: mx.array, scale: float, mask: An
         n = stop - start
         q = (queries[:, :, start:stop].astype(mx.float32) * scale).reshape(batch, kv_heads, group * n, dim)
         logits = (q @ k_t).reshape(batch, q_heads, n, num_keys)
-        block = _additive_mask(mask, start, stop, num_queries, num_keys)
+        block = additive_mask(mask, start, stop, num_queries, num_keys)
         if block is not None:
             logits = logits + block
         if sinks is None:

@@ -18,7 +18,9 @@ import numpy as np
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.kv.arena_cache import ArenaKVCache
 from cortexstream.kv.sequence_kv import SequenceKV
-from cortexstream.policies.attention_scores import attention_received, install_attention_hook, original_sdpa
+from cortexstream.policies.attention_scores import (
+    additive_mask, attention_received, install_attention_hook, original_sdpa,
+)
 from cortexstream.policies.base import KVPolicy
 
 
@@ -31,8 +33,15 @@ class PolicyState:
         self.positions = [np.broadcast_to(np.arange(num_tokens), (num_kv_heads, num_tokens)).copy()
                           for _ in range(num_layers)]
         self.pending: list[mx.array | None] = [None] * num_layers  # this forward's contributions, lazy
+        # Merging policies (`merging`): original tokens per slot (same in all layers/heads) and an additive
+        # attention-logit bias per layer, KV head and slot (0 for raw tokens).
+        self.mass = np.ones(num_tokens)
+        self.bias = [np.zeros((num_kv_heads, num_tokens), np.float32) for _ in range(num_layers)]
+        self._bias_arrays: dict[int, tuple[int, mx.array]] = {}  # layer -> (keys, [1, Hq, 1, keys]) cache
         self.num_evicted = 0
         self.num_evictions = 0
+        self.num_merged = 0  # physical slots removed by merging
+        self.num_merges = 0
 
     @classmethod
     def for_sequence(cls, policy: KVPolicy, seq: SequenceKV) -> "PolicyState":
@@ -69,6 +78,9 @@ class PolicyState:
                 fresh = np.broadcast_to(np.arange(offset - new, offset), (heads, new))
                 self.positions[layer] = np.concatenate([self.positions[layer], fresh], axis=1)
                 self.scores[layer] = np.concatenate([self.scores[layer], np.zeros((heads, new))], axis=1)
+                self.bias[layer] = np.concatenate([self.bias[layer], np.zeros((heads, new), np.float32)], axis=1)
+                if layer == 0:
+                    self.mass = np.concatenate([self.mass, np.ones(new)])
             received = self.pending[layer]
             if received is not None:
                 self.scores[layer] += np.asarray(received[:, :length], dtype=np.float64)
@@ -76,30 +88,119 @@ class PolicyState:
 
     # --- eviction ---------------------------------------------------------------------------------------------
     def after_forward(self, seq: SequenceKV, context: int) -> int:
-        """Sync, then let the policy evict down to its budget. Returns the physical tokens evicted."""
+        """Sync, then let the policy evict and/or merge down to its budget. Returns the physical slots removed."""
         self.sync(seq)
         n = seq.num_tokens
         scores = np.stack(self.scores) if self.policy.needs_attention_scores else None
         keep = self.policy.select(n, context, scores)
-        if keep is None:
-            return 0
-        keep = np.asarray(keep, dtype=np.int64)
-        seq.keep(keep)
-        self.compact(keep)
-        evicted = n - keep.shape[-1]
-        self.num_evicted += evicted
-        self.num_evictions += 1
-        return evicted
+        removed = 0
+        if keep is not None:
+            keep = np.asarray(keep, dtype=np.int64)
+            seq.keep(keep)
+            self.compact(keep)
+            removed = n - keep.shape[-1]
+            self.num_evicted += removed
+            self.num_evictions += 1
+        if getattr(self.policy, "merges", False):
+            removed += self.merge(seq, context)
+        return removed
+
+    def merge(self, seq: SequenceKV, context: int) -> int:
+        """Apply the policy's merges (`merging.MergingPolicy`) until it asks for none. Returns slots removed."""
+        removed = 0
+        while True:
+            span = self.policy.merge_range(seq.num_tokens, context, self.mass)
+            if span is None:
+                return removed
+            start, end = int(span[0]), int(span[1])
+            if not 0 <= start < end <= seq.num_tokens:
+                raise InvalidArgumentError(f"{self.policy.name}: merge range [{start}, {end}) outside the cache")
+            results = []
+            for layer in range(len(self.scores)):
+                keys, values = seq.arena.read(layer, seq.blocks, seq.lengths[layer])
+                results.append(self.policy.merge(layer, keys[:, start:end], values[:, start:end],
+                                                 self.mass[start:end]))
+            slots = int(results[0].keys.shape[1])
+            sizes = self._group_sizes(results[0].sizes, end - start, slots)
+            if slots >= end - start:
+                raise InvalidArgumentError(f"{self.policy.name}: merging {end - start} slots into {slots} frees nothing")
+            seq.replace(start, end, [r.keys for r in results], [r.values for r in results])
+            self._merge_bookkeeping(start, end, sizes, results)
+            removed += end - start - slots
+            self.num_merged += end - start - slots
+            self.num_merges += 1
+
+    @staticmethod
+    def _group_sizes(sizes: Any, span: int, slots: int) -> np.ndarray:
+        if sizes is None:
+            if span % slots:
+                raise InvalidArgumentError(f"merge: {span} slots do not split evenly into {slots}; give sizes")
+            return np.full(slots, span // slots)
+        sizes = np.asarray(sizes, dtype=np.int64)
+        if sizes.shape != (slots,) or sizes.min(initial=1) < 1 or int(sizes.sum()) != span:
+            raise InvalidArgumentError(f"merge: sizes {sizes.tolist()} must be {slots} counts >= 1 summing to {span}")
+        return sizes
+
+    def _merge_bookkeeping(self, start: int, end: int, sizes: np.ndarray, results: list[Any]) -> None:
+        """Mass adds up, a merged slot sits at its newest member's position, scores add up, bias comes from merge."""
+        bounds = np.concatenate([[0], np.cumsum(sizes)])[:-1] + start
+        self.mass = np.concatenate([self.mass[:start], np.add.reduceat(self.mass[start:end], bounds - start),
+                                    self.mass[end:]])
+        for layer, result in enumerate(results):
+            heads = self.scores[layer].shape[0]
+            pos, sc = self.positions[layer], self.scores[layer]
+            merged_pos = np.maximum.reduceat(pos[:, start:end], bounds - start, axis=1)
+            merged_sc = np.add.reduceat(sc[:, start:end], bounds - start, axis=1)
+            bias = np.zeros((heads, len(sizes)), np.float32) if result.bias is None \
+                else np.asarray(result.bias, dtype=np.float32).reshape(heads, len(sizes))
+            self.positions[layer] = np.concatenate([pos[:, :start], merged_pos, pos[:, end:]], axis=1)
+            self.scores[layer] = np.concatenate([sc[:, :start], merged_sc, sc[:, end:]], axis=1)
+            self.bias[layer] = np.concatenate([self.bias[layer][:, :start], bias, self.bias[layer][:, end:]], axis=1)
+        self._bias_arrays.clear()
+
+    # --- logit bias -------------------------------------------------------------------------------------------
+    def has_bias(self) -> bool:
+        return any(b.any() for b in self.bias)
+
+    def bias_row(self, layer: int, num_keys: int) -> np.ndarray | None:
+        """This layer's bias `[kv_heads, num_keys]` (0 past the stored slots: this forward's new tokens), or None."""
+        bias = self.bias[layer]
+        if not bias.any():
+            return None
+        out = np.zeros((bias.shape[0], num_keys), np.float32)
+        n = min(num_keys, bias.shape[1])
+        out[:, :n] = bias[:, :n]
+        return out
+
+    def logit_bias(self, layer: int, num_keys: int, query_heads: int) -> mx.array | None:
+        """The bias as `[1, Hq, 1, num_keys]` (repeated over each GQA group), cached per layer and key count."""
+        cached = self._bias_arrays.get(layer)
+        if cached is not None and cached[0] == num_keys:
+            return cached[1]
+        row = self.bias_row(layer, num_keys)
+        if row is None:
+            return None
+        array = mx.array(np.repeat(row, query_heads // row.shape[0], axis=0))[None, :, None, :]
+        self._bias_arrays[layer] = (num_keys, array)
+        return array
 
     def compact(self, keep: np.ndarray) -> None:
         """Gather scores/positions exactly as `SequenceKV.keep` gathers the slots (sorted per row)."""
         keep = np.sort(keep, axis=-1)
+        if keep.ndim == 1:
+            self.mass = self.mass[keep]
+        elif (self.mass != 1).any():  # mass is one row for all layers/heads: per-layer choices would split it
+            raise InvalidArgumentError("kv_policy: per-layer eviction of merged slots is not supported")
+        else:
+            self.mass = np.ones(keep.shape[-1])
         for layer in range(len(self.scores)):
             heads = self.scores[layer].shape[0]
             row = keep if keep.ndim == 1 else keep[layer]
             index = np.broadcast_to(row, (heads, row.shape[-1]))
             self.scores[layer] = np.take_along_axis(self.scores[layer], index, axis=1)
             self.positions[layer] = np.take_along_axis(self.positions[layer], index, axis=1)
+            self.bias[layer] = np.take_along_axis(self.bias[layer], index, axis=1)
+        self._bias_arrays.clear()
 
     def trim(self, layer: int, n: int, offset: int) -> None:
         """Drop the last n slots of a layer, which must be the last n logical tokens in every head."""
@@ -110,13 +211,21 @@ class PolicyState:
             raise InvalidArgumentError("trim: the last tokens were evicted; an evicted cache cannot be trimmed")
         self.positions[layer] = self.positions[layer][:, :-n]
         self.scores[layer] = self.scores[layer][:, :-n]
+        self.bias[layer] = self.bias[layer][:, :-n]
+        if layer == 0:
+            self.mass = self.mass[:-n]
+        self._bias_arrays.pop(layer, None)
 
     def clone(self) -> "PolicyState":
         other = PolicyState(self.policy, 0, 0)
         other.scores = [s.copy() for s in self.scores]
         other.positions = [p.copy() for p in self.positions]
         other.pending = [None] * len(self.scores)
+        other.mass = self.mass.copy()
+        other.bias = [b.copy() for b in self.bias]
+        other._bias_arrays = {}
         other.num_evicted, other.num_evictions = self.num_evicted, self.num_evictions
+        other.num_merged, other.num_merges = self.num_merged, self.num_merges
         return other
 
 
@@ -129,13 +238,19 @@ class PolicyKVCache(ArenaKVCache):
     def __init__(self, sequence: SequenceKV, layer: int, state: PolicyState) -> None:
         super().__init__(sequence, layer)
         self.policy_state = state
-        if state.policy.needs_attention_scores:
+        policy = state.policy
+        if policy.needs_attention_scores or getattr(policy, "uses_logit_bias", False):
             install_attention_hook()
             self.attention_hook = self._hook
 
     def _hook(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
               sinks: mx.array | None) -> mx.array:
-        self.policy_state.record(self.layer, attention_received(queries, keys, scale, mask, sinks)[0])
+        state = self.policy_state
+        bias = state.logit_bias(self.layer, keys.shape[2], queries.shape[1])
+        if bias is not None:
+            mask = biased_mask(mask, bias, queries.shape[2], keys.shape[2], queries.dtype)
+        if state.policy.needs_attention_scores:
+            state.record(self.layer, attention_received(queries, keys, scale, mask, sinks)[0])
         return original_sdpa(queries, keys, values, self, scale=scale, mask=mask, sinks=sinks)
 
     def trim(self, n: int) -> int:
@@ -148,16 +263,42 @@ def policy_caches(seq: SequenceKV, state: PolicyState) -> list[PolicyKVCache]:
     return [PolicyKVCache(seq, layer, state) for layer in range(seq.arena.config.num_layers)]
 
 
-def batch_score_hook(layer: int, lengths: np.ndarray, states: list[PolicyState | None]) -> Callable[..., mx.array]:
-    """Attention hook for one layer of a batched decode step: scores only the rows whose state needs them.
+def biased_mask(mask: Any, bias: mx.array, num_queries: int, num_keys: int, dtype: mx.Dtype) -> mx.array:
+    """mlx-lm's mask (None, "causal", bool or additive) plus an additive per-key bias, as one additive array."""
+    base = additive_mask(mask, 0, num_queries, num_queries, num_keys)
+    out = bias if base is None else base + bias
+    return out.astype(dtype)
+
+
+def needs_batch_hook(states: list[PolicyState | None]) -> bool:
+    return any(s is not None and (s.policy.needs_attention_scores or s.has_bias()) for s in states)
+
+
+def batch_attention_hook(layer: int, lengths: np.ndarray, states: list[PolicyState | None]) -> Callable[..., mx.array]:
+    """Attention hook for one layer of a batched decode step: adds each row's logit bias (merged slots) and
+    scores the rows whose policy needs attention scores.
 
     `lengths[b]`: physical keys of row b after this step (the rest of the padded row is masked padding).
     """
     rows = [b for b, s in enumerate(states) if s is not None and s.policy.needs_attention_scores]
     index = mx.array(np.asarray(rows, dtype=np.int32))
+    biased = [b for b, s in enumerate(states) if s is not None and s.has_bias()]
+
+    def bias_for(num_keys: int, query_heads: int) -> mx.array:
+        rows_bias = np.zeros((len(states), query_heads, 1, num_keys), np.float32)
+        for b in biased:
+            row = states[b].bias_row(layer, num_keys)
+            if row is not None:
+                rows_bias[b, :, 0, :] = np.repeat(row, query_heads // row.shape[0], axis=0)
+        return mx.array(rows_bias)
 
     def hook(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
              sinks: mx.array | None) -> mx.array:
+        if biased:
+            mask = biased_mask(mask, bias_for(keys.shape[2], queries.shape[1]), queries.shape[2], keys.shape[2],
+                               queries.dtype)
+        if not rows:
+            return original_sdpa(queries, keys, values, None, scale=scale, mask=mask, sinks=sinks)
         row_mask = mask[index] if isinstance(mask, mx.array) and mask.shape[0] == queries.shape[0] else mask
         received = attention_received(queries[index], keys[index], scale, row_mask, sinks)
         for i, b in enumerate(rows):
