@@ -1,4 +1,15 @@
-"""`Engine`: add_request / step / abort over the scheduler and runner; step() = schedule -> run -> postprocess."""
+"""`Engine`: add_request / step / abort over the scheduler and runner; step() = schedule -> run -> postprocess.
+
+Pipelined decode (`pipeline=True`, the default). Reading a sampled token (`.item()`) waits for the whole forward
+pass; building the next step's graph costs milliseconds of Python per step (about 10% of a SmolLM2 decode step on
+CPU). So a decode step is launched (`mx.async_eval`) on the previous step's sampled tokens while they are still
+lazy, and only then are those tokens read and post-processed: graph building and post-processing overlap the
+computation, as in mlx-lm's `generate_step`. A sampled-but-unread token is "in flight" (`Sequence.num_inflight`),
+and its output is emitted by the next `step()` call. When the previous token ends a request (eos, a stop string),
+the step launched for it is discarded (its request is finished and its blocks freed); a request whose unread token
+is its last by `max_tokens` gets no further step. Steps that could admit, prefill or preempt (waiting requests,
+a prompt in progress, few free blocks) first read every token in flight, so recompute-preemption never loses one.
+"""
 
 from __future__ import annotations
 
@@ -67,6 +78,7 @@ class Engine:
         prefill_step_size: int = 512,
         prefix_caching: bool = True,
         kv_policy: Any = None,
+        pipeline: bool = True,
     ) -> None:
         if arena is None:
             if kv_tokens is None and kv_bytes is None:
@@ -90,6 +102,9 @@ class Engine:
         self.prefill_time = 0.0
         self.decode_time = 0.0
         self.num_decode_tokens = 0
+        self.pipeline = pipeline
+        # request id -> (sequence, lazy sampled token [1], lazy logprobs [V]) of the decode step in flight
+        self._inflight: dict[str, tuple[Sequence, mx.array, mx.array]] = {}
 
     # --- requests ---------------------------------------------------------------------------------------------
     def add_request(
@@ -118,6 +133,9 @@ class Engine:
         return seq.request_id
 
     def abort(self, request_id: str) -> bool:
+        entry = self._inflight.pop(request_id, None)
+        if entry is not None:
+            entry[0].num_inflight = 0
         seq = self.scheduler.abort(request_id)
         if seq is not None:
             self.runner.drop(seq)
@@ -125,13 +143,18 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self._inflight)
 
     # --- the step ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        if self._inflight and not self._may_pipeline():
+            outputs.extend(self._drain())
         step = self.scheduler.schedule()
-        outputs = [self._final_output(seq) for seq in step.finished]
+        outputs.extend(self._final_output(seq) for seq in step.finished)
         for seq in step.preempted:
+            if seq.request_id in self._inflight:  # _may_pipeline rules this out; never lose a token silently
+                raise RuntimeError(f"internal: request '{seq.request_id}' preempted with a token in flight")
             self.runner.drop(seq)
         sampled: list[tuple[Sequence, mx.array]] = []
         tic = time.perf_counter()
@@ -141,59 +164,111 @@ class Engine:
             if logits is not None:
                 sampled.append((seq, logits))
         if sampled:
-            mx.eval([logits for _, logits in sampled])
-        outputs.extend(self._postprocess(sampled))
+            draws = [self._sample(self._states[seq.request_id], logits) for seq, logits in sampled]
+            mx.eval([token for token, _ in draws])
+            outputs.extend(self._emit(seq, int(token.item()), logprobs) for (seq, _), (token, logprobs)
+                           in zip(sampled, draws))
         toc = time.perf_counter()
         self.prefill_time += toc - tic
-        if step.decode:
-            logits = self.runner.decode(step.decode)
-            outputs.extend(self._postprocess([(seq, logits[i : i + 1]) for i, seq in enumerate(step.decode)]))
+        if step.decode or self._inflight:
+            outputs.extend(self._decode(step.decode))
             self.decode_time += time.perf_counter() - toc
-            self.num_decode_tokens += len(step.decode)
         return outputs
 
-    def _sample(self, state: _RequestState, logits: mx.array) -> tuple[mx.array, mx.array]:
+    def _may_pipeline(self) -> bool:
+        """True when this step can only decode: nothing to admit or prefill, and blocks enough for every
+        running sequence to grow (and copy on write) without preempting anyone."""
+        scheduler = self.scheduler
+        if not self.pipeline or scheduler.waiting or any(s.num_pending > 1 for s in scheduler.running):
+            return False
+        return self.arena.allocator.num_free_blocks >= 2 * len(scheduler.running) + 2
+
+    def _decode(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Launch one decode step on the (possibly still lazy) pending tokens, then read the previous step's."""
+        previous, self._inflight = self._inflight, {}
+        # An unread token that is its request's last by length needs no step after it.
+        seqs = [s for s in seqs if not (s.num_inflight and len(s.output_ids) + 1 >= s.sampling.max_tokens)]
+        launched = []
+        if seqs:
+            pending = [previous[s.request_id][1] if s.num_inflight else None for s in seqs]
+            tokens = None
+            if any(p is not None for p in pending):
+                tokens = mx.concatenate([
+                    p.astype(mx.uint32).reshape(1) if p is not None
+                    else mx.array([s.token_at(s.num_computed)], dtype=mx.uint32)
+                    for s, p in zip(seqs, pending)
+                ]).reshape(-1, 1)
+            logits = self.runner.decode(seqs, tokens)
+            draws = [self._sample(self._states[s.request_id], logits[i : i + 1], p)
+                     for i, (s, p) in enumerate(zip(seqs, pending))]
+            mx.async_eval([a for draw in draws for a in draw])
+            launched = list(zip(seqs, draws))
+            self.num_decode_tokens += len(seqs)
+        outputs = self._resolve(previous)
+        for seq, (token, logprobs) in launched:
+            if seq.is_finished or seq.request_id not in self._states:
+                continue  # the token it was launched on ended the request: discard this one
+            seq.num_inflight = 1
+            self._inflight[seq.request_id] = (seq, token, logprobs)
+        if not self.pipeline:
+            outputs.extend(self._drain())
+        return outputs
+
+    def _drain(self) -> list[RequestOutput]:
+        """Read and post-process every token in flight."""
+        entries, self._inflight = self._inflight, {}
+        return self._resolve(entries)
+
+    def _resolve(self, entries: dict[str, tuple[Sequence, mx.array, mx.array]]) -> list[RequestOutput]:
+        if not entries:
+            return []
+        mx.eval([token for _, token, _ in entries.values()])
+        outputs = []
+        for seq, token, logprobs in entries.values():
+            seq.num_inflight = 0
+            if seq.is_finished or seq.request_id not in self._states:
+                continue
+            outputs.append(self._emit(seq, int(token.item()), logprobs))
+        return outputs
+
+    def _sample(self, state: _RequestState, logits: mx.array,
+                pending: mx.array | None = None) -> tuple[mx.array, mx.array]:
         if state.processors:
             history = mx.array(state.seq.all_ids, dtype=mx.uint32)
+            if pending is not None:  # the token in flight is part of the history
+                history = mx.concatenate([history, pending.astype(mx.uint32).reshape(1)])
             for processor in state.processors:
                 logits = processor(history, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return state.sampler(logprobs), logprobs[0]
 
-    def _postprocess(self, sampled: list[tuple[Sequence, mx.array]]) -> list[RequestOutput]:
-        if not sampled:
-            return []
-        draws = [self._sample(self._states[seq.request_id], logits) for seq, logits in sampled]
-        mx.eval([token for token, _ in draws])
+    def _emit(self, seq: Sequence, token_id: int, logprobs: mx.array) -> RequestOutput:
+        """Append one read token to its request: text, stop conditions, prefix-cache blocks, finishing."""
+        state = self._states[seq.request_id]
         now = time.perf_counter()
-        outputs = []
-        for (seq, _), (token, logprobs) in zip(sampled, draws):
-            state = self._states[seq.request_id]
-            token_id = int(token.item())
-            seq.output_ids.append(token_id)
-            self.num_generated_tokens += 1
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            if token_id in state.eos_ids:
-                text, reason = state.text.finish(), "stop"
-            else:
-                text = state.text.add_token(token_id)
-                reason = "stop" if state.text.stopped else None
-                if reason is None and len(seq.output_ids) >= seq.sampling.max_tokens:
-                    text, reason = text + state.text.finish(), "length"
-            if not getattr(seq.kv_policy, "evicts", False):
-                # An evicting sequence's blocks stay private: a shared block would have to be copied on write
-                # by the next eviction, which may find no free block.
-                self.block_manager.register_full_blocks(seq)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                self.runner.drop(seq)
-                del self._states[seq.request_id]
-            outputs.append(RequestOutput(
-                seq.request_id, token_id, text, logprobs, len(seq.prompt_ids), len(seq.output_ids), reason,
-                ttft=seq.first_token_time - seq.arrival_time,
-            ))
-        return outputs
+        seq.output_ids.append(token_id)
+        self.num_generated_tokens += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if token_id in state.eos_ids:
+            text, reason = state.text.finish(), "stop"
+        else:
+            text = state.text.add_token(token_id)
+            reason = "stop" if state.text.stopped else None
+            if reason is None and len(seq.output_ids) >= seq.sampling.max_tokens:
+                text, reason = text + state.text.finish(), "length"
+        if not getattr(seq.kv_policy, "evicts", False):
+            # An evicting sequence's blocks stay private: a shared block would have to be copied on write
+            # by the next eviction, which may find no free block.
+            self.block_manager.register_full_blocks(seq)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self.runner.drop(seq)
+            del self._states[seq.request_id]
+        return RequestOutput(
+            seq.request_id, token_id, text, logprobs, len(seq.prompt_ids), len(seq.output_ids), reason,
+            ttft=seq.first_token_time - seq.arrival_time,
+        )
 
     def _final_output(self, seq: Sequence) -> RequestOutput:
         self._states.pop(seq.request_id, None)

@@ -91,13 +91,18 @@ class ModelRunner:
         mx.eval([a for a in (out,) if a is not None], self.arena.keys, self.arena.values)
         return out
 
-    def decode(self, seqs: list[Sequence]) -> mx.array:
-        """One forward for all `seqs` (each with exactly one pending token); returns logits [B, V]."""
+    def decode(self, seqs: list[Sequence], tokens: mx.array | None = None) -> mx.array:
+        """One forward for all `seqs` (each with exactly one pending token); returns logits [B, V].
+
+        tokens: the pending tokens as `[B, 1]`, possibly lazy (sampled by a step still in flight); by default
+        read from the sequences.
+        """
         kvs = [self.kv(seq) for seq in seqs]
         states = [self.policy_state(seq) for seq in seqs]
         for kv in kvs:
             kv.make_writable(kv.num_tokens, kv.num_tokens + 1)
-        tokens = mx.array(np.array([[seq.all_ids[seq.num_computed]] for seq in seqs], dtype=np.uint32))
+        if tokens is None:
+            tokens = mx.array(np.array([[seq.token_at(seq.num_computed)] for seq in seqs], dtype=np.uint32))
         if len(seqs) == 1:  # contiguous tables get zero-copy views through the single-sequence cache
             logits = self.model(tokens, cache=self._caches(seqs[0], kvs[0]))
         else:

@@ -6,7 +6,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from cortexstream.generation.sampling import SamplingParams
 
@@ -41,6 +41,16 @@ class Sequence:
     error: str | None = None
     first_token_time: float | None = None
     owner: int = field(default_factory=lambda: next(_ids))
+    # False once something other than the model's forward over these tokens wrote the KV (C2C fusion): then the
+    # KV cannot be rebuilt from the tokens, so the scheduler never preempts the sequence by recompute and the
+    # block manager never registers its blocks in the prefix cache.
+    kv_from_tokens: bool = True
+    # Called once, between engine steps, when every prompt token but the last is in the KV (the last one is then
+    # computed on whatever the hook left there, so the first sampled token sees it). Raising fails the request.
+    before_last_prompt_token: Callable[["Sequence"], None] | None = None
+    # Sampled tokens whose values the engine has not read yet (0 or 1: the pipelined decode step in flight).
+    # They count as tokens, so the scheduler plans the next decode step for them, but are not in output_ids.
+    num_inflight: int = 0
 
     @property
     def all_ids(self) -> list[int]:
@@ -48,7 +58,12 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_inflight
+
+    def token_at(self, index: int) -> int:
+        """Token `index` of prompt + output (cheaper than all_ids[index]: no list copy)."""
+        prompt = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < prompt else self.output_ids[index - prompt]
 
     @property
     def num_pending(self) -> int:
