@@ -100,7 +100,7 @@ def passkey_cell(model: Any, tokenizer: Any, context: int, policy: KVPolicy | No
     keys = [str(k) for k in rng.integers(10000, 100000, trials)]
     budget_context = context + ANSWER_TOKENS
     base = make_prompt_cache(model, max_tokens=context)
-    attach_policy(base, policy)
+    attach_policy(base, policy, model)
     fed = 0
     results = []
     for depth, key in zip(depths, keys):
@@ -118,11 +118,11 @@ def passkey_cell(model: Any, tokenizer: Any, context: int, policy: KVPolicy | No
 
 
 def streaming_run(model: Any, ids: list[int], offset: int, tokens: int, cache: int, chunk: int, reference: int,
-                  log: Callable[[str], None]) -> dict[str, Any]:
+                  log: Callable[[str], None], rerotate: bool = False) -> dict[str, Any]:
     """`tokens` tokens through a StreamingLLM cache of `cache` tokens, perplexity per segment; the full cache on
     the first `reference` tokens of the same text is the reference for those segments."""
     tic = time.perf_counter()
-    policy = StreamingLLM(sinks=4, budget=cache)
+    policy = StreamingLLM(sinks=4, budget=cache, rerotate=rerotate)
     start = offset if len(ids) > offset + tokens + 1 else 0
     text = ids[start : start + tokens + 1]
     nll = token_nlls(model, text, policy, chunk_size=chunk)
@@ -218,12 +218,14 @@ def run(model_source: str | None = None, out_dir: str = "bench/results", *, quic
                        "chunk": chunk, "ppl": float(np.exp(nll.mean())), "seconds": time.perf_counter() - tic}
                 results.add("perplexity", row)
                 log(f"ppl ctx={context} {label}: {row['ppl']:.3f} ({row['seconds']:.0f}s)")
-    if "streaming" in parts and not results.has("streaming", tokens=stream_tokens, cache=stream_cache) \
-            and due(f"streaming {stream_tokens}/{stream_cache}"):
-        results.add("streaming", streaming_run(model, ids, max(contexts), stream_tokens, stream_cache, stream_chunk,
-                                               stream_reference, log))
+    for rerotate in (False, True):  # positions kept (the default) / numbered inside the cache (the paper's)
+        spec = StreamingLLM(sinks=4, budget=stream_cache, rerotate=rerotate).describe()
+        if "streaming" in parts and not results.has("streaming", tokens=stream_tokens, cache=stream_cache,
+                                                    policy=spec) and due(f"streaming {stream_tokens}/{spec}"):
+            results.add("streaming", streaming_run(model, ids, max(contexts), stream_tokens, stream_cache,
+                                                   stream_chunk, stream_reference, log, rerotate))
     if "restart" in parts and results.data["streaming"] and not results.data.get("restart") and due("restart"):
-        results.add("restart", restart_check(model, ids, results.data["streaming"][-1], stream_chunk, log))
+        results.add("restart", restart_check(model, ids, results.data["streaming"][0], stream_chunk, log))
     if "chunkcheck" in parts:
         check = 256 if quick else 512
         for label, policy in policies_for([0.2]):

@@ -49,7 +49,7 @@ class ModelRunner:
             return None
         state = self._policy.get(seq.request_id)
         if state is None:
-            state = PolicyState.for_sequence(policy, self.kv(seq))
+            state = PolicyState.for_sequence(policy, self.kv(seq), self.model)
             self._policy[seq.request_id] = state
         return state
 

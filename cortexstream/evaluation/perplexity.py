@@ -46,7 +46,7 @@ def token_nlls(
     if prompt_cache is None:
         bound = policy.max_physical_tokens(context, chunk_size) if evicting else None
         prompt_cache = make_prompt_cache(model, max_tokens=min(context, bound or context))
-    attach_policy(prompt_cache, policy)
+    attach_policy(prompt_cache, policy, model)
     inputs = mx.array(ids[:-1].astype(np.uint32))
     targets = mx.array(ids[1:].astype(np.int32))
     out = np.empty(ids.size - 1, dtype=np.float64)

@@ -157,7 +157,7 @@ def _direct_generate(
     if kv_policy is not None or getattr(prompt_cache[0], "policy_state", None) is not None:
         from cortexstream.policies.direct import apply_policy, attach_policy
 
-        if attach_policy(prompt_cache, kv_policy) is not None:
+        if attach_policy(prompt_cache, kv_policy, model) is not None:
             # Fraction budgets resolve against everything this turn can reach (see policies.base).
             context = prompt_cache[0].offset + len(tokens) + sampling.max_tokens
 

@@ -24,11 +24,12 @@ def policy_state_of(prompt_cache: list[Any]) -> PolicyState | None:
     return getattr(prompt_cache[0], "policy_state", None) if prompt_cache else None
 
 
-def attach_policy(prompt_cache: list[Any], kv_policy: "KVPolicy | str | None") -> PolicyState | None:
+def attach_policy(prompt_cache: list[Any], kv_policy: "KVPolicy | str | None", model: Any = None) -> PolicyState | None:
     """Give an arena prompt cache a policy (in place); returns its state, or None for no/full policy.
 
     A cache that already carries a state keeps it (and its scores) when the policy is equal; a different policy
-    starts a new state, which is only possible while nothing has been evicted.
+    starts a new state, which is only possible while nothing has been evicted. `model` is needed by policies that
+    re-rotate keys (StreamingLLM rerotate=True).
     """
     policy = parse_policy(kv_policy)
     current = policy_state_of(prompt_cache)
@@ -41,7 +42,7 @@ def attach_policy(prompt_cache: list[Any], kv_policy: "KVPolicy | str | None") -
     seq = prompt_cache[0].sequence
     if any(c.sequence is not seq for c in prompt_cache):
         raise InvalidArgumentError("kv_policy: the prompt cache's layers must belong to one sequence")
-    state = PolicyState.for_sequence(policy, seq)
+    state = PolicyState.for_sequence(policy, seq, model)
     prompt_cache[:] = policy_caches(seq, state)
     return state
 
@@ -61,7 +62,7 @@ def make_policy_cache(model: Any, kv_policy: "KVPolicy | str | None", max_tokens
     from cortexstream.kv.prompt_cache import make_prompt_cache
 
     cache = make_prompt_cache(model, max_tokens=max_tokens)
-    attach_policy(cache, kv_policy)
+    attach_policy(cache, kv_policy, model)
     return cache
 
 

@@ -30,7 +30,7 @@ _LAZY: dict[str, tuple[str, str]] = {
 # key -> kind: "count" int, "budget" int or fraction, "float", "bool" (0/1/true/false), "str" (e.g. a path)
 _KEYS: dict[type[KVPolicy], dict[str, str]] = {
     FullCache: {},
-    StreamingLLM: {"sinks": "count", "window": "budget", "budget": "budget"},
+    StreamingLLM: {"sinks": "count", "window": "budget", "budget": "budget", "rerotate": "bool"},
     H2O: {"budget": "budget", "sinks": "count", "recent": "count", "keep_prefix": "count"},
 }
 

@@ -22,6 +22,7 @@ from cortexstream.policies.attention_scores import (
     additive_mask, attention_received, install_attention_hook, original_sdpa,
 )
 from cortexstream.policies.base import KVPolicy
+from cortexstream.policies.rerotate import KeyRotator, key_rotator, renumber
 
 
 class PolicyState:
@@ -41,17 +42,23 @@ class PolicyState:
         self.num_evicted = 0
         self.num_evictions = 0
         self.num_merged = 0  # physical slots removed by merging
+        self.rotate: KeyRotator | None = None  # set for policies that renumber positions (StreamingLLM rerotate)
         self.num_merges = 0
 
     @classmethod
-    def for_sequence(cls, policy: KVPolicy, seq: SequenceKV) -> "PolicyState":
-        """State for a sequence that already holds tokens; only valid while nothing has been evicted."""
+    def for_sequence(cls, policy: KVPolicy, seq: SequenceKV, model: Any = None) -> "PolicyState":
+        """State for a sequence that already holds tokens; only valid while nothing has been evicted.
+
+        model: needed by policies that re-rotate keys (its RoPE module); ignored otherwise."""
         if seq.num_tokens != seq.logical_length:
             raise InvalidArgumentError(
                 "kv_policy: this cache was already evicted by another runtime; its slots' positions are unknown"
             )
         cfg = seq.arena.config
-        return cls(policy, cfg.num_layers, cfg.num_kv_heads, seq.num_tokens)
+        state = cls(policy, cfg.num_layers, cfg.num_kv_heads, seq.num_tokens)
+        if getattr(policy, "rerotate", False) and model is not None:
+            state.rotate = key_rotator(model)
+        return state
 
     @property
     def num_tokens(self) -> int:
@@ -98,6 +105,11 @@ class PolicyState:
             keep = np.asarray(keep, dtype=np.int64)
             seq.keep(keep)
             self.compact(keep)
+            if getattr(self.policy, "rerotate", False):
+                if self.rotate is None:
+                    raise InvalidArgumentError(f"{self.policy.describe()}: re-rotation needs the model's RoPE "
+                                               "(attach the policy with model=...)")
+                renumber(seq, self.positions, self.rotate)
             removed = n - keep.shape[-1]
             self.num_evicted += removed
             self.num_evictions += 1
@@ -226,6 +238,7 @@ class PolicyState:
         other._bias_arrays = {}
         other.num_evicted, other.num_evictions = self.num_evicted, self.num_evictions
         other.num_merged, other.num_merges = self.num_merged, self.num_merges
+        other.rotate = self.rotate
         return other
 
 

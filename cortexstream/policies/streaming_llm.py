@@ -1,7 +1,9 @@
 """StreamingLLM (Xiao et al., 2023): keep the first `sinks` tokens (attention sinks) and a window of recent ones.
 
 Surviving tokens keep their original positions (RoPE is applied once, when a token is computed), so new tokens
-continue from the logical position; the paper instead re-numbers positions inside the cache. This needs no
+continue from the logical position. The paper instead numbers positions inside the cache: `rerotate=True` does
+that (`rerotate`: kept keys are rotated to positions 0..n-1 after each eviction and new tokens continue from n),
+so positions never leave the model's training context on endless streams. This needs no
 attention scores, so it runs on the fast path (no SDPA hook) and evicts with one index list for every layer/head.
 """
 
@@ -23,6 +25,7 @@ class StreamingLLM(KVPolicy):
     sinks: int = 4
     window: Budget | None = None
     budget: Budget | None = None
+    rerotate: bool = False
 
     name = "streaming"
     evicts = True
@@ -33,6 +36,8 @@ class StreamingLLM(KVPolicy):
         check_budget("budget", self.budget, allow_none=True)
         if (self.window is None) == (self.budget is None):
             raise InvalidArgumentError("StreamingLLM: give exactly one of window= (recent tokens) or budget= (total)")
+        if not isinstance(self.rerotate, bool):
+            raise InvalidArgumentError(f"StreamingLLM: rerotate={self.rerotate!r} must be True or False")
         if isinstance(self.budget, int) and self.budget <= self.sinks:
             raise InvalidArgumentError(f"StreamingLLM: budget {self.budget} must exceed sinks {self.sinks}")
 
@@ -50,4 +55,4 @@ class StreamingLLM(KVPolicy):
 
     def describe(self) -> str:
         size = f"window={self.window}" if self.window is not None else f"budget={self.budget}"
-        return f"streaming:sinks={self.sinks},{size}"
+        return f"streaming:sinks={self.sinks},{size}" + (",rerotate=1" if self.rerotate else "")
