@@ -1,8 +1,9 @@
 """KV-arena attention benchmark: one decode step of one attention layer, arena vs mlx-lm's KVCache.
 
 Run: ``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python bench/bench_arena_attention.py``
-(about 45 s on 2 shared cores; ``--quick``: fewer steps, about 25 s). Writes bench/results/arena_attention.json and
-bench/results/arena_attention.md.
+(about 4 min on 2 busy shared cores; ``--quick``: fewer steps). Writes bench/results/arena_attention.json and
+bench/results/arena_attention.md. ``--previous OLD.json`` reports an earlier run's batch-8 ratios next to this
+run's (run it twice: the machine is shared); ``--from-json`` rewrites the report without measuring.
 
 Shapes are SmolLM2-like: 9 query heads, 3 KV heads, head_dim 64, float32, block size 16. A *step* is what one layer
 does per generated token: write the new token's K/V into the cache, fetch the K/V to attend over, run
@@ -17,19 +18,24 @@ Experiments:
 1. ``attention``: context 512 / 2048 / 8192, batch 1 and 8 (all sequences of the same length):
    * mlx-lm ``KVCache`` (batch B: one cache holding [B, H, L, D]), the baseline; at batch 8 also with the same
      boolean padding mask DecodeBatch uses (a reference that separates the mask's cost from the gather's);
-   * arena contiguous: batch 1 through ``ArenaKVCache`` (zero-copy view); batch 8 through ``DecodeBatch`` (one
-     scatter, then a block gather into a padded [B, H, L, D]) and as per-sequence views (all writes first, then 8
-     SDPA calls on views, outputs concatenated);
+   * arena contiguous: batch 1 through ``ArenaKVCache`` (zero-copy view); batch 8 through the engine's real batched
+     path: ``DecodeBatch`` + ``BatchLayerCache.update_and_fetch`` (one scatter per buffer) + mlx-lm's SDPA entry
+     point as the engine patches it (``policies.attention_scores.dispatch_sdpa``), which hands the call to the
+     cache's attention hook, i.e. the batch strategy (engine/batch_attention.py): the engine's default
+     (``blocks`` on CPU: block-wise ``gather_mm`` through the table, no K/V copy), ``per_sequence`` (zero-copy
+     view + one SDPA per contiguous sequence; paged rows through one padded gather) and ``gather`` (the padded
+     [B, H, L, D] gather + one masked SDPA, the only path before);
    * arena paged: block tables deliberately non-contiguous (batch 1: a random permutation of the sequence's blocks;
-     batch 8: the sequences' blocks interleaved round-robin), through ``ArenaKVCache`` (block gather) and
-     ``DecodeBatch``.
+     batch 8: the sequences' blocks interleaved round-robin), through ``ArenaKVCache`` (block gather) and the same
+     three ``DecodeBatch`` strategies.
    The arena of each variant holds all its sequences (context + the steps run) plus 25 % spare blocks. mlx-lm's
    cache regrows by concatenation every 256 tokens; that happens during warm-up here, so its numbers are its steady
    state (favourable to the baseline). ``DecodeBatch()`` construction + ``commit()`` happen once per forward pass
    for all layers; they are timed apart (``setup_us``) and not in the step.
-   Experiment 1 runs twice: with MLX's default CPU buffer-cache limit (32 MiB, what the engine uses today) and with
-   ``mx.set_cache_limit(1 GiB)``. A freed buffer that does not fit in the cache goes back to the OS, and the next
-   allocation of that size page-faults fresh memory; the minor page faults per step are recorded.
+   Experiment 1 runs twice: with MLX's default CPU buffer-cache limit (32 MiB) and with ``mx.set_cache_limit(1 GiB)``
+   (what the engine sets, ``backend.ensure_buffer_cache``). A freed buffer that does not fit in the cache goes back
+   to the OS, and the next allocation of that size page-faults fresh memory; the minor page faults per step are
+   recorded.
 2. ``layout``: SDPA alone on a head-major view ``buf[:, s:e, :]`` ([H, S, D], the arena's layout) vs a token-major
    view ``buf[s:e].transpose(1, 0, 2)`` ([S, H, D]) vs a dense [1, H, L, D] array, batch 1, context 2048 and 8192.
 3. ``buffer_per_layer``: a 30-layer decode step (write, view, SDPA per layer; each layer's new K/V computed from the

@@ -203,3 +203,37 @@ def test_compact_layer_moves_kept_tokens_to_the_front():
     rows = mx.array(keep)[:, :, None]
     assert mx.array_equal(k, mx.take_along_axis(keys, rows, axis=1)).item()
     assert mx.array_equal(v, mx.take_along_axis(values, rows, axis=1)).item()
+
+
+@pytest.mark.parametrize("metal", [False, True], ids=["reference", "metal-branch-via-shim"])
+def test_sequence_keep_runs_the_eviction_gather_of_the_chosen_backend(monkeypatch, metal):
+    """`SequenceKV.keep` (the engine's eviction) goes through `compact_layer`: with Metal reported available the
+    Metal branch runs (here the C++-compiled body), otherwise the reference; both keep the right rows per head."""
+    from cortexstream.kernels import dispatch
+    from cortexstream.kv.arena import KVArena
+    from cortexstream.kv.arena_config import ArenaConfig
+    from cortexstream.kv.sequence_kv import SequenceKV
+
+    calls = []
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    monkeypatch.setattr(dispatch, "metal_available", lambda: metal)
+    monkeypatch.setattr(eg, "run_metal", lambda spec, launch: calls.append(spec.name) or run_launch(spec, launch))
+    rng = np.random.default_rng(5)
+    arena_ = KVArena(ArenaConfig(num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=12, block_size=4))
+    allocated = arena_.allocator.allocate(4)
+    seq = SequenceKV(arena_, contiguous=False, blocks=[allocated[i] for i in (2, 0, 3, 1)])  # fragmented
+    originals = []
+    for layer in range(2):
+        kv = [mx.array(rng.standard_normal((2, 14, 8)).astype(np.float32)) for _ in "kv"]
+        arena_.write(layer, seq.blocks, 0, *kv)
+        originals.append(kv)
+    seq.lengths, seq.offsets = [14, 14], [14, 14]
+    keep = np.stack([np.stack([np.sort(rng.choice(14, 6, replace=False)) for _ in range(2)]) for _ in range(2)])
+    assert seq.keep(keep) == 2  # 6 tokens fit in 2 of the 4 blocks
+    assert calls == (["cs_evict_gather"] * 2 if metal else [])
+    assert seq.lengths == [6, 6] and seq.offsets == [14, 14] and arena_.num_evicted_tokens == 16
+    for layer, (keys, values) in enumerate(originals):
+        k, v = arena_.read(layer, seq.blocks, 6)
+        rows = mx.array(keep[layer])[:, :, None]
+        assert mx.array_equal(k, mx.take_along_axis(keys, rows, axis=1)).item()
+        assert mx.array_equal(v, mx.take_along_axis(values, rows, axis=1)).item()

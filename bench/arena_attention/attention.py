@@ -16,6 +16,7 @@ from cortexstream.kv.arena_cache import ArenaKVCache
 from .cases import ArenaDecodeBatch, ArenaPerSequenceViews, ArenaSingle, MlxLm, make_sequences
 from .common import (
     B1_STEPS_FACTOR,
+    BATCH_STRATEGIES,
     BATCHES,
     BLOCK,
     CONTEXTS,
@@ -57,18 +58,19 @@ def experiment_attention(
             variants.append(ArenaSingle("paged_gather", inp, pseq))
         else:
             variants.append(MlxLm(inp, with_mask=True))
-            arena, seqs = make_sequences(inp, ctx + capacity, "contiguous", rng)
-            variants.append(ArenaDecodeBatch("contig_decodebatch", inp, arena, seqs))
-            arena, seqs = make_sequences(inp, ctx + capacity, "contiguous", rng)
-            variants.append(ArenaPerSequenceViews("contig_views", inp, arena, seqs))
-            arena, seqs = make_sequences(inp, ctx + capacity, "interleaved", rng)
-            variants.append(ArenaDecodeBatch("paged_decodebatch", inp, arena, seqs))
+            # the engine's batched decode (DecodeBatch + the SDPA hook): its default strategy, then each forced one
+            for layout, prefix in (("contiguous", "contig"), ("interleaved", "paged")):
+                for key, strategy in BATCH_STRATEGIES:
+                    arena, seqs = make_sequences(inp, ctx + capacity, layout, rng)
+                    variants.append(ArenaDecodeBatch(f"{prefix}_{key}", inp, arena, seqs, strategy))
         interleave(variants, warmup, n_steps(batch), lambda: progress.advance(task))
         reference = variants[0].first_out
         base = statistics.median(variants[0].times)
         _, total_blocks = arena_blocks(batch, ctx + capacity)
         for variant in variants:
-            row = {"ctx": ctx, "batch": batch, "variant": variant.key, "label": LABELS[variant.key],
+            strategy = getattr(variant, "strategy", None)
+            label = LABELS[variant.key] + (f" [{strategy}]" if strategy else "")
+            row = {"ctx": ctx, "batch": batch, "variant": variant.key, "label": label, "strategy": strategy,
                    "cache_limit": cache_limit if cache_limit is not None else "default"}
             row.update(summarise(variant.times))
             row["minor_faults_per_step"] = statistics.median(variant.faults)

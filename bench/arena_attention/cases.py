@@ -8,12 +8,14 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from cortexstream.engine.batch_attention import choose_strategy
 from cortexstream.engine.batch_cache import DecodeBatch
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_cache import ArenaKVCache
 from cortexstream.kv.sequence_kv import SequenceKV
+from cortexstream.policies.attention_scores import dispatch_sdpa
 
-from .common import Inputs, Variant, arena_blocks, make_arena, sdpa
+from .common import SCALE, Inputs, Variant, arena_blocks, make_arena, sdpa
 
 
 class MlxLm(Variant):
@@ -93,23 +95,32 @@ class ArenaSingle(Variant):
 
 
 class ArenaDecodeBatch(Variant):
-    """Batch B through `DecodeBatch`: scatter the new tokens, gather blocks into a padded [B, H, L, D] + mask."""
+    """Batch B through `DecodeBatch` exactly as the engine's batched decode runs it: `update_and_fetch` (one scatter
+    per buffer; returns the lazy padded gather), then mlx-lm's SDPA entry point as patched by the engine
+    (`dispatch_sdpa`), which hands the call to the cache's attention hook, i.e. the batch's strategy.
 
-    def __init__(self, key: str, inp: Inputs, arena: KVArena, seqs: list[SequenceKV]) -> None:
+    strategy: None (the engine's default, `batch_attention.choose_strategy()`) or a forced one (e.g. "gather", the
+    padded gather + one masked SDPA that was the only path before).
+    """
+
+    def __init__(self, key: str, inp: Inputs, arena: KVArena, seqs: list[SequenceKV],
+                 strategy: str | None = None) -> None:
         super().__init__()
         self.key = key
         self.inp = inp
         self.arena = arena
         self.seqs = seqs
+        self.requested = strategy
+        self.strategy = choose_strategy(strategy, arena.dtype)
 
     def step(self) -> tuple[float, mx.array]:
         inp = self.inp
         t_setup = time.perf_counter()
-        batch = DecodeBatch(self.arena, self.seqs)
+        batch = DecodeBatch(self.arena, self.seqs, attention=self.requested)
         cache = batch.caches()[0]
         t0 = time.perf_counter()
         k, v = cache.update_and_fetch(inp.k_new, inp.v_new)
-        out = sdpa(inp.q, k, v, cache.make_mask(1))
+        out = dispatch_sdpa(inp.q, k, v, cache, SCALE, cache.make_mask(1))
         mx.eval(out)
         dt = time.perf_counter() - t0
         t1 = time.perf_counter()

@@ -28,7 +28,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps (a smoke run, noisier numbers)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="output folder")
+    parser.add_argument("--previous", type=Path, help="arena_attention.json of an earlier run: its experiment-1 "
+                        "ratios are reported next to this run's (the machine is shared; one run is not enough)")
+    parser.add_argument("--from-json", type=Path, help="do not measure: rewrite the report from this JSON")
+    parser.add_argument("--note", action="append", default=[], help="a note for the report (repeatable)")
     args = parser.parse_args()
+    if args.from_json:
+        data = json.loads(args.from_json.read_text())
+        write(data, args)
+        return
     if not openblas_loaded():
         print(f"hint: run with LD_PRELOAD={OPENBLAS} for OpenBLAS matmuls (recorded in the JSON)", file=sys.stderr)
     warmup, steps = (2, 10) if args.quick else (5, 30)
@@ -46,12 +54,22 @@ def main() -> None:
         data["per_sequence_pitfall"] = experiment_pitfall(warmup, steps, progress, rng)
         data["python_overhead"] = experiment_python_overhead(progress, rng, 50 if args.quick else 200)
     data["meta"]["elapsed_s"] = time.perf_counter() - t_start
-    data["conclusions"] = conclusions(data)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "arena_attention.json").write_text(json.dumps(data, indent=1) + "\n")
-    (args.out / "arena_attention.md").write_text(to_markdown(data))
+    write(data, args)
     for r in data["attention"]:
         print(f"ctx={r['ctx']:>5} B={r['batch']} {r['label']:<46} {r['median_ms']:8.3f} ms  "
               f"x{r['ratio_vs_mlx_lm']:.2f}")
     print("\n".join(data["conclusions"]))
-    print(f"wrote {args.out / 'arena_attention.json'} and arena_attention.md in {data['meta']['elapsed_s']:.0f} s")
+    print(f"wrote {args.out / 'arena_attention.json'} and arena_attention.md ({data['meta']['elapsed_s']:.0f} s run)")
+
+
+def write(data: dict[str, Any], args: argparse.Namespace) -> None:
+    """Attach the earlier run (if given), regenerate the conclusions, write the JSON and the Markdown."""
+    if args.note:
+        data["notes"] = list(args.note)
+    if args.previous:
+        previous = json.loads(args.previous.read_text())
+        data["previous_run"] = {key: previous[key] for key in ("meta", "attention", "attention_big_cache")}
+    data["conclusions"] = conclusions(data)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "arena_attention.json").write_text(json.dumps(data, indent=1) + "\n")
+    (args.out / "arena_attention.md").write_text(to_markdown(data))

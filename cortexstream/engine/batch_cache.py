@@ -1,25 +1,51 @@
 """mlx-lm cache protocol for one decode step of several sequences of different lengths in one forward pass.
 
-Each sequence's new token is scattered into its own arena slot, then every layer gathers the sequences' blocks into
-a padded `[B, H, max_blocks * block_size, D]` tensor; a boolean mask hides the padding. RoPE gets per-sequence
-offsets through `offset` being an array.
+Each sequence's new token is scattered into its own arena slot (one scatter per buffer for the whole batch). What
+`update_and_fetch` returns is the sequences' blocks gathered into a padded `[B, H, max_blocks * block_size, D]`
+tensor with a boolean mask hiding the padding; RoPE gets per-sequence offsets through `offset` being an array.
+
+That gather is lazy and, on the default path, never computed: each layer cache carries an `attention_hook` (see
+`batch_attention`) that attends straight from the arena, per sequence over zero-copy views on CPU, or through the
+paged-attention kernel on Metal. The gather is what attention falls back to when the runner replaces the hook
+with its own (KV policies that need scores or logit biases), when the model passes learned sinks, or when the
+model's SDPA is not routed through hooks.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
 
+from cortexstream.engine.batch_attention import (
+    BLOCKS, GATHER, PAGED, PER_SEQUENCE, block_matmul_attention, choose_strategy, hook_applies, paged_kernel_attention,
+    per_sequence_attention,
+)
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.sequence_kv import SequenceKV
+from cortexstream.policies.attention_scores import install_attention_hook, original_sdpa
+
+
+@dataclass(frozen=True)
+class PagedRows:
+    """Batch rows with paged tables: positions in the batch, as an index array, their table and lengths."""
+
+    rows: list[int]
+    index: mx.array
+    table: mx.array
+    lengths: mx.array
 
 
 class DecodeBatch:
-    """Per-step addressing shared by all layers: write slots, padded block table, lengths and offsets."""
+    """Per-step addressing shared by all layers: write slots, padded block table, lengths and offsets.
 
-    def __init__(self, arena: KVArena, sequences: list[SequenceKV]) -> None:
+    attention: None / `auto` (`batch_attention.choose_strategy` decides), or one of `batch_attention.STRATEGIES`.
+    """
+
+    def __init__(self, arena: KVArena, sequences: list[SequenceKV], attention: str | None = None) -> None:
         bs = arena.config.block_size
         self.arena = arena
         self.sequences = sequences
@@ -37,6 +63,49 @@ class DecodeBatch:
         self.offsets = mx.array(np.array([s.offsets[0] for s in sequences], dtype=np.int32))
         positions = np.arange(max_blocks * bs)
         self.mask = mx.array(positions[None, :] < self.lengths_after[:, None])[:, None, None, :]
+        # Contiguous start of each table (None: paged), for the per-sequence views; cached by SequenceKV.
+        self.firsts = [s.contiguous_first() for s in sequences]
+        self.strategy = choose_strategy(attention, arena.dtype)
+        self._table_np = table
+        self._lengths_array: mx.array | None = None
+        if self.strategy != GATHER:
+            install_attention_hook()  # route mlx-lm's SDPA through dispatch_sdpa (idempotent, cheap)
+        # Built here, once for all layers (not inside the first layer's attention).
+        if self.strategy == BLOCKS:
+            _ = self.block_indices
+        elif self.strategy == PER_SEQUENCE:
+            _ = self.paged
+
+    def lengths_array(self) -> mx.array:
+        """Physical keys per sequence after this step, int32 [B] (for the paged kernel)."""
+        if self._lengths_array is None:
+            self._lengths_array = mx.array(self.lengths_after.astype(np.int32))
+        return self._lengths_array
+
+    @cached_property
+    def paged(self) -> PagedRows | None:
+        """The sequences whose block tables are not contiguous, with their own trimmed table; None if none.
+        Built once per step for all layers."""
+        rows = [b for b, first in enumerate(self.firsts) if first is None]
+        if not rows:
+            return None
+        lengths = self.lengths_after[rows]
+        used = int(max(-(-lengths // self.arena.config.block_size)))
+        return PagedRows(rows, mx.array(np.asarray(rows, dtype=np.int32)), mx.array(self._table_np[rows, :used]),
+                         mx.array(lengths.astype(np.int32)))
+
+    @cached_property
+    def block_indices(self) -> tuple[mx.array, mx.array, mx.array]:
+        """`gather_mm` indices of the `blocks` strategy, [B, H, MB] uint32 each: the query matrix (b * H + h), the
+        K/V block matrix (h * num_blocks + table[b, j]) and the probability matrix ((b * H + h) * MB + j)."""
+        cfg = self.arena.config
+        batch, max_blocks = self._table_np.shape
+        heads = np.arange(cfg.num_kv_heads, dtype=np.uint32)
+        query = np.arange(batch * cfg.num_kv_heads, dtype=np.uint32).reshape(batch, -1, 1)
+        block = heads[None, :, None] * cfg.num_blocks + self._table_np.astype(np.uint32)[:, None, :]
+        probs = query * max_blocks + np.arange(max_blocks, dtype=np.uint32)
+        query = np.broadcast_to(query, block.shape)
+        return mx.array(query), mx.array(block), mx.array(probs)
 
     def caches(self) -> list["BatchLayerCache"]:
         return [BatchLayerCache(self, layer) for layer in range(self.arena.config.num_layers)]
@@ -50,12 +119,16 @@ class DecodeBatch:
 
 
 class BatchLayerCache:
-    # Set by the runner when a sequence's KV policy needs attention scores (see policies.attention_scores).
-    attention_hook: Any = None
+    # The batch's own arena attention (see __init__); the runner replaces it with its hook when a sequence's KV
+    # policy needs attention scores or logit biases (policies.state.batch_attention_hook), which then receives
+    # the padded gather from update_and_fetch, exactly as before the arena strategies existed.
+    attention_hook: Callable[..., mx.array] | None = None
 
     def __init__(self, batch: DecodeBatch, layer: int) -> None:
         self.batch = batch
         self.layer = layer
+        if batch.strategy != GATHER:
+            self.attention_hook = self.attend
 
     @property
     def offset(self) -> mx.array:
@@ -69,12 +142,27 @@ class BatchLayerCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         arena, batch = self.batch.arena, self.batch
         keys_buf, values_buf = arena.keys[self.layer], arena.values[self.layer]
-        heads, _, dim = keys_buf.shape
         # [B, H, 1, D] -> [H, B, D], one scatter per buffer
         keys_buf[:, batch.slots, :] = keys[:, :, 0, :].transpose(1, 0, 2).astype(keys_buf.dtype)
         values_buf[:, batch.slots, :] = values[:, :, 0, :].transpose(1, 0, 2).astype(values_buf.dtype)
         arena.keys[self.layer], arena.values[self.layer] = keys_buf, values_buf
+        # Lazy: only evaluated if attention does not go through `attend` (see the module docstring).
         return self._gather(keys_buf), self._gather(values_buf)
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
+               sinks: mx.array | None = None) -> mx.array:
+        """The batch's attention (its strategy), as a `dispatch_sdpa` hook: attends from the arena and ignores the
+        gathered `keys`/`values` from `update_and_fetch`, except when `hook_applies` says the call is not a plain
+        decode step (then SDPA over them). A runner hook that only records scores can return this for its output,
+        so that its tokens are exactly those of a batch without the hook."""
+        batch = self.batch
+        if not hook_applies(batch, queries, mask, sinks):
+            return original_sdpa(queries, keys, values, None, scale=scale, mask=mask, sinks=sinks)
+        if batch.strategy == PAGED:
+            return paged_kernel_attention(batch, self.layer, queries, scale)
+        if batch.strategy == BLOCKS:
+            return block_matmul_attention(batch, self.layer, queries, scale)
+        return per_sequence_attention(batch, self.layer, queries, scale)
 
     def _gather(self, buffer: mx.array) -> mx.array:
         heads, _, dim = buffer.shape

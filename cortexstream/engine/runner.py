@@ -110,7 +110,8 @@ class ModelRunner:
             caches = batch.caches()
             if needs_batch_hook(states):  # attention scores (H2O) or logit biases of merged slots
                 for cache in caches:
-                    cache.attention_hook = batch_attention_hook(cache.layer, batch.lengths_after, states)
+                    cache.attention_hook = batch_attention_hook(cache.layer, batch.lengths_after, states,
+                                                              attend=getattr(cache, "attend", None))
             logits = self.model(tokens, cache=caches)
             batch.commit()
         logits = logits[:, -1, :]

@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from cortexstream.errors import InvalidArgumentError, OutOfBlocksError
+from cortexstream.kernels.evict_gather import compact_layer
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_config import ArenaConfig
 
@@ -186,10 +187,9 @@ class SequenceKV:
         with self.arena.lock:
             self.make_writable(0, kept)
             for layer in range(cfg.num_layers):
-                slots = self.arena.slot_indices(self.blocks, 0, self.lengths[layer])[index[layer]]
-                k, v = self.arena.gather_slots(layer, slots)
-                mx.eval(k, v)  # materialise before overwriting the same buffer in place
-                self.arena.write(layer, self.blocks, 0, k, v)
+                # The eviction-gather kernel (Metal) or its pure-MLX reference: gathers the kept rows through the
+                # block table ([n] or per-head [H, n]), materialises them, writes them to positions 0..n-1.
+                compact_layer(self.arena, layer, self.blocks, index[layer])
                 self.arena.num_evicted_tokens += self.lengths[layer] - kept
                 self.lengths[layer] = kept
             mx.eval(self.arena.keys, self.arena.values)

@@ -287,11 +287,14 @@ def needs_batch_hook(states: list[PolicyState | None]) -> bool:
     return any(s is not None and (s.policy.needs_attention_scores or s.has_bias()) for s in states)
 
 
-def batch_attention_hook(layer: int, lengths: np.ndarray, states: list[PolicyState | None]) -> Callable[..., mx.array]:
+def batch_attention_hook(layer: int, lengths: np.ndarray, states: list[PolicyState | None],
+                         attend: Callable[..., mx.array] | None = None) -> Callable[..., mx.array]:
     """Attention hook for one layer of a batched decode step: adds each row's logit bias (merged slots) and
     scores the rows whose policy needs attention scores.
 
     `lengths[b]`: physical keys of row b after this step (the rest of the padded row is masked padding).
+    `attend`: the batch's own attention (`BatchLayerCache.attend`); used for the output whenever no bias is
+    added, so a batch that only records scores produces exactly the tokens of a batch without policies.
     """
     rows = [b for b, s in enumerate(states) if s is not None and s.policy.needs_attention_scores]
     index = mx.array(np.asarray(rows, dtype=np.int32))
@@ -307,15 +310,17 @@ def batch_attention_hook(layer: int, lengths: np.ndarray, states: list[PolicySta
 
     def hook(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
              sinks: mx.array | None) -> mx.array:
+        plain_mask = mask
         if biased:
             mask = biased_mask(mask, bias_for(keys.shape[2], queries.shape[1]), queries.shape[2], keys.shape[2],
                                queries.dtype)
-        if not rows:
-            return original_sdpa(queries, keys, values, None, scale=scale, mask=mask, sinks=sinks)
-        row_mask = mask[index] if isinstance(mask, mx.array) and mask.shape[0] == queries.shape[0] else mask
-        received = attention_received(queries[index], keys[index], scale, row_mask, sinks)
-        for i, b in enumerate(rows):
-            states[b].record(layer, received[i, :, : int(lengths[b])])
+        if rows:
+            row_mask = mask[index] if isinstance(mask, mx.array) and mask.shape[0] == queries.shape[0] else mask
+            received = attention_received(queries[index], keys[index], scale, row_mask, sinks)
+            for i, b in enumerate(rows):
+                states[b].record(layer, received[i, :, : int(lengths[b])])
+        if not biased and attend is not None:
+            return attend(queries, keys, values, scale, plain_mask, sinks)
         return original_sdpa(queries, keys, values, None, scale=scale, mask=mask, sinks=sinks)
 
     install_attention_hook()

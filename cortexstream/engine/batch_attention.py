@@ -1,0 +1,134 @@
+"""How one layer of a batched decode step attends over the arena: the strategies behind `BatchLayerCache`.
+
+mlx-lm models call `cache.update_and_fetch(k, v)` and then `scaled_dot_product_attention(q, k, v, cache=cache,
+...)`; `policies.attention_scores.dispatch_sdpa` hands that second call to `cache.attention_hook` when the cache
+has one. A `BatchLayerCache` always returns the padded gather of the batch from `update_and_fetch` (lazily: MLX
+never computes it unless something uses it) and, for the strategies below, installs its own hook that attends
+straight from the arena and ignores the gather. Anything unexpected at hook time (learned sinks, a different
+mask) attends over the gather instead, and a model whose SDPA is not routed through the hook simply consumes it:
+a strategy can be slower than planned, never wrong.
+
+Strategies (chosen per step by `choose_strategy`; bench/results/arena_attention.md has the measurements):
+- `paged`: the paged-attention kernel (kernels/paged_attention.py) reads K/V through the block tables, GQA-aware,
+  no copy. Chosen when the kernels run on Metal.
+- `per_sequence`: each sequence whose block table is contiguous gets one SDPA over a zero-copy view of its K/V:
+  the same operands and operation as the unbatched decode (`ArenaKVCache`), so its output is bit-identical to
+  it. The sequences with paged tables go together through `paged_attention` (on CPU its reference: a padded
+  gather of only those rows + one masked SDPA, as the `gather` strategy does for all).
+- `blocks`: attention block by block through the padded block table with `mx.gather_mm`: the queries of each
+  (sequence, KV head) are multiplied with the K block of every table entry in place (no copy of K/V, GQA folded:
+  a KV head's G query heads are G rows of one matmul), one softmax over the padded, masked scores, then the same
+  block-wise product with V, summed over blocks. A fixed number of MLX ops whatever the batch, and paged tables
+  cost the same as contiguous ones. Chosen on CPU: the fastest strategy measured there at every context, and
+  faster than mlx-lm's KVCache at 2k and 8k, but still slower at 512, where its B * H * blocks small matmuls
+  cost more than they save. Not bit-identical to the unbatched decode (the sum over blocks adds in another
+  order): equal to rounding. CPU `gather_mm` is float32 only: half-precision arenas get `per_sequence` instead.
+- `gather`: the padded [B, H, max_blocks * bs, D] gather + one masked SDPA (no hook): the only path before,
+  kept to compare; also what the runner's own hook (KV policies: scores, logit biases) attends over.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, cast
+
+import mlx.core as mx
+
+from cortexstream.kernels.dispatch import METAL, resolve_backend
+from cortexstream.kernels.paged_attention import paged_attention
+
+if TYPE_CHECKING:  # import cycle: batch_cache imports this module
+    from cortexstream.engine.batch_cache import DecodeBatch
+
+GATHER, PER_SEQUENCE, BLOCKS, PAGED = "gather", "per_sequence", "blocks", "paged"
+STRATEGIES = (GATHER, PER_SEQUENCE, BLOCKS, PAGED)
+ENV_VAR = "CORTEXSTREAM_BATCH_ATTENTION"  # auto (unset) or one of STRATEGIES: debugging, benchmarks
+
+
+def choose_strategy(requested: str | None = None, dtype: mx.Dtype = mx.float32) -> str:
+    """`requested` (or $CORTEXSTREAM_BATCH_ATTENTION) if set and not `auto`; else `paged` when the kernels run on
+    Metal, else `blocks` for a float32 arena and `per_sequence` for a half-precision one (MLX's CPU `gather_mm`
+    is float32 only). `paged` on CPU runs the kernel's pure-MLX reference (a gather + SDPA).
+    dtype: the arena's."""
+    choice = (requested if requested is not None else os.environ.get(ENV_VAR, "auto")).strip().lower() or "auto"
+    no_gather_mm = dtype != mx.float32 and mx.default_device() == mx.cpu
+    if choice == "auto":
+        if resolve_backend() == METAL:
+            return PAGED
+        return PER_SEQUENCE if no_gather_mm else BLOCKS
+    if choice not in STRATEGIES:
+        source = "attention=" if requested is not None else f"{ENV_VAR}="
+        raise ValueError(f"{source}{choice!r}: must be auto or one of {', '.join(STRATEGIES)}")
+    if choice == BLOCKS and no_gather_mm:
+        raise ValueError(f"batch attention 'blocks' needs a float32 arena on CPU (mx.gather_mm), this one is {dtype}: "
+                         "use per_sequence or gather")
+    return choice
+
+
+def hook_applies(batch: "DecodeBatch", queries: mx.array, mask: Any, sinks: mx.array | None) -> bool:
+    """True when the call is the plain decode step the arena strategies implement: one query per sequence, the
+    batch's own padding mask, no learned sinks (neither strategy models those)."""
+    return sinks is None and queries.ndim == 4 and queries.shape[2] == 1 and mask is batch.mask
+
+
+def per_sequence_attention(batch: "DecodeBatch", layer: int, queries: mx.array, scale: float) -> mx.array:
+    """One SDPA per contiguous sequence over a zero-copy view of its K/V; the paged sequences (if any) together
+    through `paged_attention` (on CPU its reference: one padded gather of just those rows + a masked SDPA).
+    Outputs in batch order: [B, Hq, 1, DV].
+
+    All sequences' new tokens were scattered by `update_and_fetch` before this runs, so the views see them and no
+    write follows a read of the same buffer within the graph (which would make MLX copy the whole buffer).
+    """
+    arena = batch.arena
+    size = queries.shape[0]
+    paged = batch.paged
+    if paged is not None and len(paged.rows) == size:  # nothing contiguous: one call for all
+        return paged_kernel_attention(batch, layer, queries, scale)
+    paged_out = None
+    if paged is not None:
+        paged_out = cast(mx.array, paged_attention(
+            queries[paged.index], arena.keys[layer], arena.values[layer], paged.table, paged.lengths, scale,
+            arena.config.block_size))
+    outs, row = [], 0
+    for b, seq in enumerate(batch.sequences):
+        first = batch.firsts[b]
+        if first is None:  # the next paged row, in batch order
+            outs.append(paged_out[row : row + 1])
+            row += 1
+            continue
+        k, v = arena.read(layer, seq.blocks, int(batch.lengths_after[b]), first)
+        # mask None: every query of a decode step sees every key; exactly what the unbatched decode computes
+        outs.append(mx.fast.scaled_dot_product_attention(queries[b : b + 1], k[None], v[None], scale=scale))
+    return mx.concatenate(outs, axis=0)
+
+
+def paged_kernel_attention(batch: "DecodeBatch", layer: int, queries: mx.array, scale: float) -> mx.array:
+    """The paged-attention kernel over the layer's arena buffers through the batch's block table: [B, Hq, 1, D]."""
+    arena = batch.arena
+    out = paged_attention(queries, arena.keys[layer], arena.values[layer], batch.table, batch.lengths_array(),
+                          scale, arena.config.block_size)
+    return cast(mx.array, out)  # colsum=False: the output alone
+
+
+def block_matmul_attention(batch: "DecodeBatch", layer: int, queries: mx.array, scale: float) -> mx.array:
+    """Decode attention through the block table with two `gather_mm`s, K/V read in place: [B, Hq, 1, DV].
+
+    The layer's buffers [H, S, D] are viewed as H * num_blocks matrices of one block each (free reshapes), so
+    `batch.block_indices[1][b, h, j]` = h * num_blocks + table[b, j] picks KV head h's rows of block j of sequence b.
+    """
+    cfg = batch.arena.config
+    size, q_heads, _, dim = queries.shape
+    heads, bs, blocks = cfg.num_kv_heads, cfg.block_size, cfg.num_blocks
+    group, max_blocks = q_heads // heads, batch.table.shape[1]
+    keys = batch.arena.keys[layer].reshape(heads * blocks, bs, dim).swapaxes(-1, -2)  # [H * NB, D, bs] view
+    values = batch.arena.values[layer].reshape(heads * blocks, bs, -1)
+    # query head h * G + g reads KV head h (mlx-lm's GQA mapping); scaled first, as mx.fast's SDPA does
+    q = (queries * scale).astype(keys.dtype).reshape(size * heads, group, dim)
+    query_index, block_index, prob_index = batch.block_indices
+    scores = mx.gather_mm(q, keys, query_index, block_index)  # [B, H, MB, G, bs]
+    scores = scores.transpose(0, 1, 3, 2, 4).reshape(size, heads, group, max_blocks * bs)
+    scores = mx.where(batch.mask, scores, mx.array(-mx.inf, scores.dtype))  # padding and unused slots
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    probs = probs.reshape(size, heads, group, max_blocks, bs).transpose(0, 1, 3, 2, 4)
+    out = mx.gather_mm(probs.reshape(-1, group, bs), values, prob_index, block_index)  # [B, H, MB, G, DV]
+    return out.sum(axis=2).reshape(size, q_heads, 1, -1).astype(queries.dtype)
