@@ -23,6 +23,36 @@ from cortexstream.kv.sequence_kv import SequenceKV
 from cortexstream.policies.state import PolicyState, batch_attention_hook, needs_batch_hook, policy_caches
 
 
+def head_of(model: nn.Module) -> Any:
+    """The output projection of an mlx-lm decoder (`model.model` -> hidden states -> this -> logits), or None when
+    the model is not one of the known layouts (then the whole model is called)."""
+    body = getattr(model, "model", None)
+    if body is None or getattr(model, "model_type", None) not in _KNOWN_LAYOUTS:
+        return None
+    head = getattr(model, "lm_head", None)
+    if head is not None:
+        return head
+    embed = getattr(body, "embed_tokens", None)
+    args = getattr(model, "args", None)
+    if embed is not None and getattr(args, "tie_word_embeddings", False):
+        return embed.as_linear
+    return None
+
+
+# mlx-lm model types whose __call__ is exactly `head(self.model(inputs, cache))`.
+_KNOWN_LAYOUTS = ("llama", "qwen2", "mistral")
+
+
+def last_token_logits(model: nn.Module, tokens: mx.array, cache: list[Any]) -> mx.array:
+    """Logits of the last position only, `[B, 1, V]`: the prompt's other positions never go through the
+    vocabulary projection (49152 x 576 for SmolLM2, about a tenth of a 512-token prefill)."""
+    head = head_of(model)
+    if head is None:
+        return model(tokens, cache=cache)[:, -1:, :]
+    hidden = model.model(tokens, cache=cache)
+    return head(hidden[:, -1:, :])
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, arena: KVArena) -> None:
         self.model = model
@@ -78,9 +108,13 @@ class ModelRunner:
         kv.make_writable(kv.num_tokens, kv.num_tokens + num_tokens)
         state = self.policy_state(seq)
         caches = self._caches(seq, kv)
-        logits = self.model(tokens[None], cache=caches)
         seq.num_computed += num_tokens
-        out = logits[0, -1:, :] if seq.num_pending == 0 else None
+        if seq.num_pending == 0:
+            out = last_token_logits(self.model, tokens[None], caches)[0]
+        else:
+            out = None
+            body = getattr(self.model, "model", None)
+            (body if body is not None and head_of(self.model) is not None else self.model)(tokens[None], cache=caches)
         if state is not None:
             mx.eval([a for a in (out,) if a is not None], self.arena.keys, self.arena.values, state.pending_arrays())
             self._evict(seq, kv)
