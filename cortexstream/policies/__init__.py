@@ -9,6 +9,9 @@ from cortexstream.policies.base import FullCache, KVPolicy, parse_policy
 from cortexstream.policies.h2o import H2O
 from cortexstream.policies.mean_pool import MeanPool
 from cortexstream.policies.merging import Merged, MergingPolicy
+from cortexstream.policies.sidecar import Sidecar
 from cortexstream.policies.streaming_llm import StreamingLLM
+from cortexstream.policies.token_merging import TokenMerging
 
-__all__ = ["FullCache", "H2O", "KVPolicy", "MeanPool", "Merged", "MergingPolicy", "StreamingLLM", "parse_policy"]
+__all__ = ["FullCache", "H2O", "KVPolicy", "MeanPool", "Merged", "MergingPolicy", "Sidecar",
+           "StreamingLLM", "TokenMerging", "parse_policy"]

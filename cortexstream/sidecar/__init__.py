@@ -11,6 +11,10 @@ queries the way the whole window did (value and Jacobian of the attention output
 - `loss`: `force_matching_loss` (Jacobian by MLX autodiff, Hutchinson or exact) and its definition.
 - `train`: `train_sidecar` (AdamW, progress bar, safetensors checkpoints + JSON state, exact resume).
 - `porting`: `save_sidecar` / `load_sidecar` (our safetensors) and `load_torch_sidecar` (a PyTorch state dict).
+- `data`: training text disjoint from what `bench quality` evaluates; `heldout`: exact held-out losses vs mean
+  pooling and export of shippable weights; `shipped`: the weights in `weights/` (found by their stored config)
+  and a per-process cache of loaded networks; `compare`: a quick perplexity/needle comparison of policies.
+- The KV policy is `cortexstream.policies.Sidecar`; the CLI is `cortexstream train sidecar`.
 
 Bead position (RoPE). Cached keys are post-RoPE and are never re-rotated (mlx-lm rotates a key once, when it is
 written, at the cache's logical offset). A bead is a post-RoPE key like the others: it is written into the slot
@@ -33,7 +37,13 @@ its slot, repeated over the GQA group, 0 elsewhere; a "causal" string mask becom
 `log_mass=False`, whose beads must absorb the mass into the key (beta fixed at 0). Measured on held-out SmolLM2
 trajectories (1024 rows, exact Jacobians; loss parts as fractions of evicting the window, 1 = eviction): mean
 pooling without mass 0.97 force / 0.96 consistency, with log N 0.81 / 0.73; after 300 short training steps the
-log_mass network reached 0.76 / 0.65 and the log_mass=False one only 0.92 / 0.87. The mass term is not optional.
+log_mass network reached 0.76 / 0.65 and the log_mass=False one only 0.92 / 0.87. The mass term is not optional
+for the per-window losses. End to end it is another matter (SmolLM2, perplexity of 2048 held-out-from-training
+wiki tokens, chunks of 16; `weights/README.md`): mean pooling at window 8 scores 27.7 with log 8 and 23.95
+without; the shipped window-8 sidecar 23.92 with its learned beta and 23.59 with beta dropped; keeping only the
+sinks and ~72 raw recent tokens scores 24.1. A likely reason (not yet tested): each bead is a better stand-in for
+its window alone, but the per-window loss does not see the errors of a hundred massive beads adding up in one
+softmax; training on queries against many beads at once would.
 """
 
 from cortexstream.sidecar.loss import attention_jacobian, force_matching_loss, pooling_beads

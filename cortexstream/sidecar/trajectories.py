@@ -102,7 +102,8 @@ def layer_rows(queries: mx.array, keys: mx.array, values: mx.array, scale: float
             pos_c = np.repeat(np.arange(s + n, t_len), group)  # candidate (position, query head) pairs
             qh_c = head * group + np.tile(np.arange(group), t_len - s - n)
             if allowed is not None:  # only queries that see the whole window (a sliding mask may hide it)
-                sees = allowed[qh_c % allowed.shape[0], pos_c][:, s:s + n].all(axis=1)
+                # slice the window's columns before the fancy index: [candidates, n], not [candidates, T]
+                sees = allowed[:, :, s:s + n][qh_c % allowed.shape[0], pos_c].all(axis=1)
                 pos_c, qh_c = pos_c[sees], qh_c[sees]
             if len(pos_c) == 0:
                 continue
