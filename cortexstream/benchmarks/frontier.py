@@ -104,7 +104,8 @@ def _buildable(spec: str, model: Any, doc: _Doc, log: Callable[[str], None]) -> 
 def run(model_source: str | None = None, out_dir: str = "bench/results", *, contexts: tuple[int, ...] = (2048,),
         policies: tuple[str, ...] = DEFAULT_POLICIES, chunk: int = 16, match: bool = True,
         passkey_policies: tuple[str, ...] = DEFAULT_PASSKEY, passkey_context: int = 2048, passkey_trials: int = 20,
-        passkey_chunk: int = 64, needle_policies: tuple[str, ...] = (), resume: bool = False,
+        passkey_chunk: int = 64, needle_policies: tuple[str, ...] = (), needle_context: int = 1024,
+        needle_trials: int = 5, resume: bool = False,
         max_minutes: float | None = None, name: str = "frontier", log: Callable[[str], None] = print,
         ) -> dict[str, Any]:
     from cortexstream.benchmarks.quality import passkey_cell
@@ -119,7 +120,8 @@ def run(model_source: str | None = None, out_dir: str = "bench/results", *, cont
                 "contexts": list(contexts), "policies": list(policies), "chunk": chunk, "match": match,
                 "passkey_policies": list(passkey_policies), "passkey_context": passkey_context,
                 "passkey_trials": passkey_trials, "passkey_chunk": passkey_chunk,
-                "needle_policies": list(needle_policies), "max_minutes": max_minutes}
+                "needle_policies": list(needle_policies), "needle_context": needle_context,
+                "needle_trials": needle_trials, "max_minutes": max_minutes}
     os.makedirs(out_dir, exist_ok=True)
     doc = _Doc(os.path.join(out_dir, f"{name}.json"), settings, resume)
     started = time.perf_counter()
@@ -169,7 +171,7 @@ def run(model_source: str | None = None, out_dir: str = "bench/results", *, cont
             doc.data["missing"].append(f"needle: {exc}")
         else:
             todo = [s for s in needle_policies if not doc.has("needle", policy=s) and _buildable(s, model, doc, log)]
-            for row in run_needle(model, tokenizer, todo):
+            for row in run_needle(model, tokenizer, todo, contexts=(needle_context,), trials=needle_trials, log=log):
                 doc.add("needle", row)
     doc.data["runs"].append({"seconds": round(time.perf_counter() - started, 1), "contexts": list(contexts)})
     write_frontier_report(doc.data, out_dir, name)

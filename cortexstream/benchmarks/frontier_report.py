@@ -60,7 +60,7 @@ def markdown(data: dict[str, Any]) -> str:
         out += [f"| {r['policy']} | {r['correct']} / {r['trials']} | "
                 f"`{''.join('✓' if t['correct'] else '·' for t in r['results'])}` |" for r in data["passkey"]] + [""]
     if data.get("needle"):
-        keys = [k for k in data["needle"][0] if k not in ("results",)]
+        keys = [k for k in data["needle"][0] if k not in ("results", "heap")]
         out += ["## Needle in a heap", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
         out += ["| " + " | ".join(_fmt(r.get(k)) for k in keys) + " |" for r in data["needle"]] + [""]
     if data.get("missing"):

@@ -230,7 +230,8 @@ def _run_bench_frontier(args: argparse.Namespace) -> int:
         chunk=args.chunk, match=not args.no_match, passkey_policies=specs(args.passkey_policies),
         passkey_context=256 if args.quick else args.passkey_context,
         passkey_trials=3 if args.quick else args.passkey_trials, needle_policies=specs(args.needle_policies),
-        resume=args.resume, max_minutes=args.max_minutes, name=name,
+        needle_context=args.needle_context, needle_trials=args.needle_trials, resume=args.resume,
+        max_minutes=args.max_minutes, name=name,
     )
     print(open(f"{args.out}/{name}.md", encoding="utf-8").read())
     return 0

@@ -73,6 +73,8 @@ def _add_frontier_parser(kinds: argparse._SubParsersAction) -> None:
     frontier.add_argument("--passkey-context", type=int, default=2048)
     frontier.add_argument("--passkey-trials", type=int, default=20)
     frontier.add_argument("--needle-policies", default="", help="semicolon-separated policies for the needle test")
+    frontier.add_argument("--needle-context", type=int, default=1024)
+    frontier.add_argument("--needle-trials", type=int, default=5)
     frontier.add_argument("--quick", action="store_true", help="smoke run: 256-token context, 3 passkey trials")
     frontier.add_argument("--resume", action="store_true", help="keep cells already in the JSON, run the rest")
     frontier.add_argument("--max-minutes", type=float, default=None)
