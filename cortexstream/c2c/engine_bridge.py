@@ -8,17 +8,15 @@ Flow: `run_until_prefilled(engine, rid)` -> `extract_cache(src_engine, src_rid)`
 -> `fuser.fused_layers(...)` (or `fuse_requests`, which does all of it with the tenant check) -> `fuse_into`
 -> `engine.step()` as usual: the fused blocks are ordinary arena blocks, so decode (single or batched) reads them.
 
-Caveats, each a small engine hook away (see README.md "Engine hooks wanted"):
-- The engine samples the first token right after the prompt's prefill, so on this path the first token comes
-  from the unfused prompt; fusion affects every later token. The paper fuses all prompt tokens but the last and
-  computes the last one on the fused cache: `pipeline.fused_prompt_cache` does exactly that (same arena if you
-  like), and an engine "prefill hook" would do it for scheduled requests.
-- Shared blocks (prefix cache, forked prefixes) are copied on write, so other requests never see fused KV.
-  After fusion, KV no longer follows from tokens alone, so the sequence must never register blocks in the
-  prefix cache; without an engine flag for that, `fuse_into` fills `seq.block_hashes` up to the request's
-  largest possible block count so `register_full_blocks` has nothing left to register (a stop-gap).
-- If the scheduler preempts a fused request, it is recomputed from its tokens and the fusion is lost
-  (silently: correct text, just unfused). Use an arena with room, or fuse again.
+Engine support (Sequence fields honoured by the scheduler and block manager):
+- `fuse_into` sets `seq.kv_from_tokens = False`: the scheduler never preempts the request by recompute (it picks
+  another victim, or fails the request with finish_reason "error" and the reason when no other is left), and
+  the block manager never registers its blocks in the prefix cache. Shared blocks (prefix cache, forked
+  prefixes) are copied on write first, so other requests never see fused KV.
+- `fuse_on_prefill(fuser, source, (engine, rid))` gives the paper's semantics through the scheduler: the hook
+  `seq.before_last_prompt_token` runs between steps once all prompt tokens but the last are in the KV, fuses
+  them, and the last prompt token and first sample are then computed on the fused cache. Fusing after
+  `run_until_prefilled` instead leaves the first sampled token unfused (it is sampled right after prefill).
 - Requests whose KV policy evicted or compressed tokens are refused: their slots no longer map to positions.
 """
 
@@ -80,13 +78,6 @@ def extract_cache(engine: Any, request_id: str, num_tokens: int | None = None) -
     return layers
 
 
-def _forbid_prefix_registration(engine: Any, seq: Any) -> None:
-    bm = engine.block_manager
-    limit = max(bm.blocks_for(seq.max_total_tokens), len(seq.block_table)) + 1
-    tag = ("cortexstream-c2c-fused", seq.request_id, seq.owner)
-    seq.block_hashes.extend(hash((tag, i)) for i in range(len(seq.block_hashes), limit))
-
-
 def fuse_into(engine: Any, request_id: str, layers: Sequence[LayerKV | None], start: int = 0) -> int:
     """Overwrite tokens [start, start + N) of every layer given (None = leave the layer alone) of a running
     request with new K/V `[1, H, N, D]`. Shared blocks are copied first. Returns the number of layers written."""
@@ -113,7 +104,7 @@ def fuse_into(engine: Any, request_id: str, layers: Sequence[LayerKV | None], st
         for i, (k, v) in written:
             kv.arena.write(i, kv.blocks, start, k[0], v[0])
         mx.eval(kv.arena.keys, kv.arena.values)
-    _forbid_prefix_registration(engine, seq)
+    seq.kv_from_tokens = False  # never recomputed (fusion would be lost) and never prefix-cached
     return len(written)
 
 
@@ -147,3 +138,43 @@ def fuse_requests(
     changed = [f if (f[0] is not t[0] or f[1] is not t[1]) else None for f, t in zip(fused, tgt)]
     return fuse_into(tgt_engine, tgt_id, changed, start=0)
 
+
+
+def _waiting_or_running(engine: Any, request_id: str) -> Any:
+    for seq in list(engine.scheduler.waiting) + engine.scheduler.running:
+        if seq.request_id == request_id:
+            return seq
+    raise InvalidArgumentError(f"request '{request_id}' is neither waiting nor running")
+
+
+def fuse_on_prefill(
+    fuser: CacheFuser,
+    source: tuple[Any, str],
+    target: tuple[Any, str],
+    *,
+    layer_mask: Any = None,
+    allow_cross_tenant: bool = False,
+    dp: DPConfig | None = None,
+) -> None:
+    """Fuse `source = (engine, id)` into request `target = (engine, id)` when all its prompt tokens but the last
+    are computed, so its last prompt token and first sampled token already read the fused cache (the paper's
+    recipe). The target must not have started its prompt's last token. At that moment the source request must
+    be running with at least as many tokens in its KV; if it is not, or anything else fails, the target request
+    finishes with finish_reason "error" and the reason (the engine never drops the failure silently)."""
+    tgt_engine, tgt_id = target
+    seq = _waiting_or_running(tgt_engine, tgt_id)
+    if seq.num_computed >= len(seq.prompt_ids) or seq.output_ids:
+        raise InvalidArgumentError(f"request '{tgt_id}' has already computed its whole prompt")
+    if seq.before_last_prompt_token is not None:
+        raise InvalidArgumentError(f"request '{tgt_id}' already has a before_last_prompt_token hook")
+    src_seq = _waiting_or_running(source[0], source[1])
+    check_tenants(src_seq.tenant, seq.tenant, allow_cross_tenant)  # fail early; fuse_requests checks again
+
+    def hook(s: Any) -> None:
+        n = len(s.prompt_ids) - 1
+        if n < 1:
+            return  # a one-token prompt has nothing to fuse
+        fuse_requests(fuser, source, target, layer_mask=layer_mask, allow_cross_tenant=allow_cross_tenant,
+                      num_tokens=n, dp=dp)
+
+    seq.before_last_prompt_token = hook

@@ -178,6 +178,10 @@ def run_bench(args: argparse.Namespace) -> int:
         return _run_bench_quality(args)
     elif args.bench_kind == "frontier":
         return _run_bench_frontier(args)
+    elif args.bench_kind == "c2c":
+        from cortexstream.benchmarks import c2c
+
+        return c2c.run_from_args(args)
     elif args.bench_kind == "kernels":
         from cortexstream.benchmarks import kernels
 

@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     kernels.add_argument("--out", default="bench/results", help="output folder")
     _add_quality_parser(kinds)
     _add_frontier_parser(kinds)
+    from cortexstream.benchmarks.c2c import add_arguments as add_c2c_bench_arguments
+
+    c2c = kinds.add_parser("c2c", help="C2C fusion: held-out quality (same model, cross-model) and handoff latency")
+    add_c2c_bench_arguments(c2c)
     add_train_parsers(commands)
     for sub in (throughput, single):
         sub.add_argument("--model", default=None)

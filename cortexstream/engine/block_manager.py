@@ -69,7 +69,7 @@ class BlockManager:
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Add the sequence's newly completed blocks to the prefix cache (only while KV matches tokens 1:1)."""
-        if not self.prefix_caching or seq.num_physical != seq.num_computed:
+        if not self.prefix_caching or not seq.kv_from_tokens or seq.num_physical != seq.num_computed:
             return
         bs = self.block_size
         ids = seq.all_ids

@@ -153,8 +153,11 @@ class Engine:
         step = self.scheduler.schedule()
         outputs.extend(self._final_output(seq) for seq in step.finished)
         for seq in step.preempted:
-            if seq.request_id in self._inflight:  # _may_pipeline rules this out; never lose a token silently
-                raise RuntimeError(f"internal: request '{seq.request_id}' preempted with a token in flight")
+            if seq.request_id in self._inflight:
+                if not seq.is_finished:  # _may_pipeline rules this out; never lose a token silently
+                    raise RuntimeError(f"internal: request '{seq.request_id}' preempted with a token in flight")
+                self._inflight.pop(seq.request_id)  # failed by the scheduler: its unread token goes with it
+                seq.num_inflight = 0
             self.runner.drop(seq)
         sampled: list[tuple[Sequence, mx.array]] = []
         tic = time.perf_counter()

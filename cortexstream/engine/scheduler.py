@@ -4,6 +4,13 @@ Each step the scheduler (1) admits waiting requests in arrival order while their
 prefill chunks within a token budget, and (3) puts every running sequence that is ready to decode into one batch.
 When a decode step cannot get a block, the newest running sequence is preempted (its blocks are released and it
 is recomputed later from its tokens, which are never lost).
+
+Sequences whose KV is not a function of their tokens (`Sequence.kv_from_tokens` False: C2C fusion) are never
+preempted, since recompute would silently drop what was written into their KV: another sequence is preempted
+instead. When a fused sequence needs a block and only fused ones could give it up, the newest of those is failed
+with finish_reason "error" and the reason; a recomputable sequence that finds only fused ones waits instead.
+A sequence with a `before_last_prompt_token` hook gets its prompt in chunks that stop one token short; the hook
+runs at the start of the next `schedule()` (between forward passes), then the last prompt token is computed.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ class SchedulerConfig:
 class ScheduledStep:
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute now)
     decode: list[Sequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)  # taken off `running` (failed ones too): drop state
     finished: list[Sequence] = field(default_factory=list)  # rejected or aborted since the last step
 
     @property
@@ -99,13 +106,14 @@ class Scheduler:
         step = ScheduledStep(finished=self._finished)
         self._finished = []
         self._admit()
+        self._run_prompt_hooks(step)
         budget = self.config.prefill_step_size
         for seq in self.running:
             # More than one pending token is prompt (or recompute after preemption); one is a decode step.
             if seq.num_pending > 1:
                 if budget <= 0:
                     continue
-                chunk = min(seq.num_pending, budget)
+                chunk = min(seq.num_pending, budget, self._room_before_hook(seq))
                 if not self.blocks.reserve(seq, chunk):
                     continue  # its blocks were allocated at admission; only copy-on-write can be short
                 step.prefill.append((seq, chunk))
@@ -116,9 +124,16 @@ class Scheduler:
                 continue
             while not self.blocks.reserve(seq, 1):
                 victim = self._newest_other_than(seq, prefilling)
+                if victim is None and not seq.kv_from_tokens:
+                    victim = self._newest_other_than(seq, prefilling, recomputable=False)
                 if victim is None:
-                    break
-                self._preempt(victim)
+                    break  # wait: a recomputable sequence never forces out one that cannot be recomputed
+                if victim.kv_from_tokens:
+                    self._preempt(victim)
+                else:
+                    self._fail(victim, step, "preempted for lack of KV blocks, and its KV was written from outside "
+                               "the model (C2C fusion), so it cannot be recomputed from its tokens; give the "
+                               "engine more KV memory or fewer concurrent requests")
                 step.preempted.append(victim)
                 step.decode = [s for s in step.decode if s is not victim]
             else:
@@ -157,9 +172,38 @@ class Scheduler:
         seq.num_computed = seq.num_physical = seq.num_cached_prefix = 0
         return self.blocks.reserve(seq, min(seq.num_tokens, self.config.prefill_step_size))
 
-    def _newest_other_than(self, seq: Sequence, protected: set[int]) -> Sequence | None:
-        candidates = [s for s in self.running if s is not seq and id(s) not in protected]
+    def _newest_other_than(self, seq: Sequence, protected: set[int], recomputable: bool = True) -> Sequence | None:
+        """The newest other running sequence whose KV is (or, recomputable=False, is not) rebuildable from tokens."""
+        candidates = [s for s in self.running
+                      if s is not seq and id(s) not in protected and s.kv_from_tokens == recomputable]
         return max(candidates, key=lambda s: s.arrival_time) if candidates else None
+
+    # --- hooks and failures -----------------------------------------------------------------------------------
+    @staticmethod
+    def _room_before_hook(seq: Sequence) -> int:
+        """Tokens this sequence may prefill before its pending hook must run (unbounded without one)."""
+        if seq.before_last_prompt_token is None:
+            return seq.num_pending
+        return max(1, len(seq.prompt_ids) - 1 - seq.num_computed)
+
+    def _run_prompt_hooks(self, step: ScheduledStep) -> None:
+        for seq in list(self.running):
+            hook = seq.before_last_prompt_token
+            if hook is None or seq.num_computed != len(seq.prompt_ids) - 1 or seq.output_ids:
+                continue
+            seq.before_last_prompt_token = None  # once: a failing hook must not run again
+            try:
+                hook(seq)
+            except Exception as exc:  # noqa: BLE001 - any failure fails this request only, with its reason
+                self._fail(seq, step, f"before_last_prompt_token hook failed: {type(exc).__name__}: {exc}")
+                step.preempted.append(seq)
+
+    def _fail(self, seq: Sequence, step: ScheduledStep, reason: str) -> None:
+        """Finish a running sequence with finish_reason "error" (reported in this step's `finished`)."""
+        self.running.remove(seq)
+        self.blocks.release(seq)
+        seq.finish("error", reason)
+        step.finished.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
