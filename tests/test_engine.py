@@ -111,7 +111,7 @@ def test_prefix_cache_reuses_blocks_within_a_tenant_only(tiny):
     model, tokenizer = tiny
     system = random_prompts(1, seed=4, low=30, high=31)[0]
     engine = Engine(model, tokenizer, kv_tokens=1024, block_size=4)
-    first = engine.add_request(system + [9, 10], max_tokens=3, tenant="alice")
+    engine.add_request(system + [9, 10], max_tokens=3, tenant="alice")
     run_all(engine)
     hits_before = engine.block_manager.num_prefix_hits
     second = engine.add_request(system + [11, 12], max_tokens=3, tenant="alice")

@@ -43,7 +43,7 @@ def _streaming_lines(rows: list[dict[str, Any]]) -> list[str]:
         if ref:
             lines.append("| full cache | " + " | ".join(f"{s:.2f}" for s in ref) + " |" + " — |" * (len(seg) - len(ref)))
         lines.append("")
-        lines.append(f"Streaming/full ratio on the referenced segments: "
+        lines.append("Streaming/full ratio on the referenced segments: "
                      + ", ".join(f"{a / b:.3f}" for a, b in zip(seg, ref)) if ref else "")
         lines.append(f"First segment {seg[0]:.2f}, last {seg[-1]:.2f}; max/min over segments after the first "
                      f"{max(seg[1:] or seg) / min(seg[1:] or seg):.2f} (segments are different text, so they vary "

@@ -13,7 +13,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from cortexstream.engine.sequence import Sequence
-from cortexstream.errors import OutOfBlocksError
 from cortexstream.kv.allocator import BlockAllocator
 
 

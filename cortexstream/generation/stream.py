@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -160,9 +161,7 @@ def _direct_generate(
         if attach_policy(prompt_cache, kv_policy, model) is not None:
             # Fraction budgets resolve against everything this turn can reach (see policies.base).
             context = prompt_cache[0].offset + len(tokens) + sampling.max_tokens
-
-            def evict() -> None:
-                apply_policy(prompt_cache, context)
+            evict = functools.partial(apply_policy, prompt_cache, context)
     sampler = sampler or sampling.make_sampler()
     processors = sampling.make_logits_processors()
     eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])

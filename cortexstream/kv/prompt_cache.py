@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
