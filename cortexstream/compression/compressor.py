@@ -38,6 +38,7 @@ FASTCACHE_RULES = ((rf"(?:.*\.)?({_KEY})", r"\1"),)
 FASTCACHE_DROP = (r"(?:.*\.)?attention\.\d+\.(?:weight|bias)",)
 FORMAT = "cortexstream.kv_compressor"
 _LAYER = re.compile(r"compress_(?:tk|tv|ik|iv)\.(\d+)\..*")
+_STORE_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
 def map_fastcache_state_dict(state: Mapping[str, Any], source: str = "state dict") -> dict[str, Any]:
@@ -125,17 +126,35 @@ class KVCompressor(nn.Module):
         img_out = segment_length(img, c.factor, c.min_seq_len) if c.image else img
         return img_out + segment_length(seq_len - img, c.factor, c.min_seq_len)
 
-    def _segment(self, x: mx.array, mlp: list[nn.Module]) -> mx.array:
+    def _windows(self, x: mx.array, mlp: list[nn.Module]) -> mx.array:
+        """The MLP on every window of `factor` consecutive tokens (token-major), S a multiple of factor."""
         seq, f, d = x.shape[-2], self.config.factor, x.shape[-1]
+        h = x.reshape(*x.shape[:-2], seq // f, f * d).astype(mlp[0].weight.dtype)
+        for layer in mlp:
+            h = layer(h)
+        return h.astype(x.dtype)
+
+    def _segment(self, x: mx.array, mlp: list[nn.Module]) -> mx.array:
+        seq, f = x.shape[-2], self.config.factor
         n = seq // f
         if n == 0 or n < self.config.min_seq_len:
             return x
-        lead = x.shape[:-2]
-        h = x[..., : n * f, :].reshape(*lead, n, f * d).astype(mlp[0].weight.dtype)
-        for layer in mlp:
-            h = layer(h)
-        h = h.astype(x.dtype)
+        h = self._windows(x[..., : n * f, :], mlp)
         return h if n * f == seq else mx.concatenate([h, x[..., n * f:, :]], axis=-2)
+
+    def merge_windows(self, keys: mx.array, values: mx.array, layer: int) -> tuple[mx.array, mx.array]:
+        """Text K/V MLPs on every window of `factor` tokens: [..., S, D] -> [..., S // factor, D].
+
+        What the KV policy and training use: S must be a multiple of factor and min_seq_len does not apply (the
+        caller chose the windows to merge)."""
+        c = self.config
+        if keys.shape != values.shape or keys.shape[-1] != c.head_dim or keys.shape[-2] % c.factor:
+            raise InvalidArgumentError(
+                f"keys/values: expected equal shapes [..., S, {c.head_dim}] with S a multiple of {c.factor}, "
+                f"got {tuple(keys.shape)} and {tuple(values.shape)}")
+        if not 0 <= layer < c.num_layers:
+            raise InvalidArgumentError(f"layer: {layer} is out of range for a {c.num_layers}-layer compressor")
+        return self._windows(keys, self.compress_tk[layer]), self._windows(values, self.compress_tv[layer])
 
     def compress(
         self, keys: mx.array, values: mx.array, layer: int, *, image_len: int = 0
@@ -210,12 +229,18 @@ class KVCompressor(nn.Module):
         """Flat reference-named weights ('compress_tk.0.0.weight', ...)."""
         return dict(tree_flatten(self.parameters()))
 
-    def save(self, path: str) -> None:
-        """safetensors with the config in its metadata (what `from_file` reads back)."""
+    def save(self, path: str, *, dtype: str | None = None, metadata: Mapping[str, Any] | None = None) -> None:
+        """safetensors with the config in its metadata (what `from_file` reads back); dtype: e.g. "float16" to
+        store smaller weights (None: as held); metadata: extra entries (training data, losses...)."""
         c = self.config
-        save_safetensors(path, self.state_dict(), {"format": FORMAT, "factor": str(c.factor),
-                                                   "min_seq_len": str(c.min_seq_len), "head_dim": str(c.head_dim),
-                                                   "num_layers": str(c.num_layers), "image": str(c.image).lower()})
+        state = self.state_dict()
+        if dtype is not None:
+            if dtype not in _STORE_DTYPES:
+                raise InvalidArgumentError(f"dtype: '{dtype}' is not one of {', '.join(_STORE_DTYPES)}")
+            state = {k: v.astype(_STORE_DTYPES[dtype]) for k, v in state.items()}
+        save_safetensors(path, state, {**dict(metadata or {}), "format": FORMAT, "factor": str(c.factor),
+                                       "min_seq_len": str(c.min_seq_len), "head_dim": str(c.head_dim),
+                                       "num_layers": str(c.num_layers), "image": str(c.image).lower()})
 
     def save_infinilm_bin(self, path: str, *, dtype: str = "float16", num_heads: int = 0) -> None:
         """Export for InfiniLM (12 Linears per layer, or 6 when text-only)."""

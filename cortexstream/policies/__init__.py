@@ -6,6 +6,7 @@ see `base` for budgets, `attention_scores` for how H2O sees attention weights, `
 """
 
 from cortexstream.policies.base import FullCache, KVPolicy, parse_policy
+from cortexstream.policies.compressor import Compressor
 from cortexstream.policies.h2o import H2O
 from cortexstream.policies.mean_pool import MeanPool
 from cortexstream.policies.merging import Merged, MergingPolicy
@@ -13,5 +14,5 @@ from cortexstream.policies.sidecar import Sidecar
 from cortexstream.policies.streaming_llm import StreamingLLM
 from cortexstream.policies.token_merging import TokenMerging
 
-__all__ = ["FullCache", "H2O", "KVPolicy", "MeanPool", "Merged", "MergingPolicy", "Sidecar",
+__all__ = ["Compressor", "FullCache", "H2O", "KVPolicy", "MeanPool", "Merged", "MergingPolicy", "Sidecar",
            "StreamingLLM", "TokenMerging", "parse_policy"]

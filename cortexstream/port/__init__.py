@@ -4,6 +4,7 @@
   torch; any pickle global outside a tensor allowlist is refused (see `torch_pickle`).
 - `map_state_dict` (pure renaming), `check_strict` / `load_strict` (exact names and shapes, errors name the keys).
 - `read_infinilm_bin` / `write_infinilm_bin`: InfiniLM's KV-compressor `.bin`.
+- `save_torch(path, tensors)`: write a `torch.save`-compatible zip without torch (see `torch_save`).
 - `load_safetensors` / `save_safetensors`, and `load_checkpoint`, which sniffs the format from the file's bytes
   (a `.bin` may be a torch zip, a legacy torch pickle, or InfiniLM's format, so extensions are not trusted).
 """
@@ -22,11 +23,12 @@ from cortexstream.errors import ModelLoadError
 from cortexstream.port.infinilm_bin import InfiniLMHeader, read_infinilm_bin, write_infinilm_bin
 from cortexstream.port.strict import check_strict, load_strict, map_state_dict, shapes_of
 from cortexstream.port.torch_pickle import TorchTensor, read_torch_file
+from cortexstream.port.torch_save import save_torch
 
 __all__ = [
     "Checkpoint", "InfiniLMHeader", "check_strict", "flatten_tensors", "load_checkpoint", "load_safetensors",
     "load_strict", "load_torch", "map_state_dict", "read_infinilm_bin", "read_torch_file", "save_safetensors",
-    "shapes_of", "write_infinilm_bin",
+    "save_torch", "shapes_of", "write_infinilm_bin",
 ]
 
 

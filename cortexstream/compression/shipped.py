@@ -1,0 +1,67 @@
+"""Compressor weights shipped inside the package (`cortexstream/compression/weights/`), found by model shape.
+
+`weights/manifest.json` lists one entry per file: the model it was trained for and the shape a cache must have
+to use it (layers, KV heads, head_dim) and its factor. A policy built with `weights=None` asks `find_shipped` for
+the entry matching the running model; when there is none, the error lists what is shipped and how to train one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+from cortexstream.errors import InvalidArgumentError, ModelLoadError
+
+WEIGHTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights")
+MANIFEST = os.path.join(WEIGHTS_DIR, "manifest.json")
+
+
+@dataclass(frozen=True)
+class ShippedWeights:
+    file: str  # name inside WEIGHTS_DIR
+    model: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    factor: int
+
+    @property
+    def path(self) -> str:
+        return os.path.join(WEIGHTS_DIR, self.file)
+
+    def describe(self) -> str:
+        return (f"{self.file} ({self.model}: {self.num_layers} layers, {self.num_kv_heads} KV heads, head_dim "
+                f"{self.head_dim}, factor {self.factor})")
+
+
+@lru_cache(maxsize=1)
+def shipped_weights() -> tuple[ShippedWeights, ...]:
+    """Every entry of the manifest (empty when the package ships no weights)."""
+    if not os.path.exists(MANIFEST):
+        return ()
+    try:
+        with open(MANIFEST, encoding="utf-8") as fh:
+            entries = json.load(fh)["weights"]
+        return tuple(ShippedWeights(**entry) for entry in entries)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{MANIFEST}: unreadable manifest of shipped compressor weights: {exc}") from exc
+
+
+def shipped_factors() -> set[int]:
+    return {entry.factor for entry in shipped_weights()}
+
+
+def find_shipped(factor: int, *, head_dim: int, num_kv_heads: int, num_layers: int | None = None) -> ShippedWeights:
+    """The shipped weights for this cache shape and factor (num_layers None: not checked yet)."""
+    for entry in shipped_weights():
+        if (entry.factor, entry.head_dim, entry.num_kv_heads) == (factor, head_dim, num_kv_heads) and \
+                num_layers in (None, entry.num_layers):
+            return entry
+    have = "; ".join(e.describe() for e in shipped_weights()) or "none"
+    layers = "?" if num_layers is None else num_layers
+    raise InvalidArgumentError(
+        f"compressor: weights=None but no shipped weights fit this model ({layers} layers, {num_kv_heads} KV "
+        f"heads, head_dim {head_dim}) at factor {factor}; shipped: {have}. Train some with `cortexstream train "
+        f"compressor --factor {factor} --out DIR` and pass weights=DIR/compressor.safetensors")
