@@ -70,6 +70,9 @@ class _Doc:
     def __init__(self, path: str, settings: dict[str, Any], resume: bool) -> None:
         self.path = path
         old = json.load(open(path, encoding="utf-8")) if resume and os.path.exists(path) else {}
+        for key in ("contexts", "policies", "passkey_policies", "needle_policies"):  # a resumed run adds to these
+            earlier = old.get("settings", {}).get(key, [])
+            settings[key] = earlier + [x for x in settings[key] if x not in earlier]
         self.data: dict[str, Any] = {"benchmark": "frontier", "settings": settings, "machine": machine(),
                                      "perplexity": old.get("perplexity", []), "passkey": old.get("passkey", []),
                                      "needle": old.get("needle", []), "missing": [], "runs": old.get("runs", []),
