@@ -17,21 +17,25 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
     for r in sorted(rows, key=lambda r: (r["context"], r["family"], r["max_fraction"])):
         ref = full.get(r["context"])
         rel = f"{(r['ppl'] / ref - 1) * 100:+.1f}%" if ref else "n/a"
-        twin = f" (H2O at {r['matched_to']}'s size)" if r.get("matched_to") else ""
+        twin = " (sized like a merging policy)" if r.get("matched_to") else ""
         lines.append(f"| {r['context']} | {r['policy']}{twin} | {r['ppl']:.3f} | {rel} | "
                      f"{r['mean_physical']:.0f} / {r['max_physical']} | {r['max_fraction']:.3f} | {r['seconds']:.0f} |")
     return lines
 
 
+MERGING = ("meanpool", "compressor", "sidecar", "tome")
+
+
 def _matched(rows: list[dict[str, Any]]) -> list[str]:
-    """Each merging policy next to H2O with the same measured max cache size."""
+    """Each merging policy next to H2O given a token budget equal to its measured max cache size."""
     lines = []
-    for twin in (r for r in rows if r.get("matched_to")):
-        own = next((r for r in rows if r["policy"] == twin["matched_to"] and r["context"] == twin["context"]), None)
-        if own is None:
+    for own in (r for r in rows if r["family"] in MERGING):
+        twin = next((r for r in rows if r["context"] == own["context"]
+                     and r["policy"] == f"h2o:budget={own['max_physical']}"), None)
+        if twin is None:
             continue
         better = "lower" if own["ppl"] < twin["ppl"] else "higher"
-        lines.append(f"| {twin['context']} | {own['policy']} | {own['max_physical']} | {own['ppl']:.3f} | "
+        lines.append(f"| {own['context']} | {own['policy']} | {own['max_physical']} | {own['ppl']:.3f} | "
                      f"{twin['ppl']:.3f} | {better} |")
     if not lines:
         return []
