@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_unflatten
 
 from cortexstream.c2c.data import size, take
 from cortexstream.c2c.distill import distill_terms, fused_forward
@@ -32,6 +32,7 @@ from cortexstream.c2c.fusion import CacheFuser
 from cortexstream.c2c.porting import _describe, save_fuser
 from cortexstream.c2c.projector import C2CProjectorFuser
 from cortexstream.errors import InvalidArgumentError
+from cortexstream.checkpoints import save_checkpoint
 
 ALIGN = ("mse", "cos")
 
@@ -87,22 +88,8 @@ def _shape_of(fuser: CacheFuser) -> dict[str, Any]:
     return json.loads(json.dumps(described))
 
 
-def _atomic(path: str, write: Any) -> None:
-    tmp = path + ".tmp" + (".safetensors" if path.endswith(".safetensors") else "")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def _save(out_dir: str, fuser: CacheFuser, opt: optim.Optimizer, state: dict[str, Any]) -> None:
-    _atomic(os.path.join(out_dir, "fuser.safetensors"), lambda p: save_fuser(fuser, p))
-    _atomic(os.path.join(out_dir, "optimizer.safetensors"),
-            lambda p: mx.save_safetensors(p, dict(tree_flatten(opt.state))))
-
-    def write_json(p: str) -> None:
-        with open(p, "w", encoding="utf-8") as fh:
-            json.dump(state, fh, indent=1)
-
-    _atomic(os.path.join(out_dir, "state.json"), write_json)
+    save_checkpoint(out_dir, "fuser.safetensors", lambda p: save_fuser(fuser, p), opt, state)
 
 
 def loss_terms(fuser: CacheFuser, receiver: Any, batch: dict[str, Any], key: mx.array | None = None

@@ -25,13 +25,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_unflatten
 from tqdm import tqdm
 
 from cortexstream.compression.compressor import CompressorConfig, KVCompressor, head_dim_of
 from cortexstream.compression.data import Segments, TeacherPool
 from cortexstream.compression.objective import MergeFn, compression_loss, mean_pool
 from cortexstream.errors import InvalidArgumentError
+from cortexstream.checkpoints import save_checkpoint
 
 
 @dataclass(frozen=True)
@@ -137,12 +138,6 @@ def baselines(model: Any, pools: dict[str, TeacherPool], cfg: TrainConfig) -> di
             for name, (merge, bias) in runs.items()}
 
 
-def _atomic(path: str, write: Any) -> None:
-    tmp = path + ".tmp" + (".safetensors" if path.endswith(".safetensors") else "")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def checkpoint_metadata(state: dict[str, Any]) -> dict[str, str]:
     """What a saved compressor records about its training (safetensors metadata values are strings)."""
     meta = {"train_step": str(state["step"]), "train_config": json.dumps(state["train"]),
@@ -153,16 +148,7 @@ def checkpoint_metadata(state: dict[str, Any]) -> dict[str, str]:
 
 
 def _save(out_dir: str, comp: KVCompressor, opt: optim.Optimizer, state: dict[str, Any]) -> None:
-    _atomic(os.path.join(out_dir, "compressor.safetensors"),
-            lambda p: comp.save(p, metadata=checkpoint_metadata(state)))
-    _atomic(os.path.join(out_dir, "optimizer.safetensors"),
-            lambda p: mx.save_safetensors(p, dict(tree_flatten(opt.state))))
-
-    def write_json(p: str) -> None:
-        with open(p, "w", encoding="utf-8") as fh:
-            json.dump(state, fh, indent=1)
-
-    _atomic(os.path.join(out_dir, "state.json"), write_json)
+    save_checkpoint(out_dir, "compressor.safetensors", lambda p: comp.save(p, metadata=checkpoint_metadata(state)), opt, state)
 
 
 def train_compressor(model: Any, train: Segments, out_dir: str, config: TrainConfig = TrainConfig(), *,

@@ -21,12 +21,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_unflatten
 
 from cortexstream.sidecar.loss import force_matching_loss
 from cortexstream.sidecar.network import SidecarConfig, SidecarNet
 from cortexstream.sidecar.porting import load_sidecar, save_sidecar
 from cortexstream.sidecar.trajectories import TrajectoryStore
+from cortexstream.checkpoints import save_checkpoint
 
 _BATCH_FIELDS = ("window_keys", "window_values", "queries", "rest_keys", "rest_values", "rest_bias", "group")
 
@@ -97,23 +98,8 @@ def _probe_key(seed: int, step: int) -> mx.array:
     return mx.random.key((seed * 1_000_003 + step) % (2**31))
 
 
-def _atomic(path: str, write: Any) -> None:
-    tmp = path + ".tmp" + (os.path.splitext(path)[1] if path.endswith(".safetensors") else "")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def _save(out_dir: str, net: SidecarNet, opt: optim.Optimizer, state: dict[str, Any]) -> None:
-    _atomic(os.path.join(out_dir, "sidecar.safetensors"),
-            lambda p: save_sidecar(net, p, {"step": state["step"], "train": state["train"]}))
-    _atomic(os.path.join(out_dir, "optimizer.safetensors"),
-            lambda p: mx.save_safetensors(p, dict(tree_flatten(opt.state))))
-
-    def write_json(p: str) -> None:
-        with open(p, "w", encoding="utf-8") as fh:
-            json.dump(state, fh, indent=1)
-
-    _atomic(os.path.join(out_dir, "state.json"), write_json)
+    save_checkpoint(out_dir, "sidecar.safetensors", lambda p: save_sidecar(net, p, {"step": state["step"], "train": state["train"]}), opt, state)
 
 
 def _schedule(cfg: TrainConfig) -> Any:
