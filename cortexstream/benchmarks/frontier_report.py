@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
+
+from cortexstream.benchmarks.common import write_results
 
 FAMILY_STYLE = {"streaming": "s--", "h2o": "o-", "meanpool": "^-", "compressor": "D-", "sidecar": "*-",
                 "tome": "v-"}
@@ -117,8 +118,5 @@ def plot(data: dict[str, Any], path: str) -> bool:
 
 
 def write_frontier_report(data: dict[str, Any], out_dir: str, name: str) -> None:
-    with open(os.path.join(out_dir, f"{name}.json"), "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=2)
-    with open(os.path.join(out_dir, f"{name}.md"), "w", encoding="utf-8") as fh:
-        fh.write(markdown(data))
+    write_results(out_dir, name, data, markdown(data))
     plot(data, os.path.join(out_dir, f"{name}.png"))

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
+
+from cortexstream.benchmarks.common import write_results
 
 
 def _ppl_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -138,8 +139,5 @@ def plot(data: dict[str, Any], path: str) -> bool:
 
 
 def write_report(data: dict[str, Any], out_dir: str, name: str) -> None:
-    with open(os.path.join(out_dir, f"{name}.json"), "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=2)
-    with open(os.path.join(out_dir, f"{name}.md"), "w", encoding="utf-8") as fh:
-        fh.write(markdown(data))
+    write_results(out_dir, name, data, markdown(data))
     plot(data, os.path.join(out_dir, f"{name}.png"))
