@@ -218,3 +218,54 @@ def test_engine_batched_decode_runs_the_chosen_strategy_and_matches_unbatched(ti
     assert engine_tokens(tiny, prompts, 12, batched=True) == expected
     used = {ba.BLOCKS: {"block_matmul_attention"}, ba.PER_SEQUENCE: {"per_sequence_attention"}, ba.GATHER: set()}
     assert set(calls) == used[strategy] and (calls or strategy == ba.GATHER)
+
+
+def test_strided_layout_needs_contiguous_evenly_spaced_tables_that_stay_in_the_buffer():
+    assert ba.strided_layout([2, 6, 10], [9, 3, 16], 4, 64) == (8, 16)
+    assert ba.strided_layout([5], [7], 4, 64) == (20, 0)  # one sequence: any spacing
+    assert ba.strided_layout([2, None, 10], [9, 3, 16], 4, 64) is None  # a paged table
+    assert ba.strided_layout([2, 6, 11], [9, 3, 16], 4, 64) is None  # uneven spacing
+    assert ba.strided_layout([10, 6, 2], [9, 3, 16], 4, 64) is None  # decreasing starts
+    assert ba.strided_layout([2, 2], [9, 3], 4, 64) is None  # the same start twice
+    assert ba.strided_layout([2, 6, 10], [9, 3, 25], 4, 64) is None  # the last window would leave the buffer
+    assert ba.strided_layout([], [], 4, 64) is None
+
+
+@pytest.mark.parametrize("equal_lengths", [False, True], ids=["masked", "unmasked"])
+def test_evenly_spaced_contiguous_batches_attend_through_one_strided_view(monkeypatch, equal_lengths):
+    monkeypatch.delenv(ba.ENV_VAR, raising=False)
+    arena, seqs, step = build(seed=6, layout=[False] * len(LENGTHS))
+    if equal_lengths:  # every sequence attends over the same number of keys: no mask at all
+        for seq in seqs:
+            seq.lengths = [9] * LAYERS
+            seq.offsets = [9] * LAYERS
+    calls = []
+    original = ba.mx.fast.scaled_dot_product_attention
+    monkeypatch.setattr(ba.mx.fast, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: calls.append((k.shape, kw["mask"] is None)) or original(q, k, v, **kw))
+    batch = DecodeBatch(arena, seqs)
+    assert batch.strategy == ba.STRIDED and batch.strided == (0, 4 * BS)
+    outs = []
+    for layer, cache in enumerate(batch.caches()):
+        k, v = cache.update_and_fetch(step["k"][layer], step["v"][layer])
+        outs.append(dispatch_sdpa(step["q"][layer], k, v, cache, SCALE, cache.make_mask(1)))
+    batch.commit()
+    mx.eval(outs)
+    longest = 10 if equal_lengths else max(LENGTHS) + 1
+    assert calls == [((len(seqs), KV_HEADS, longest, DIM), equal_lengths)] * LAYERS  # one SDPA per layer
+    for out, expected in zip(outs, reference(arena, seqs, step)):
+        np.testing.assert_allclose(np.array(out), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_requested_strided_strategy_falls_back_when_the_layout_does_not_allow_it(monkeypatch):
+    monkeypatch.setattr(dispatch, "metal_available", lambda: False)
+    arena, seqs, _ = build()  # mixed: paged tables
+    assert DecodeBatch(arena, seqs, attention=ba.STRIDED).strategy == ba.BLOCKS
+    arena, seqs, _ = build(layout=[False] * len(LENGTHS))
+    assert DecodeBatch(arena, seqs, attention=ba.BLOCKS).strategy == ba.BLOCKS  # an explicit request wins
+    assert DecodeBatch(arena, seqs).strategy == ba.STRIDED
+    monkeypatch.setattr(ba, "STRIDED_MAX_KEYS", max(LENGTHS))  # the longest has max + 1 keys after the step
+    assert DecodeBatch(arena, seqs).strategy == ba.BLOCKS  # long contexts: block-wise is faster on CPU
+    monkeypatch.setattr(dispatch, "metal_available", lambda: True)
+    monkeypatch.setattr(ba, "STRIDED_MAX_KEYS", 1 << 20)
+    assert DecodeBatch(arena, seqs).strategy == ba.PAGED  # Metal keeps the kernel

@@ -8,7 +8,6 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from cortexstream.engine.batch_attention import choose_strategy
 from cortexstream.engine.batch_cache import DecodeBatch
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_cache import ArenaKVCache
@@ -111,7 +110,8 @@ class ArenaDecodeBatch(Variant):
         self.arena = arena
         self.seqs = seqs
         self.requested = strategy
-        self.strategy = choose_strategy(strategy, arena.dtype)
+        # the strategy the batch really runs (`auto` and a `strided` request depend on the layout)
+        self.strategy = DecodeBatch(arena, seqs, attention=strategy).strategy
 
     def step(self) -> tuple[float, mx.array]:
         inp = self.inp

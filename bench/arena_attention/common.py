@@ -32,6 +32,7 @@ WRITE_ARENA_BLOCKS = (1024, 8192, 65536)
 # Batch-8 variants through the engine's DecodeBatch: (key suffix, strategy); None = the engine's default choice
 BATCH_STRATEGIES = (
     ("decodebatch", None),
+    ("decodebatch_blocks", "blocks"),
     ("decodebatch_perseq", "per_sequence"),
     ("decodebatch_gather", "gather"),
 )
@@ -41,11 +42,13 @@ LABELS = {
     "mlx_lm_mask": "mlx-lm KVCache + padding mask (ref.)",
     "contig_view": "arena contiguous: ArenaKVCache view",
     "contig_decodebatch": "arena contiguous: engine DecodeBatch, default strategy",
+    "contig_decodebatch_blocks": "arena contiguous: DecodeBatch, block-wise gather_mm",
     "contig_decodebatch_perseq": "arena contiguous: DecodeBatch, per-sequence views + SDPA each",
     "contig_decodebatch_gather": "arena contiguous: DecodeBatch, padded gather (old path)",
     "contig_views": "arena contiguous: per-sequence views",
     "paged_gather": "arena paged (shuffled): ArenaKVCache gather",
     "paged_decodebatch": "arena paged (interleaved): engine DecodeBatch, default strategy",
+    "paged_decodebatch_blocks": "arena paged (interleaved): DecodeBatch, block-wise gather_mm",
     "paged_decodebatch_perseq": "arena paged (interleaved): DecodeBatch, per-sequence (paged rows: one gather)",
     "paged_decodebatch_gather": "arena paged (interleaved): DecodeBatch, padded gather (old path)",
 }

@@ -180,7 +180,8 @@ def conclusions(data: dict) -> list[str]:
     faults = "/".join(f"{r['minor_faults_per_step']:.0f}" for r in data["attention"]
                       if r["variant"] == "contig_decodebatch_gather")
     out.append(f"Batch 8 contiguous through the engine's DecodeBatch + SDPA hook. Default strategy ({default}): "
-               f"{both_runs('contig_decodebatch')}. Per-sequence views + one SDPA each: "
+               f"{both_runs('contig_decodebatch')}. Block-wise gather_mm (the default for paged tables): "
+               f"{both_runs('contig_decodebatch_blocks')}. Per-sequence views + one SDPA each: "
                f"{both_runs('contig_decodebatch_perseq')}. The old "
                f"padded gather: {both_runs('contig_decodebatch_gather')} (its [B,H,L,D] temporaries outgrow the "
                f"default cache and are page-faulted in afresh: {faults} minor faults per step).")
@@ -198,7 +199,8 @@ def conclusions(data: dict) -> list[str]:
             + " Points: " + ", ".join(f"{c}: {x:.2f} ({p:.2f})" for c, x, p in worst) + ".")
     pg, pg_big = ratios("paged_gather"), ratios("paged_gather", "attention_big_cache")
     out.append(f"Paged: batch 1 `ArenaKVCache` block gather {span(pg)} ({span(pg_big)} big cache). Batch 8 "
-               f"interleaved tables, default strategy: {both_runs('paged_decodebatch')}; per_sequence (its paged rows "
+               f"interleaved tables, default strategy: {both_runs('paged_decodebatch')}; block-wise gather_mm: "
+               f"{both_runs('paged_decodebatch_blocks')}; per_sequence (its paged rows "
                f"take one padded gather): {both_runs('paged_decodebatch_perseq')}; old padded gather: "
                f"{both_runs('paged_decodebatch_gather')}.")
     lay = {(r["ctx"], r["layout"][:5]): r["ratio_vs_dense"] for r in data["layout"]}

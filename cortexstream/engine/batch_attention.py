@@ -11,6 +11,14 @@ a strategy can be slower than planned, never wrong.
 Strategies (chosen per step by `choose_strategy`; bench/results/arena_attention.md has the measurements):
 - `paged`: the paged-attention kernel (kernels/paged_attention.py) reads K/V through the block tables, GQA-aware,
   no copy. Chosen when the kernels run on Metal.
+- `strided`: when every table is contiguous and the sequences start at evenly spaced slots (a contiguous
+  arena's equal reservations), the layer buffer [H, S, D] *is* a strided [B, H, L, D] array: `mx.as_strided`
+  makes that view (batch stride = the spacing) and one SDPA attends over it, masked where a sequence is shorter
+  than the longest. No copy and one op, like mlx-lm's dense batch cache. Chosen on CPU when the layout allows
+  (`strided_layout`) and the longest sequence has at most `STRIDED_MAX_KEYS` keys: beyond that MLX's CPU SDPA
+  is slower than `blocks` (bench/results/arena_attention.md). Not chosen on Metal, where whether MLX's SDPA
+  reads such a view without copying is unmeasured. Requested where the layout does not allow it, the
+  automatic choice runs instead.
 - `per_sequence`: each sequence whose block table is contiguous gets one SDPA over a zero-copy view of its K/V:
   the same operands and operation as the unbatched decode (`ArenaKVCache`), so its output is bit-identical to
   it. The sequences with paged tables go together through `paged_attention` (on CPU its reference: a padded
@@ -30,7 +38,7 @@ Strategies (chosen per step by `choose_strategy`; bench/results/arena_attention.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Sequence, cast
 
 import mlx.core as mx
 
@@ -40,21 +48,29 @@ from cortexstream.kernels.paged_attention import paged_attention
 if TYPE_CHECKING:  # import cycle: batch_cache imports this module
     from cortexstream.engine.batch_cache import DecodeBatch
 
-GATHER, PER_SEQUENCE, BLOCKS, PAGED = "gather", "per_sequence", "blocks", "paged"
-STRATEGIES = (GATHER, PER_SEQUENCE, BLOCKS, PAGED)
+GATHER, PER_SEQUENCE, BLOCKS, STRIDED, PAGED = "gather", "per_sequence", "blocks", "strided", "paged"
+STRATEGIES = (GATHER, PER_SEQUENCE, BLOCKS, STRIDED, PAGED)
 ENV_VAR = "CORTEXSTREAM_BATCH_ATTENTION"  # auto (unset) or one of STRATEGIES: debugging, benchmarks
+STRIDED_MAX_KEYS = 1024  # CPU: strided SDPA vs blocks crossover, measured between 1024 and 2048 keys
 
 
-def choose_strategy(requested: str | None = None, dtype: mx.Dtype = mx.float32) -> str:
+def choose_strategy(requested: str | None = None, dtype: mx.Dtype = mx.float32, strided: bool = False,
+                    num_keys: int = 0) -> str:
     """`requested` (or $CORTEXSTREAM_BATCH_ATTENTION) if set and not `auto`; else `paged` when the kernels run on
-    Metal, else `blocks` for a float32 arena and `per_sequence` for a half-precision one (MLX's CPU `gather_mm`
-    is float32 only). `paged` on CPU runs the kernel's pure-MLX reference (a gather + SDPA).
-    dtype: the arena's."""
+    Metal, else `strided` when the batch's layout allows it (`strided`, see `strided_layout`) and the longest
+    sequence has at most `STRIDED_MAX_KEYS` keys (`num_keys`), else `blocks`
+    for a float32 arena and `per_sequence` for a half-precision one (MLX's CPU `gather_mm` is float32 only).
+    `paged` on CPU runs the kernel's pure-MLX reference (a gather + SDPA). A requested `strided` that the layout
+    does not allow is the automatic choice. dtype: the arena's."""
     choice = (requested if requested is not None else os.environ.get(ENV_VAR, "auto")).strip().lower() or "auto"
     no_gather_mm = dtype != mx.float32 and mx.default_device() == mx.cpu
+    if choice == STRIDED and not strided:
+        choice = "auto"
     if choice == "auto":
         if resolve_backend() == METAL:
             return PAGED
+        if strided and num_keys <= STRIDED_MAX_KEYS:
+            return STRIDED
         return PER_SEQUENCE if no_gather_mm else BLOCKS
     if choice not in STRATEGIES:
         source = "attention=" if requested is not None else f"{ENV_VAR}="
@@ -63,6 +79,24 @@ def choose_strategy(requested: str | None = None, dtype: mx.Dtype = mx.float32) 
         raise ValueError(f"batch attention 'blocks' needs a float32 arena on CPU (mx.gather_mm), this one is {dtype}: "
                          "use per_sequence or gather")
     return choice
+
+
+def strided_layout(firsts: list[int | None], lengths: Sequence[int], block_size: int,
+                   num_slots: int) -> tuple[int, int] | None:
+    """(first slot, spacing in slots) when every sequence's table is contiguous (`firsts`: first blocks) and the
+    starts are evenly spaced in increasing order, so that a window of the longest length from each start is one
+    strided view of the layer buffer that stays inside it; else None. lengths: keys per sequence."""
+    if not firsts or any(f is None for f in firsts):
+        return None
+    starts = [int(f) * block_size for f in firsts]  # type: ignore[arg-type]
+    pitch = starts[1] - starts[0] if len(starts) > 1 else 0
+    if len(starts) > 1 and pitch <= 0:
+        return None
+    if any(b - a != pitch for a, b in zip(starts, starts[1:])):
+        return None
+    if starts[-1] + int(max(lengths)) > num_slots:
+        return None
+    return starts[0], pitch
 
 
 def hook_applies(batch: "DecodeBatch", queries: mx.array, mask: Any, sinks: mx.array | None) -> bool:
@@ -108,6 +142,25 @@ def paged_kernel_attention(batch: "DecodeBatch", layer: int, queries: mx.array, 
     out = paged_attention(queries, arena.keys[layer], arena.values[layer], batch.table, batch.lengths_array(),
                           scale, arena.config.block_size)
     return cast(mx.array, out)  # colsum=False: the output alone
+
+
+def strided_attention(batch: "DecodeBatch", layer: int, queries: mx.array, scale: float) -> mx.array:
+    """One SDPA over the batch's K/V as a strided view of the layer buffers (see `strided_layout`): [B, Hq, 1, DV].
+
+    Slots past a shorter sequence's end (its spare room, the next sequence) are masked out; they hold finite
+    values (the arena starts zeroed), so their zero probabilities contribute exactly nothing."""
+    first, pitch = batch.strided
+    length = int(batch.lengths_after.max())
+    arena = batch.arena
+
+    def view(buffer: mx.array) -> mx.array:
+        heads, slots, dim = buffer.shape
+        return mx.as_strided(buffer, (queries.shape[0], heads, length, dim), (pitch * dim, slots * dim, dim, 1),
+                             first * dim)
+
+    mask = None if bool((batch.lengths_after == length).all()) else batch.mask[..., :length]
+    return mx.fast.scaled_dot_product_attention(queries, view(arena.keys[layer]), view(arena.values[layer]),
+                                                scale=scale, mask=mask)
 
 
 def block_matmul_attention(batch: "DecodeBatch", layer: int, queries: mx.array, scale: float) -> mx.array:

@@ -5,8 +5,9 @@ Each sequence's new token is scattered into its own arena slot (one scatter per 
 tensor with a boolean mask hiding the padding; RoPE gets per-sequence offsets through `offset` being an array.
 
 That gather is lazy and, on the default path, never computed: each layer cache carries an `attention_hook` (see
-`batch_attention`) that attends straight from the arena, per sequence over zero-copy views on CPU, or through the
-paged-attention kernel on Metal. The gather is what attention falls back to when the runner replaces the hook
+`batch_attention`) that attends straight from the arena: on CPU over one strided view of the whole batch when
+the sequences are contiguous and evenly spaced, else block by block with `gather_mm`; through the paged-attention
+kernel on Metal. The gather is what attention falls back to when the runner replaces the hook
 with its own (KV policies that need scores or logit biases), when the model passes learned sinks, or when the
 model's SDPA is not routed through hooks.
 """
@@ -21,8 +22,8 @@ import mlx.core as mx
 import numpy as np
 
 from cortexstream.engine.batch_attention import (
-    BLOCKS, GATHER, PAGED, PER_SEQUENCE, block_matmul_attention, choose_strategy, hook_applies, paged_kernel_attention,
-    per_sequence_attention,
+    BLOCKS, GATHER, PAGED, PER_SEQUENCE, STRIDED, block_matmul_attention, choose_strategy, hook_applies,
+    paged_kernel_attention, per_sequence_attention, strided_attention, strided_layout,
 )
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.sequence_kv import SequenceKV
@@ -65,7 +66,10 @@ class DecodeBatch:
         self.mask = mx.array(positions[None, :] < self.lengths_after[:, None])[:, None, None, :]
         # Contiguous start of each table (None: paged), for the per-sequence views; cached by SequenceKV.
         self.firsts = [s.contiguous_first() for s in sequences]
-        self.strategy = choose_strategy(attention, arena.dtype)
+        # (first slot, spacing) when the batch is one strided view of each layer buffer, else None
+        self.strided = strided_layout(self.firsts, self.lengths_after, bs, arena.config.num_slots)
+        self.strategy = choose_strategy(attention, arena.dtype, strided=self.strided is not None,
+                                        num_keys=int(self.lengths_after.max()))
         self._table_np = table
         self._lengths_array: mx.array | None = None
         if self.strategy != GATHER:
@@ -162,6 +166,8 @@ class BatchLayerCache:
             return paged_kernel_attention(batch, self.layer, queries, scale)
         if batch.strategy == BLOCKS:
             return block_matmul_attention(batch, self.layer, queries, scale)
+        if batch.strategy == STRIDED:
+            return strided_attention(batch, self.layer, queries, scale)
         return per_sequence_attention(batch, self.layer, queries, scale)
 
     def _gather(self, buffer: mx.array) -> mx.array:
