@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
@@ -28,6 +29,19 @@ def test_greedy_tokens_match_mlx_lm_generate_step(tiny):
     if eos in expected:  # we stop at eos, mlx-lm's generate_step does not
         expected = expected[: expected.index(eos) + 1]
     assert ours == expected
+
+
+def test_greedy_logprobs_match_mlx_lm_generate_step(tiny):
+    """Greedy tokens skip the logsumexp and leave the log-probabilities lazy: read later, they must still be mlx-lm's
+    (including the one whose step was discarded by the pipeline, and after the request's blocks were freed)."""
+    model, tokenizer = tiny
+    prompt = tokenizer.encode("a b c d e f g " * 4)
+    responses = list(cortexstream.stream_generate(model, tokenizer, prompt, max_tokens=12))
+    expected = [np.array(lp) for (_, lp), _ in zip(generate_step(mx.array(prompt), model, max_tokens=12), range(12))]
+    assert len(responses) >= 2
+    for response, reference in zip(responses, expected):
+        np.testing.assert_allclose(np.array(response.logprobs), reference, rtol=1e-5, atol=1e-5)
+        assert abs(float(mx.logsumexp(response.logprobs))) < 1e-4  # normalised
 
 
 def test_prompt_forms_string_tokens_and_chat(tiny):
