@@ -269,3 +269,18 @@ def test_a_requested_strided_strategy_falls_back_when_the_layout_does_not_allow_
     monkeypatch.setattr(dispatch, "metal_available", lambda: True)
     monkeypatch.setattr(ba, "STRIDED_MAX_KEYS", 1 << 20)
     assert DecodeBatch(arena, seqs).strategy == ba.PAGED  # Metal keeps the kernel
+
+
+def test_engine_uses_the_strided_view_while_its_tables_are_evenly_spaced(tiny, monkeypatch):
+    """Equal prompts admitted together get consecutive, equally long block runs: the first decode steps go through
+    the strided view; once the sequences grow into interleaved blocks, block-wise. Tokens equal unbatched."""
+    rng = np.random.default_rng(7)
+    prompts = [[int(x) for x in rng.integers(3, 250, size=13)] for _ in range(4)]
+    expected = engine_tokens(tiny, prompts, 8, batched=False)
+    monkeypatch.delenv(ba.ENV_VAR, raising=False)
+    calls: list[str] = []
+    for name in ("block_matmul_attention", "strided_attention"):
+        original = getattr(batch_cache, name)
+        monkeypatch.setattr(batch_cache, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    assert engine_tokens(tiny, prompts, 8, batched=True) == expected
+    assert "strided_attention" in calls and "block_matmul_attention" in calls

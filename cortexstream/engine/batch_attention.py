@@ -144,23 +144,24 @@ def paged_kernel_attention(batch: "DecodeBatch", layer: int, queries: mx.array, 
     return cast(mx.array, out)  # colsum=False: the output alone
 
 
-def strided_attention(batch: "DecodeBatch", layer: int, queries: mx.array, scale: float) -> mx.array:
-    """One SDPA over the batch's K/V as a strided view of the layer buffers (see `strided_layout`): [B, Hq, 1, DV].
+def strided_view(buffer: mx.array, batch_size: int, layout: tuple[int, int], width: int) -> mx.array:
+    """The layer buffer [H, S, D] seen as [B, H, width, D]: sequence b's slots from `first + b * pitch` on."""
+    first, pitch = layout
+    heads, slots, dim = buffer.shape
+    return mx.as_strided(buffer, (batch_size, heads, width, dim), (pitch * dim, slots * dim, dim, 1), first * dim)
+
+
+def strided_attention(batch: "DecodeBatch", queries: mx.array, keys: mx.array, values: mx.array,
+                      scale: float) -> mx.array:
+    """One SDPA over `keys`/`values`, the batch's strided views from `BatchLayerCache.update_and_fetch`
+    ([B, H, max_blocks * block_size, D]), cut to the longest sequence: [B, Hq, 1, DV].
 
     Slots past a shorter sequence's end (its spare room, the next sequence) are masked out; they hold finite
     values (the arena starts zeroed), so their zero probabilities contribute exactly nothing."""
-    first, pitch = batch.strided
-    length = int(batch.lengths_after.max())
-    arena = batch.arena
-
-    def view(buffer: mx.array) -> mx.array:
-        heads, slots, dim = buffer.shape
-        return mx.as_strided(buffer, (queries.shape[0], heads, length, dim), (pitch * dim, slots * dim, dim, 1),
-                             first * dim)
-
-    mask = None if bool((batch.lengths_after == length).all()) else batch.mask[..., :length]
-    return mx.fast.scaled_dot_product_attention(queries, view(arena.keys[layer]), view(arena.values[layer]),
-                                                scale=scale, mask=mask)
+    length, mask = batch.strided_keys
+    if length < keys.shape[2]:
+        keys, values = keys[:, :, :length], values[:, :, :length]
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
 def block_matmul_attention(batch: "DecodeBatch", layer: int, queries: mx.array, scale: float) -> mx.array:

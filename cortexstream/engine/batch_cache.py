@@ -23,7 +23,7 @@ import numpy as np
 
 from cortexstream.engine.batch_attention import (
     BLOCKS, GATHER, PAGED, PER_SEQUENCE, STRIDED, block_matmul_attention, choose_strategy, hook_applies,
-    paged_kernel_attention, per_sequence_attention, strided_attention, strided_layout,
+    paged_kernel_attention, per_sequence_attention, strided_attention, strided_layout, strided_view,
 )
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.sequence_kv import SequenceKV
@@ -66,8 +66,9 @@ class DecodeBatch:
         self.mask = mx.array(positions[None, :] < self.lengths_after[:, None])[:, None, None, :]
         # Contiguous start of each table (None: paged), for the per-sequence views; cached by SequenceKV.
         self.firsts = [s.contiguous_first() for s in sequences]
-        # (first slot, spacing) when the batch is one strided view of each layer buffer, else None
-        self.strided = strided_layout(self.firsts, self.lengths_after, bs, arena.config.num_slots)
+        # (first slot, spacing) when the batch is one strided view of each layer buffer (as wide as the padded
+        # gather, so that every fallback sees the same shapes and mask), else None
+        self.strided = strided_layout(self.firsts, [max_blocks * bs], bs, arena.config.num_slots)
         self.strategy = choose_strategy(attention, arena.dtype, strided=self.strided is not None,
                                         num_keys=int(self.lengths_after.max()))
         self._table_np = table
@@ -79,12 +80,23 @@ class DecodeBatch:
             _ = self.block_indices
         elif self.strategy == PER_SEQUENCE:
             _ = self.paged
+        elif self.strategy == STRIDED:
+            _ = self.strided_keys
 
     def lengths_array(self) -> mx.array:
         """Physical keys per sequence after this step, int32 [B] (for the paged kernel)."""
         if self._lengths_array is None:
             self._lengths_array = mx.array(self.lengths_after.astype(np.int32))
         return self._lengths_array
+
+    @cached_property
+    def strided_keys(self) -> tuple[int, mx.array | None]:
+        """Keys the strided attention reads (the longest sequence's) and its mask: None when every sequence has
+        that many (no padding to hide)."""
+        length = int(self.lengths_after.max())
+        if bool((self.lengths_after == length).all()):
+            return length, None
+        return length, self.mask[..., :length]
 
     @cached_property
     def paged(self) -> PagedRows | None:
@@ -150,6 +162,10 @@ class BatchLayerCache:
         keys_buf[:, batch.slots, :] = keys[:, :, 0, :].transpose(1, 0, 2).astype(keys_buf.dtype)
         values_buf[:, batch.slots, :] = values[:, :, 0, :].transpose(1, 0, 2).astype(values_buf.dtype)
         arena.keys[self.layer], arena.values[self.layer] = keys_buf, values_buf
+        if batch.strided is not None and batch.strategy == STRIDED:  # the batch is a view: no gather to build
+            width = batch.table.shape[1] * arena.config.block_size
+            return (strided_view(keys_buf, len(batch.sequences), batch.strided, width),
+                    strided_view(values_buf, len(batch.sequences), batch.strided, width))
         # Lazy: only evaluated if attention does not go through `attend` (see the module docstring).
         return self._gather(keys_buf), self._gather(values_buf)
 
@@ -167,7 +183,7 @@ class BatchLayerCache:
         if batch.strategy == BLOCKS:
             return block_matmul_attention(batch, self.layer, queries, scale)
         if batch.strategy == STRIDED:
-            return strided_attention(batch, self.layer, queries, scale)
+            return strided_attention(batch, queries, keys, values, scale)
         return per_sequence_attention(batch, self.layer, queries, scale)
 
     def _gather(self, buffer: mx.array) -> mx.array:
