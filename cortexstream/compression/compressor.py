@@ -156,6 +156,33 @@ class KVCompressor(nn.Module):
             raise InvalidArgumentError(f"layer: {layer} is out of range for a {c.num_layers}-layer compressor")
         return self._windows(keys, self.compress_tk[layer]), self._windows(values, self.compress_tv[layer])
 
+    def merge_windows_from_arena(self, keys_buffer: mx.array, values_buffer: mx.array, table: Sequence[int],
+                                 start: int, num_windows: int, layer: int, block_size: int) -> tuple[mx.array, mx.array]:
+        """`merge_windows` on windows read straight from one layer's arena buffers ([H, slots, D]) through a
+        block table: physical tokens [start, start + num_windows * factor). The grouped gather and the first
+        Linear + ReLU run as one kernel (`kernels.compress_gather`: Metal, or its pure-MLX reference), so the
+        grouped [H, N / factor, factor * D] tensor is never materialised on Metal; the other layers follow in MLX.
+        The first layer is computed in float32 (the kernel's accumulator) whatever the weights' dtype."""
+        from cortexstream.kernels.compress_gather import compress_gather
+
+        c = self.config
+        if keys_buffer.shape[-1] != c.head_dim or values_buffer.shape[-1] != c.head_dim:
+            raise InvalidArgumentError(
+                f"arena: keys/values of width {keys_buffer.shape[-1]}/{values_buffer.shape[-1]}, the compressor "
+                f"was built for head_dim {c.head_dim}")
+        if not 0 <= layer < c.num_layers:
+            raise InvalidArgumentError(f"layer: {layer} is out of range for a {c.num_layers}-layer compressor")
+
+        def run(buffer: mx.array, mlp: list[nn.Module]) -> mx.array:
+            first = mlp[0]
+            bias = first.bias if "bias" in first else mx.zeros((first.weight.shape[0],), first.weight.dtype)
+            h = compress_gather(buffer, table, start, num_windows, c.factor, first.weight, bias, block_size)
+            for module in mlp[2:]:  # mlp[1] is the ReLU the kernel applied
+                h = module(h)
+            return h.astype(buffer.dtype)
+
+        return run(keys_buffer, self.compress_tk[layer]), run(values_buffer, self.compress_tv[layer])
+
     def compress(
         self, keys: mx.array, values: mx.array, layer: int, *, image_len: int = 0
     ) -> tuple[mx.array, mx.array]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import mlx.core as mx
 import numpy as np
@@ -114,18 +114,34 @@ class Compressor(MergingPolicy):
             raise InvalidArgumentError(f"weights: {source} has {c.num_layers} layers, the model has {num_layers}")
         return comp
 
-    # --- the runtime's call -----------------------------------------------------------------------------------
+    # --- the runtime's calls ----------------------------------------------------------------------------------
     def merge(self, layer: int, keys: mx.array, values: mx.array, mass: np.ndarray) -> Merged:
         """keys/values `[H, N, D]` (N a multiple of factor) -> `[H, N / factor, D]` through layer's MLPs."""
         heads, n, dim = keys.shape
-        if n % self.factor:
-            raise InvalidArgumentError(f"compressor: merge range of {n} slots is not a multiple of {self.factor}")
-        comp = self.resolve(num_kv_heads=heads, head_dim=dim)
+        comp = self._compressor_for(layer, heads, dim, n)
+        merged_keys, merged_values = comp.merge_windows(keys, values, layer)
+        return Merged(merged_keys, merged_values)
+
+    def merge_from_arena(self, layer: int, arena: Any, blocks: list[int], start: int, end: int,
+                         mass: np.ndarray) -> Merged:
+        """The same merge, reading the windows through the block table inside the fused gather + first-layer
+        kernel (`KVCompressor.merge_windows_from_arena`) instead of reading the range out first."""
+        cfg = arena.config
+        comp = self._compressor_for(layer, cfg.num_kv_heads, cfg.head_dim, end - start)
+        merged_keys, merged_values = comp.merge_windows_from_arena(
+            arena.keys[layer], arena.values[layer], blocks, start, (end - start) // self.factor, layer,
+            cfg.block_size)
+        return Merged(merged_keys, merged_values)
+
+    def _compressor_for(self, layer: int, heads: int, head_dim: int, num_slots: int) -> KVCompressor:
+        if num_slots % self.factor:
+            raise InvalidArgumentError(f"compressor: merge range of {num_slots} slots is not a multiple of "
+                                       f"{self.factor}")
+        comp = self.resolve(num_kv_heads=heads, head_dim=head_dim)
         if layer >= comp.config.num_layers:
             raise InvalidArgumentError(f"weights: {self.weights or 'shipped weights'} have {comp.config.num_layers} "
                                        f"layers, the model has more (layer {layer})")
-        merged_keys, merged_values = comp.merge_windows(keys, values, layer)
-        return Merged(merged_keys, merged_values)
+        return comp
 
     def describe(self) -> str:
         base = f"{self.name}:factor={self.factor},sinks={self.sinks},recent={self.recent}"

@@ -99,6 +99,15 @@ class MergingPolicy(KVPolicy):
         """Merge one layer's range: keys `[H, N, Dk]`, values `[H, N, Dv]` (N a multiple of `window`)."""
         raise NotImplementedError
 
+    def merge_from_arena(self, layer: int, arena: Any, blocks: list[int], start: int, end: int,
+                         mass: np.ndarray) -> Merged:
+        """Merge physical slots [start, end) of a sequence (block table `blocks`) in one layer of `arena`; what the
+        runtime calls. By default the range is read out and given to `merge`; policies with a kernel that reads
+        the arena through the block table (the compressor, the sidecar) override it so the range is never
+        gathered into a separate tensor first."""
+        keys, values = arena.read(layer, blocks, end)
+        return self.merge(layer, keys[:, start:end], values[:, start:end], mass)
+
     def describe(self) -> str:
         return f"{self.name}:window={self.window},sinks={self.sinks},recent={self.recent}"
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import mlx.core as mx
 import numpy as np
@@ -85,17 +85,41 @@ class Sidecar(MergingPolicy):
 
     def merge(self, layer: int, keys: mx.array, values: mx.array, mass: np.ndarray) -> Merged:
         heads, n, head_dim = keys.shape
-        if n % self.window:
-            raise InvalidArgumentError(f"sidecar: merge range of {n} slots is not a multiple of window {self.window}")
+        net = self._network_for(layer, heads, head_dim, values.shape[-1], n, mass)
+        k_b, v_b, beta = net.beads_with_mass(self.windows_of(keys), self.windows_of(values), layer)
+        return Merged(k_b, v_b, beta)
+
+    def merge_from_arena(self, layer: int, arena: Any, blocks: list[int], start: int, end: int,
+                         mass: np.ndarray) -> Merged:
+        """The same merge with the windows packed straight from the arena through the block table
+        (`kernels.compress_gather.pack_windows`: Metal, or its pure-MLX reference)."""
+        from cortexstream.kernels.compress_gather import pack_windows
+
+        cfg = arena.config
+        heads, window = cfg.num_kv_heads, self.window
+        net = self._network_for(layer, heads, cfg.head_dim, cfg.value_head_dim, end - start, mass)
+        count = (end - start) // window
+
+        def windows(buffer: mx.array) -> mx.array:  # [H, count, window * D] -> [H, count, window, D], no copy
+            packed = pack_windows(buffer, blocks, start, count, window, cfg.block_size)
+            return packed.reshape(heads, count, window, buffer.shape[-1])
+
+        k_b, v_b, beta = net.beads_with_mass(windows(arena.keys[layer]), windows(arena.values[layer]), layer)
+        return Merged(k_b, v_b, beta)
+
+    def _network_for(self, layer: int, heads: int, head_dim: int, value_dim: int, num_slots: int,
+                     mass: np.ndarray):  # noqa: ANN202 - a SidecarNet
+        if num_slots % self.window:
+            raise InvalidArgumentError(f"sidecar: merge range of {num_slots} slots is not a multiple of window "
+                                       f"{self.window}")
         if not (np.asarray(mass) == 1).all():
             # the network was trained on windows of raw tokens; re-merging beads is outside what it learned
             raise InvalidArgumentError("sidecar: can only merge raw tokens (the range holds merged slots)")
-        net = self.network(heads, head_dim, values.shape[-1])
+        net = self.network(heads, head_dim, value_dim)
         if not 0 <= layer < net.config.num_layers:
             raise InvalidArgumentError(f"sidecar: layer {layer} is outside the {net.config.num_layers} layers the "
                                        "weights were trained for (wrong model?)")
-        k_b, v_b, beta = net.beads_with_mass(self.windows_of(keys), self.windows_of(values), layer)
-        return Merged(k_b, v_b, beta)
+        return net
 
     def describe(self) -> str:
         return describe_extra(super().describe(), weights=self.weights)

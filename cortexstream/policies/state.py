@@ -129,9 +129,8 @@ class PolicyState:
                 raise InvalidArgumentError(f"{self.policy.name}: merge range [{start}, {end}) outside the cache")
             results = []
             for layer in range(len(self.scores)):
-                keys, values = seq.arena.read(layer, seq.blocks, seq.lengths[layer])
-                results.append(self.policy.merge(layer, keys[:, start:end], values[:, start:end],
-                                                 self.mass[start:end]))
+                results.append(self.policy.merge_from_arena(layer, seq.arena, seq.blocks, start, end,
+                                                            self.mass[start:end]))
             slots = int(results[0].keys.shape[1])
             sizes = self._group_sizes(results[0].sizes, end - start, slots)
             if slots >= end - start:
