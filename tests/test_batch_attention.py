@@ -243,14 +243,9 @@ def test_evenly_spaced_contiguous_batches_attend_through_one_strided_view(monkey
     original = ba.mx.fast.scaled_dot_product_attention
     monkeypatch.setattr(ba.mx.fast, "scaled_dot_product_attention",
                         lambda q, k, v, **kw: calls.append((k.shape, kw["mask"] is None)) or original(q, k, v, **kw))
-    batch = DecodeBatch(arena, seqs)
-    assert batch.strategy == ba.STRIDED and batch.strided == (0, 4 * BS)
-    outs = []
-    for layer, cache in enumerate(batch.caches()):
-        k, v = cache.update_and_fetch(step["k"][layer], step["v"][layer])
-        outs.append(dispatch_sdpa(step["q"][layer], k, v, cache, SCALE, cache.make_mask(1)))
-    batch.commit()
-    mx.eval(outs)
+    probe = DecodeBatch(arena, seqs)  # what batched_step will build
+    assert probe.strategy == ba.STRIDED and probe.strided == (0, 4 * BS)
+    outs = batched_step(arena, seqs, step, None)
     longest = 10 if equal_lengths else max(LENGTHS) + 1
     assert calls == [((len(seqs), KV_HEADS, longest, DIM), equal_lengths)] * LAYERS  # one SDPA per layer
     for out, expected in zip(outs, reference(arena, seqs, step)):
