@@ -221,14 +221,14 @@ def test_engine_batched_decode_runs_the_chosen_strategy_and_matches_unbatched(ti
 
 
 def test_strided_layout_needs_contiguous_evenly_spaced_tables_that_stay_in_the_buffer():
-    assert ba.strided_layout([2, 6, 10], [9, 3, 16], 4, 64) == (8, 16)
-    assert ba.strided_layout([5], [7], 4, 64) == (20, 0)  # one sequence: any spacing
-    assert ba.strided_layout([2, None, 10], [9, 3, 16], 4, 64) is None  # a paged table
-    assert ba.strided_layout([2, 6, 11], [9, 3, 16], 4, 64) is None  # uneven spacing
-    assert ba.strided_layout([10, 6, 2], [9, 3, 16], 4, 64) is None  # decreasing starts
-    assert ba.strided_layout([2, 2], [9, 3], 4, 64) is None  # the same start twice
-    assert ba.strided_layout([2, 6, 10], [9, 3, 25], 4, 64) is None  # the last window would leave the buffer
-    assert ba.strided_layout([], [], 4, 64) is None
+    assert ba.strided_layout([2, 6, 10], 16, 4, 64) == (8, 16)
+    assert ba.strided_layout([5], 7, 4, 64) == (20, 0)  # one sequence: any spacing
+    assert ba.strided_layout([2, None, 10], 16, 4, 64) is None  # a paged table
+    assert ba.strided_layout([2, 6, 11], 16, 4, 64) is None  # uneven spacing
+    assert ba.strided_layout([10, 6, 2], 16, 4, 64) is None  # decreasing starts
+    assert ba.strided_layout([2, 2], 9, 4, 64) is None  # the same start twice
+    assert ba.strided_layout([2, 6, 10], 25, 4, 64) is None  # the last window would leave the buffer
+    assert ba.strided_layout([], 16, 4, 64) is None
 
 
 @pytest.mark.parametrize("equal_lengths", [False, True], ids=["masked", "unmasked"])

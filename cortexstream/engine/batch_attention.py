@@ -38,7 +38,7 @@ Strategies (chosen per step by `choose_strategy`; bench/results/arena_attention.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Sequence, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 
@@ -81,11 +81,10 @@ def choose_strategy(requested: str | None = None, dtype: mx.Dtype = mx.float32, 
     return choice
 
 
-def strided_layout(firsts: list[int | None], lengths: Sequence[int], block_size: int,
-                   num_slots: int) -> tuple[int, int] | None:
+def strided_layout(firsts: list[int | None], width: int, block_size: int, num_slots: int) -> tuple[int, int] | None:
     """(first slot, spacing in slots) when every sequence's table is contiguous (`firsts`: first blocks) and the
-    starts are evenly spaced in increasing order, so that a window of the longest length from each start is one
-    strided view of the layer buffer that stays inside it; else None. lengths: keys per sequence."""
+    starts are evenly spaced in increasing order, so that a window of `width` slots from each start is one
+    strided view of the layer buffer that stays inside it; else None."""
     if not firsts or any(f is None for f in firsts):
         return None
     starts = [int(f) * block_size for f in firsts]  # type: ignore[arg-type]
@@ -94,7 +93,7 @@ def strided_layout(firsts: list[int | None], lengths: Sequence[int], block_size:
         return None
     if any(b - a != pitch for a, b in zip(starts, starts[1:])):
         return None
-    if starts[-1] + int(max(lengths)) > num_slots:
+    if starts[-1] + width > num_slots:
         return None
     return starts[0], pitch
 

@@ -68,7 +68,7 @@ class DecodeBatch:
         self.firsts = [s.contiguous_first() for s in sequences]
         # (first slot, spacing) when the batch is one strided view of each layer buffer (as wide as the padded
         # gather, so that every fallback sees the same shapes and mask), else None
-        self.strided = strided_layout(self.firsts, [max_blocks * bs], bs, arena.config.num_slots)
+        self.strided = strided_layout(self.firsts, max_blocks * bs, bs, arena.config.num_slots)
         self.strategy = choose_strategy(attention, arena.dtype, strided=self.strided is not None,
                                         num_keys=int(self.lengths_after.max()))
         self._table_np = table
@@ -162,7 +162,7 @@ class BatchLayerCache:
         keys_buf[:, batch.slots, :] = keys[:, :, 0, :].transpose(1, 0, 2).astype(keys_buf.dtype)
         values_buf[:, batch.slots, :] = values[:, :, 0, :].transpose(1, 0, 2).astype(values_buf.dtype)
         arena.keys[self.layer], arena.values[self.layer] = keys_buf, values_buf
-        if batch.strided is not None and batch.strategy == STRIDED:  # the batch is a view: no gather to build
+        if batch.strategy == STRIDED:  # the batch is a view: no gather to build
             width = batch.table.shape[1] * arena.config.block_size
             return (strided_view(keys_buf, len(batch.sequences), batch.strided, width),
                     strided_view(values_buf, len(batch.sequences), batch.strided, width))
