@@ -279,3 +279,21 @@ def test_engine_uses_the_strided_view_while_its_tables_are_evenly_spaced(tiny, m
         monkeypatch.setattr(batch_cache, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
     assert engine_tokens(tiny, prompts, 8, batched=True) == expected
     assert "strided_attention" in calls and "block_matmul_attention" in calls
+
+
+def test_new_tokens_are_written_through_a_stepped_slice_when_their_slots_are_evenly_spaced():
+    assert batch_cache.evenly_spaced(np.array([7])) == slice(7, 8)
+    assert batch_cache.evenly_spaced(np.array([3, 19, 35])) == slice(3, 36, 16)
+    assert batch_cache.evenly_spaced(np.array([3, 19, 36])) is None
+    assert batch_cache.evenly_spaced(np.array([19, 3])) is None
+    arena, seqs, step = build(seed=8, layout=[False] * len(LENGTHS))
+    for seq in seqs:  # equal lengths in equally spaced runs: slots 9, 25, 41, 57
+        seq.lengths, seq.offsets = [9] * LAYERS, [9] * LAYERS
+    batch = DecodeBatch(arena, seqs)
+    assert batch.write_at == slice(9, 58, 16)
+    outs = batched_step(arena, seqs, step, None)
+    for layer in range(LAYERS):  # the new K/V landed in each sequence's slot 9
+        got = np.array(arena.keys[layer])[:, [9, 25, 41, 57], :].transpose(1, 0, 2)
+        np.testing.assert_array_equal(got, np.array(step["k"][layer])[:, :, 0, :])
+    for out, expected in zip(outs, reference(arena, seqs, step)):
+        np.testing.assert_allclose(np.array(out), expected, rtol=1e-5, atol=1e-5)

@@ -101,7 +101,7 @@ def strided_layout(firsts: list[int | None], width: int, block_size: int, num_sl
 def hook_applies(batch: "DecodeBatch", queries: mx.array, mask: Any, sinks: mx.array | None) -> bool:
     """True when the call is the plain decode step the arena strategies implement: one query per sequence, the
     batch's own padding mask, no learned sinks (neither strategy models those)."""
-    return sinks is None and queries.ndim == 4 and queries.shape[2] == 1 and mask is batch.mask
+    return sinks is None and queries.ndim == 4 and queries.shape[2] == 1 and mask is batch.step_mask
 
 
 def per_sequence_attention(batch: "DecodeBatch", layer: int, queries: mx.array, scale: float) -> mx.array:
@@ -150,16 +150,11 @@ def strided_view(buffer: mx.array, batch_size: int, layout: tuple[int, int], wid
     return mx.as_strided(buffer, (batch_size, heads, width, dim), (pitch * dim, slots * dim, dim, 1), first * dim)
 
 
-def strided_attention(batch: "DecodeBatch", queries: mx.array, keys: mx.array, values: mx.array,
-                      scale: float) -> mx.array:
-    """One SDPA over `keys`/`values`, the batch's strided views from `BatchLayerCache.update_and_fetch`
-    ([B, H, max_blocks * block_size, D]), cut to the longest sequence: [B, Hq, 1, DV].
-
-    Slots past a shorter sequence's end (its spare room, the next sequence) are masked out; they hold finite
-    values (the arena starts zeroed), so their zero probabilities contribute exactly nothing."""
-    length, mask = batch.strided_keys
-    if length < keys.shape[2]:
-        keys, values = keys[:, :, :length], values[:, :, :length]
+def strided_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                      mask: mx.array | None) -> mx.array:
+    """One SDPA over the batch's strided views ([B, H, longest, D], from `BatchLayerCache.update_and_fetch`);
+    `mask` hides the shorter sequences' tails (None when all are equally long). Those slots (spare room, the next
+    sequence) hold finite values (the arena starts zeroed), so their zero probabilities contribute nothing."""
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 

@@ -61,16 +61,24 @@ class DecodeBatch:
             slots[i] = seq.blocks[int(lengths[i]) // bs] * bs + int(lengths[i]) % bs
         self.table = mx.array(table)
         self.slots = mx.array(slots)
+        # Where update_and_fetch writes: a stepped slice when the new tokens' slots are evenly spaced (one slice
+        # update, in place, cheaper to build than a scatter), else the slot array.
+        self.write_at: slice | mx.array = evenly_spaced(slots) or self.slots
         self.offsets = mx.array(np.array([s.offsets[0] for s in sequences], dtype=np.int32))
         positions = np.arange(max_blocks * bs)
         self.mask = mx.array(positions[None, :] < self.lengths_after[:, None])[:, None, None, :]
         # Contiguous start of each table (None: paged), for the per-sequence views; cached by SequenceKV.
         self.firsts = [s.contiguous_first() for s in sequences]
-        # (first slot, spacing) when the batch is one strided view of each layer buffer (as wide as the padded
-        # gather, so that every fallback sees the same shapes and mask), else None
-        self.strided = strided_layout(self.firsts, max_blocks * bs, bs, arena.config.num_slots)
-        self.strategy = choose_strategy(attention, arena.dtype, strided=self.strided is not None,
-                                        num_keys=int(self.lengths_after.max()))
+        # (first slot, spacing) when the batch is one strided view of each layer buffer as wide as the longest
+        # sequence, else None
+        longest = int(self.lengths_after.max())
+        self.strided = strided_layout(self.firsts, longest, bs, arena.config.num_slots)
+        self.strategy = choose_strategy(attention, arena.dtype, strided=self.strided is not None, num_keys=longest)
+        # The mask make_mask hands the model. A strided batch's K/V are views only as wide as the longest sequence,
+        # so its mask is cut to that width, and there is none at all when every sequence is that long.
+        self.step_mask: mx.array | None = self.mask
+        if self.strategy == STRIDED:
+            self.step_mask = None if bool((self.lengths_after == longest).all()) else self.mask[..., :longest]
         self._table_np = table
         self._lengths_array: mx.array | None = None
         if self.strategy != GATHER:
@@ -80,23 +88,12 @@ class DecodeBatch:
             _ = self.block_indices
         elif self.strategy == PER_SEQUENCE:
             _ = self.paged
-        elif self.strategy == STRIDED:
-            _ = self.strided_keys
 
     def lengths_array(self) -> mx.array:
         """Physical keys per sequence after this step, int32 [B] (for the paged kernel)."""
         if self._lengths_array is None:
             self._lengths_array = mx.array(self.lengths_after.astype(np.int32))
         return self._lengths_array
-
-    @cached_property
-    def strided_keys(self) -> tuple[int, mx.array | None]:
-        """Keys the strided attention reads (the longest sequence's) and its mask: None when every sequence has
-        that many (no padding to hide)."""
-        length = int(self.lengths_after.max())
-        if bool((self.lengths_after == length).all()):
-            return length, None
-        return length, self.mask[..., :length]
 
     @cached_property
     def paged(self) -> PagedRows | None:
@@ -153,19 +150,21 @@ class BatchLayerCache:
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
         if n != 1:
             raise ValueError("DecodeBatch caches take exactly one new token per sequence")
-        return self.batch.mask
+        return self.batch.step_mask
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         arena, batch = self.batch.arena, self.batch
         keys_buf, values_buf = arena.keys[self.layer], arena.values[self.layer]
-        # [B, H, 1, D] -> [H, B, D], one scatter per buffer
-        keys_buf[:, batch.slots, :] = keys[:, :, 0, :].transpose(1, 0, 2).astype(keys_buf.dtype)
-        values_buf[:, batch.slots, :] = values[:, :, 0, :].transpose(1, 0, 2).astype(values_buf.dtype)
+        size, heads, _, _ = keys.shape
+        # [B, H, 1, D] -> [H, B, D], one write per buffer
+        keys_buf[:, batch.write_at, :] = _to_buffer(keys.reshape(size, heads, -1).swapaxes(0, 1), keys_buf.dtype)
+        values_buf[:, batch.write_at, :] = _to_buffer(values.reshape(size, heads, -1).swapaxes(0, 1),
+                                                      values_buf.dtype)
         arena.keys[self.layer], arena.values[self.layer] = keys_buf, values_buf
         if batch.strategy == STRIDED:  # the batch is a view: no gather to build
-            width = batch.table.shape[1] * arena.config.block_size
-            return (strided_view(keys_buf, len(batch.sequences), batch.strided, width),
-                    strided_view(values_buf, len(batch.sequences), batch.strided, width))
+            width = int(batch.lengths_after.max())
+            return (strided_view(keys_buf, size, batch.strided, width),
+                    strided_view(values_buf, size, batch.strided, width))
         # Lazy: only evaluated if attention does not go through `attend` (see the module docstring).
         return self._gather(keys_buf), self._gather(values_buf)
 
@@ -183,7 +182,7 @@ class BatchLayerCache:
         if batch.strategy == BLOCKS:
             return block_matmul_attention(batch, self.layer, queries, scale)
         if batch.strategy == STRIDED:
-            return strided_attention(batch, queries, keys, values, scale)
+            return strided_attention(queries, keys, values, scale, mask)
         return per_sequence_attention(batch, self.layer, queries, scale)
 
     def _gather(self, buffer: mx.array) -> mx.array:
@@ -193,3 +192,17 @@ class BatchLayerCache:
         gathered = blocked[:, self.batch.table]  # [H, B, max_blocks, bs, D]
         batch, max_blocks = self.batch.table.shape
         return gathered.transpose(1, 0, 2, 3, 4).reshape(batch, heads, max_blocks * cfg.block_size, dim)
+
+
+def evenly_spaced(slots: np.ndarray) -> slice | None:
+    """`slots` as a stepped slice when they increase by a constant step, else None."""
+    if len(slots) == 1:
+        return slice(int(slots[0]), int(slots[0]) + 1)
+    step = int(slots[1]) - int(slots[0])
+    if step <= 0 or not (np.diff(slots) == step).all():
+        return None
+    return slice(int(slots[0]), int(slots[-1]) + 1, step)
+
+
+def _to_buffer(array: mx.array, dtype: mx.Dtype) -> mx.array:
+    return array if array.dtype == dtype else array.astype(dtype)
