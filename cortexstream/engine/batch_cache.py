@@ -1,15 +1,17 @@
 """mlx-lm cache protocol for one decode step of several sequences of different lengths in one forward pass.
 
-Each sequence's new token is scattered into its own arena slot (one scatter per buffer for the whole batch). What
-`update_and_fetch` returns is the sequences' blocks gathered into a padded `[B, H, max_blocks * block_size, D]`
-tensor with a boolean mask hiding the padding; RoPE gets per-sequence offsets through `offset` being an array.
+Each sequence's new token is written into its own arena slot (one write per buffer for the whole batch: a stepped
+slice when the slots are evenly spaced, else a scatter). What `update_and_fetch` returns is the sequences'
+blocks gathered into a padded `[B, H, max_blocks * block_size, D]` tensor with a boolean mask hiding the padding;
+RoPE gets per-sequence offsets through `offset` being an array. A batch whose tables are contiguous and evenly
+spaced (the `strided` strategy) gets strided views of the layer buffers instead, as wide as its longest
+sequence, with the mask cut to match (none when all are equally long).
 
 That gather is lazy and, on the default path, never computed: each layer cache carries an `attention_hook` (see
-`batch_attention`) that attends straight from the arena: on CPU over one strided view of the whole batch when
-the sequences are contiguous and evenly spaced, else block by block with `gather_mm`; through the paged-attention
-kernel on Metal. The gather is what attention falls back to when the runner replaces the hook
-with its own (KV policies that need scores or logit biases), when the model passes learned sinks, or when the
-model's SDPA is not routed through hooks.
+`batch_attention`) that attends straight from the arena: on CPU over the strided view, else block by block with
+`gather_mm`; through the paged-attention kernel on Metal. The gather (or view) is what attention falls back to
+when the runner replaces the hook with its own (KV policies that need scores or logit biases), when the model
+passes learned sinks, or when the model's SDPA is not routed through hooks.
 """
 
 from __future__ import annotations
