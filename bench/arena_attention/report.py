@@ -166,8 +166,9 @@ def conclusions(data: dict) -> list[str]:
                f"{len(both)} points (worst {max(both):.2f}); run-to-run noise here is about +-5 %. SDPA on the view "
                "costs the same as on a "
                f"dense array (exp. 2); of the {gap} us gap per step, `ArenaKVCache.update_and_fetch`'s Python is "
-               f"{extra} us more than mlx-lm's (exp. 6), {starts} us of it the two O(blocks) "
-               "`KVArena.contiguous_start` scans (write + read).")
+               f"{extra} us more than mlx-lm's (exp. 6). (`KVArena.contiguous_start`, an O(blocks) scan of "
+               f"{starts} us for two calls, is not in it: `SequenceKV.contiguous_first` caches its result until "
+               "the table changes.)")
     def both_runs(key: str) -> str:
         rs, big_rs = ratios(key), ratios(key, "attention_big_cache")
         pr = ratios(key, kind="paired_ratio_vs_mlx_lm")
@@ -176,10 +177,11 @@ def conclusions(data: dict) -> list[str]:
                 f"cache, {span(big_rs)} (paired {span(pr_big)}; {within(big_rs)}) with {BIG_CACHE >> 20} MiB")
 
     cache_mib = data["meta"]["mlx_default_cache_limit"] >> 20
-    default = next((r["strategy"] for r in data["attention"] if r["variant"] == "contig_decodebatch"), "?")
+    default = "/".join(r["strategy"] for r in data["attention"] if r["variant"] == "contig_decodebatch") or "?"
     faults = "/".join(f"{r['minor_faults_per_step']:.0f}" for r in data["attention"]
                       if r["variant"] == "contig_decodebatch_gather")
-    out.append(f"Batch 8 contiguous through the engine's DecodeBatch + SDPA hook. Default strategy ({default}): "
+    out.append("Batch 8 contiguous through the engine's DecodeBatch + SDPA hook. "
+               f"Default strategy ({default} at ctx {ctxs}): "
                f"{both_runs('contig_decodebatch')}. Block-wise gather_mm (the default for paged tables): "
                f"{both_runs('contig_decodebatch_blocks')}. Per-sequence views + one SDPA each: "
                f"{both_runs('contig_decodebatch_perseq')}. The old "

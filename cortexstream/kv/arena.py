@@ -111,8 +111,9 @@ class KVArena:
         bs = self.config.block_size
         if first is _UNKNOWN:
             first = self.contiguous_start(blocks)
-        k = keys.astype(self.dtype)
-        v = values.astype(self.dtype)
+        # astype even to the same dtype adds a copy to the graph; a decode step writes every layer
+        k = keys if keys.dtype == self.dtype else keys.astype(self.dtype)
+        v = values if values.dtype == self.dtype else values.astype(self.dtype)
         if first is not None or (start // bs == (start + n - 1) // bs):
             lo = (first * bs + start) if first is not None else blocks[start // bs] * bs + start % bs
             self.keys[layer][:, lo : lo + n, :] = k
