@@ -282,10 +282,10 @@ def test_engine_uses_the_strided_view_while_its_tables_are_evenly_spaced(tiny, m
 
 
 def test_new_tokens_are_written_through_a_stepped_slice_when_their_slots_are_evenly_spaced():
-    assert batch_cache.evenly_spaced(np.array([7])) == slice(7, 8)
-    assert batch_cache.evenly_spaced(np.array([3, 19, 35])) == slice(3, 36, 16)
-    assert batch_cache.evenly_spaced(np.array([3, 19, 36])) is None
-    assert batch_cache.evenly_spaced(np.array([19, 3])) is None
+    assert ba.evenly_spaced(np.array([7])) == slice(7, 8)
+    assert ba.evenly_spaced(np.array([3, 19, 35])) == slice(3, 36, 16)
+    assert ba.evenly_spaced(np.array([3, 19, 36])) is None
+    assert ba.evenly_spaced(np.array([19, 3])) is None
     arena, seqs, step = build(seed=8, layout=[False] * len(LENGTHS))
     for seq in seqs:  # equal lengths in equally spaced runs: slots 9, 25, 41, 57
         seq.lengths, seq.offsets = [9] * LAYERS, [9] * LAYERS

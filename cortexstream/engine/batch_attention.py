@@ -38,7 +38,7 @@ Strategies (chosen per step by `choose_strategy`; bench/results/arena_attention.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Sequence, cast
 
 import mlx.core as mx
 
@@ -81,21 +81,29 @@ def choose_strategy(requested: str | None = None, dtype: mx.Dtype = mx.float32, 
     return choice
 
 
+def evenly_spaced(positions: Sequence[int]) -> slice | None:
+    """`positions` as a stepped slice when they increase by a constant step (one position: step 1), else None."""
+    if len(positions) == 0:
+        return None
+    first = int(positions[0])
+    if len(positions) == 1:
+        return slice(first, first + 1)
+    step = int(positions[1]) - first
+    if step <= 0 or any(int(b) - int(a) != step for a, b in zip(positions, positions[1:])):
+        return None
+    return slice(first, int(positions[-1]) + 1, step)
+
+
 def strided_layout(firsts: list[int | None], width: int, block_size: int, num_slots: int) -> tuple[int, int] | None:
     """(first slot, spacing in slots) when every sequence's table is contiguous (`firsts`: first blocks) and the
     starts are evenly spaced in increasing order, so that a window of `width` slots from each start is one
-    strided view of the layer buffer that stays inside it; else None."""
+    strided view of the layer buffer that stays inside it; else None. One sequence: spacing 0."""
     if not firsts or any(f is None for f in firsts):
         return None
-    starts = [int(f) * block_size for f in firsts]  # type: ignore[arg-type]
-    pitch = starts[1] - starts[0] if len(starts) > 1 else 0
-    if len(starts) > 1 and pitch <= 0:
+    starts = evenly_spaced([int(f) * block_size for f in firsts])  # type: ignore[arg-type]
+    if starts is None or starts.stop - 1 + width > num_slots:
         return None
-    if any(b - a != pitch for a, b in zip(starts, starts[1:])):
-        return None
-    if starts[-1] + width > num_slots:
-        return None
-    return starts[0], pitch
+    return starts.start, starts.step if len(firsts) > 1 else 0
 
 
 def hook_applies(batch: "DecodeBatch", queries: mx.array, mask: Any, sinks: mx.array | None) -> bool:

@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from cortexstream.engine.batch_attention import (
-    BLOCKS, GATHER, PAGED, PER_SEQUENCE, STRIDED, block_matmul_attention, choose_strategy, hook_applies,
+    BLOCKS, GATHER, PAGED, PER_SEQUENCE, STRIDED, block_matmul_attention, choose_strategy, evenly_spaced, hook_applies,
     paged_kernel_attention, per_sequence_attention, strided_attention, strided_layout, strided_view,
 )
 from cortexstream.kv.arena import KVArena
@@ -65,7 +65,7 @@ class DecodeBatch:
         self.slots = mx.array(slots)
         # Where update_and_fetch writes: a stepped slice when the new tokens' slots are evenly spaced (one slice
         # update, in place, cheaper to build than a scatter), else the slot array.
-        self.write_at: slice | mx.array = evenly_spaced(slots) or self.slots
+        self.write_at: slice | mx.array = evenly_spaced(slots.tolist()) or self.slots
         self.offsets = mx.array(np.array([s.offsets[0] for s in sequences], dtype=np.int32))
         positions = np.arange(max_blocks * bs)
         self.mask = mx.array(positions[None, :] < self.lengths_after[:, None])[:, None, None, :]
@@ -194,16 +194,6 @@ class BatchLayerCache:
         gathered = blocked[:, self.batch.table]  # [H, B, max_blocks, bs, D]
         batch, max_blocks = self.batch.table.shape
         return gathered.transpose(1, 0, 2, 3, 4).reshape(batch, heads, max_blocks * cfg.block_size, dim)
-
-
-def evenly_spaced(slots: np.ndarray) -> slice | None:
-    """`slots` as a stepped slice when they increase by a constant step, else None."""
-    if len(slots) == 1:
-        return slice(int(slots[0]), int(slots[0]) + 1)
-    step = int(slots[1]) - int(slots[0])
-    if step <= 0 or not (np.diff(slots) == step).all():
-        return None
-    return slice(int(slots[0]), int(slots[-1]) + 1, step)
 
 
 def _to_buffer(array: mx.array, dtype: mx.Dtype) -> mx.array:
