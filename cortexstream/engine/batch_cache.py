@@ -27,7 +27,7 @@ from cortexstream.engine.batch_attention import (
     BLOCKS, GATHER, PAGED, PER_SEQUENCE, STRIDED, block_matmul_attention, choose_strategy, evenly_spaced, hook_applies,
     paged_kernel_attention, per_sequence_attention, strided_attention, strided_layout, strided_view,
 )
-from cortexstream.kv.arena import KVArena
+from cortexstream.kv.arena import KVArena, as_dtype
 from cortexstream.kv.sequence_kv import SequenceKV
 from cortexstream.policies.attention_scores import install_attention_hook, original_sdpa
 
@@ -159,8 +159,8 @@ class BatchLayerCache:
         keys_buf, values_buf = arena.keys[self.layer], arena.values[self.layer]
         size, heads, _, _ = keys.shape
         # [B, H, 1, D] -> [H, B, D], one write per buffer
-        keys_buf[:, batch.write_at, :] = _to_buffer(keys.reshape(size, heads, -1).swapaxes(0, 1), keys_buf.dtype)
-        values_buf[:, batch.write_at, :] = _to_buffer(values.reshape(size, heads, -1).swapaxes(0, 1),
+        keys_buf[:, batch.write_at, :] = as_dtype(keys.reshape(size, heads, -1).swapaxes(0, 1), keys_buf.dtype)
+        values_buf[:, batch.write_at, :] = as_dtype(values.reshape(size, heads, -1).swapaxes(0, 1),
                                                       values_buf.dtype)
         arena.keys[self.layer], arena.values[self.layer] = keys_buf, values_buf
         if batch.strategy == STRIDED:  # the batch is a view: no gather to build
@@ -194,7 +194,3 @@ class BatchLayerCache:
         gathered = blocked[:, self.batch.table]  # [H, B, max_blocks, bs, D]
         batch, max_blocks = self.batch.table.shape
         return gathered.transpose(1, 0, 2, 3, 4).reshape(batch, heads, max_blocks * cfg.block_size, dim)
-
-
-def _to_buffer(array: mx.array, dtype: mx.Dtype) -> mx.array:
-    return array if array.dtype == dtype else array.astype(dtype)

@@ -25,6 +25,12 @@ _UNKNOWN = object()  # sentinel: contiguity of a block table not known by the ca
 _MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
+def as_dtype(array: mx.array, dtype: mx.Dtype) -> mx.array:
+    """`array` in `dtype`; astype even to the same dtype adds a copy to the graph, and every decode step writes
+    every layer."""
+    return array if array.dtype == dtype else array.astype(dtype)
+
+
 class KVArena:
     """Block-granular KV storage shared by all sequences of one model."""
 
@@ -111,9 +117,7 @@ class KVArena:
         bs = self.config.block_size
         if first is _UNKNOWN:
             first = self.contiguous_start(blocks)
-        # astype even to the same dtype adds a copy to the graph; a decode step writes every layer
-        k = keys if keys.dtype == self.dtype else keys.astype(self.dtype)
-        v = values if values.dtype == self.dtype else values.astype(self.dtype)
+        k, v = as_dtype(keys, self.dtype), as_dtype(values, self.dtype)
         if first is not None or (start // bs == (start + n - 1) // bs):
             lo = (first * bs + start) if first is not None else blocks[start // bs] * bs + start % bs
             self.keys[layer][:, lo : lo + n, :] = k
