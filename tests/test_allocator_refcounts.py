@@ -35,10 +35,12 @@ def test_share_and_ref_counts() -> None:
     a.share(prefix)
     a.share(prefix[:1])
     assert [a.ref_count(b) for b in prefix] == [3, 2, 2]
+    assert a.any_shared(prefix) and a.any_shared(prefix[2:]) and not a.any_shared([])
     assert a.block_map().tolist()[:4] == [-2, -2, -2, -1]
     assert a.free(prefix) == 0
     assert a.free(prefix[:1]) == 0
     assert [a.ref_count(b) for b in prefix] == [1, 1, 1]
+    assert not a.any_shared(prefix)
     assert a.block_map().tolist()[:3] == [1, 1, 1]
     assert a.free(prefix) == 3 and a.num_free_blocks == 8
     with pytest.raises(ValueError, match="block 0 is free"):

@@ -196,6 +196,10 @@ def test_protocol_odds_and_ends(model):
     assert cache[0].make_mask(1) is None and cache[0].make_mask(3) == "causal"
     assert cache[0].make_mask(3, return_array=True).shape == (3, 13)
     assert cache[0].trim(4) == 4 and cache[0].offset == 6 and cache[0].size() == 6
+    heads, dim = cache[0].state[0].shape[1], cache[0].state[0].shape[3]
+    k, v = cache[0].update_and_fetch(mx.zeros((1, heads, 0, dim)), mx.zeros((1, heads, 0, dim)))  # no new tokens
+    assert k.shape == (1, heads, 6, dim) and cache[0].offset == 6 and cache[0].size() == 6
+    np.testing.assert_array_equal(np.array(k), np.array(cache[0].state[0]))
     restored = type(cache[1]).from_state(cache[1].state, cache[1].meta_state)
     np.testing.assert_array_equal(np.array(restored.state[0]), np.array(cache[1].state[0]))
     with pytest.raises(InvalidArgumentError, match="batch"):

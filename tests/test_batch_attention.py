@@ -260,7 +260,11 @@ def test_a_requested_strided_strategy_falls_back_when_the_layout_does_not_allow_
     assert DecodeBatch(arena, seqs, attention=ba.BLOCKS).strategy == ba.BLOCKS  # an explicit request wins
     assert DecodeBatch(arena, seqs).strategy == ba.STRIDED
     monkeypatch.setattr(ba, "STRIDED_MAX_KEYS", max(LENGTHS))  # the longest has max + 1 keys after the step
-    assert DecodeBatch(arena, seqs).strategy == ba.BLOCKS  # long contexts: block-wise is faster on CPU
+    assert DecodeBatch(arena, seqs).strategy == ba.BLOCKS  # middle contexts: block-wise is faster on CPU
+    monkeypatch.setattr(ba, "BLOCKS_MAX_KEYS", max(LENGTHS))
+    assert DecodeBatch(arena, seqs).strategy == ba.STRIDED  # long contexts: one SDPA again
+    monkeypatch.setattr(ba, "BLOCKS_MAX_KEYS", max(LENGTHS) + 1)
+    assert DecodeBatch(arena, seqs).strategy == ba.BLOCKS
     monkeypatch.setattr(dispatch, "metal_available", lambda: True)
     monkeypatch.setattr(ba, "STRIDED_MAX_KEYS", 1 << 20)
     assert DecodeBatch(arena, seqs).strategy == ba.PAGED  # Metal keeps the kernel

@@ -20,11 +20,11 @@ from .common import SCALE, Inputs, Variant, arena_blocks, make_arena, sdpa
 class MlxLm(Variant):
     key = "mlx_lm"
 
-    def __init__(self, inp: Inputs, with_mask: bool = False) -> None:
+    def __init__(self, inp: Inputs, with_mask: bool = False, key: str | None = None) -> None:
         super().__init__()
         self.inp = inp
         self.with_mask = with_mask
-        self.key = "mlx_lm_mask" if with_mask else "mlx_lm"
+        self.key = key or ("mlx_lm_mask" if with_mask else "mlx_lm")
         self.cache = KVCache()
         self.cache.update_and_fetch(inp.prefill_k, inp.prefill_v)
         mx.eval(self.cache.keys, self.cache.values)

@@ -15,8 +15,8 @@ Strategies (chosen per step by `choose_strategy`; bench/results/arena_attention.
   arena's equal reservations), the layer buffer [H, S, D] *is* a strided [B, H, L, D] array: `mx.as_strided`
   makes that view (batch stride = the spacing) and one SDPA attends over it, masked where a sequence is shorter
   than the longest. No copy and one op, like mlx-lm's dense batch cache. Chosen on CPU when the layout allows
-  (`strided_layout`) and the longest sequence has at most `STRIDED_MAX_KEYS` keys: beyond that MLX's CPU SDPA
-  is slower than `blocks` (bench/results/arena_attention.md). Not chosen on Metal, where whether MLX's SDPA
+  (`strided_layout`) and the longest sequence has at most `STRIDED_MAX_KEYS` or more than `BLOCKS_MAX_KEYS`
+  keys: in between, `blocks` is faster (bench/results/arena_attention.md). Not chosen on Metal, where whether MLX's SDPA
   reads such a view without copying is unmeasured. Requested where the layout does not allow it, the
   automatic choice runs instead.
 - `per_sequence`: each sequence whose block table is contiguous gets one SDPA over a zero-copy view of its K/V:
@@ -27,9 +27,10 @@ Strategies (chosen per step by `choose_strategy`; bench/results/arena_attention.
   (sequence, KV head) are multiplied with the K block of every table entry in place (no copy of K/V, GQA folded:
   a KV head's G query heads are G rows of one matmul), one softmax over the padded, masked scores, then the same
   block-wise product with V, summed over blocks. A fixed number of MLX ops whatever the batch, and paged tables
-  cost the same as contiguous ones. Chosen on CPU: the fastest strategy measured there at every context, and
-  faster than mlx-lm's KVCache at 2k and 8k, but still slower at 512, where its B * H * blocks small matmuls
-  cost more than they save. Not bit-identical to the unbatched decode (the sum over blocks adds in another
+  cost the same as contiguous ones. Chosen on CPU for paged tables, and for contiguous ones between the strided
+  crossovers: 20-40 % faster than mlx-lm's KVCache from 1k to 4k keys, slower beyond 4k keys (x1.05-1.08; paged
+  tables have no better CPU strategy there), and at 512 keys on some machines, where its B * H * blocks small
+  matmuls cost more than they save. Not bit-identical to the unbatched decode (the sum over blocks adds in another
   order): equal to rounding. CPU `gather_mm` is float32 only: half-precision arenas get `per_sequence` instead.
 - `gather`: the padded [B, H, max_blocks * bs, D] gather + one masked SDPA (no hook): the only path before,
   kept to compare; also what the runner's own hook (KV policies: scores, logit biases) attends over.
@@ -51,14 +52,18 @@ if TYPE_CHECKING:  # import cycle: batch_cache imports this module
 GATHER, PER_SEQUENCE, BLOCKS, STRIDED, PAGED = "gather", "per_sequence", "blocks", "strided", "paged"
 STRATEGIES = (GATHER, PER_SEQUENCE, BLOCKS, STRIDED, PAGED)
 ENV_VAR = "CORTEXSTREAM_BATCH_ATTENTION"  # auto (unset) or one of STRATEGIES: debugging, benchmarks
-STRIDED_MAX_KEYS = 1024  # CPU: strided SDPA vs blocks crossover, measured between 1024 and 2048 keys
+# CPU crossovers of `strided` (one SDPA, as fast as mlx-lm's) and `blocks` (block-wise gather_mm): blocks is slower
+# up to about 1k keys on some of our machines (x1.2 at 512 keys), 20-40 % faster from 1k to 4k keys, and 5-8 %
+# slower beyond 4k keys (its per-block score temporaries outgrow the CPU caches); bench/results/arena_attention.md.
+STRIDED_MAX_KEYS = 1024
+BLOCKS_MAX_KEYS = 4096
 
 
 def choose_strategy(requested: str | None = None, dtype: mx.Dtype = mx.float32, strided: bool = False,
                     num_keys: int = 0) -> str:
     """`requested` (or $CORTEXSTREAM_BATCH_ATTENTION) if set and not `auto`; else `paged` when the kernels run on
     Metal, else `strided` when the batch's layout allows it (`strided`, see `strided_layout`) and the longest
-    sequence has at most `STRIDED_MAX_KEYS` keys (`num_keys`), else `blocks`
+    sequence has at most `STRIDED_MAX_KEYS` or more than `BLOCKS_MAX_KEYS` keys (`num_keys`), else `blocks`
     for a float32 arena and `per_sequence` for a half-precision one (MLX's CPU `gather_mm` is float32 only).
     `paged` on CPU runs the kernel's pure-MLX reference (a gather + SDPA). A requested `strided` that the layout
     does not allow is the automatic choice. dtype: the arena's."""
@@ -69,7 +74,7 @@ def choose_strategy(requested: str | None = None, dtype: mx.Dtype = mx.float32, 
     if choice == "auto":
         if resolve_backend() == METAL:
             return PAGED
-        if strided and num_keys <= STRIDED_MAX_KEYS:
+        if strided and (num_keys <= STRIDED_MAX_KEYS or num_keys > BLOCKS_MAX_KEYS):
             return STRIDED
         return PER_SEQUENCE if no_gather_mm else BLOCKS
     if choice not in STRATEGIES:

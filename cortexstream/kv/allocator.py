@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -217,6 +217,13 @@ class BlockAllocator:
         b = check_block(block, self._n)
         with self._lock:
             return self._refcount[b]
+
+    def any_shared(self, blocks: Sequence[int]) -> bool:
+        """Whether any of ``blocks`` has more than one reference: the lock-free check every decode step makes
+        before writing, so the common case (nothing shared) costs no lock. Ids are not validated here;
+        ``copy_on_write`` validates them on the slow path."""
+        rc = self._refcount
+        return any(rc[b] > 1 for b in blocks)
 
     def copy_on_write(self, block: int, owner: int = -1) -> tuple[int, bool]:
         """Make ``block`` private before a write: (block, False) if unshared, else (new, True).

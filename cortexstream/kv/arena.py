@@ -127,6 +127,20 @@ class KVArena:
         self.keys[layer][:, slots, :] = k
         self.values[layer][:, slots, :] = v
 
+    def append_to_run(
+        self, layer: int, first: int, start: int, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """Write one sequence's `[1, H, n, D]` keys/values at tokens [start, start+n) of the contiguous run that
+        begins at block `first`, and return its tokens [0, start+n) as `[1, H, start+n, D]` views (no copy)."""
+        _, heads, n, dim = keys.shape
+        lo = first * self.config.block_size
+        end = lo + start + n
+        k_buf, v_buf = self.keys[layer], self.values[layer]
+        if n:
+            k_buf[:, lo + start : end, :] = as_dtype(keys.reshape(heads, n, dim), self.dtype)
+            v_buf[:, lo + start : end, :] = as_dtype(values.reshape(heads, n, values.shape[3]), self.dtype)
+        return k_buf[None, :, lo:end, :], v_buf[None, :, lo:end, :]
+
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's slots, every layer (copy-on-write and relocation)."""
         self.copy_blocks([src], [dst])

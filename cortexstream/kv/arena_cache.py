@@ -45,18 +45,24 @@ class ArenaKVCache:
             raise InvalidArgumentError(
                 f"ArenaKVCache holds one sequence; got batch {keys.shape[0]} (use the engine for batches)"
             )
-        seq = self.sequence
-        start = seq.lengths[self.layer]
+        seq, layer = self.sequence, self.layer
+        start = seq.lengths[layer]
         n = keys.shape[2]
-        seq.ensure_capacity(start + n)
-        if self.layer == 0:  # blocks span all layers: one copy-on-write check per forward pass
-            seq.make_writable(start, start + n)
+        end = start + n
+        if end > seq.capacity:
+            seq.ensure_capacity(end)
+        if layer == 0:  # blocks span all layers: one copy-on-write check per forward pass
+            seq.make_writable(start, end)
         arena = seq.arena
         first = seq.contiguous_first()
-        arena.write(self.layer, seq.blocks, start, keys[0], values[0], first)
-        seq.lengths[self.layer] = start + n
-        seq.offsets[self.layer] += n
-        k, v = arena.read(self.layer, seq.blocks, start + n, first)
+        seq.lengths[layer] = end
+        seq.offsets[layer] += n
+        if first is not None:
+            # The decode hot path, run per layer per token: as few graph nodes and Python calls as mlx-lm's
+            # KVCache (a reshape instead of `[0]`'s slice + squeeze; the slice-update lands in the buffer in place).
+            return arena.append_to_run(layer, first, start, keys, values)
+        arena.write(layer, seq.blocks, start, keys[0], values[0], first)
+        k, v = arena.read(layer, seq.blocks, end, first)
         return k[None], v[None]
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
