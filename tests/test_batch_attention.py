@@ -78,8 +78,8 @@ def reference(arena: KVArena, seqs: list[SequenceKV], step: dict) -> list[np.nda
         rows = []
         for b, seq in enumerate(seqs):
             slots = arena.slot_indices(seq.blocks, 0, seq.lengths[layer])
-            k = np.array(arena.keys[layer])[:, slots].astype(np.float64)
-            v = np.array(arena.values[layer])[:, slots].astype(np.float64)
+            k = np.array(arena.keys[layer])[0][:, slots].astype(np.float64)
+            v = np.array(arena.values[layer])[0][:, slots].astype(np.float64)
             q = np.array(step["q"][layer][b, :, 0]).astype(np.float64).reshape(KV_HEADS, GROUP, DIM)
             logits = np.einsum("hgd,hld->hgl", q, k) * SCALE
             p = np.exp(logits - logits.max(-1, keepdims=True))
@@ -297,7 +297,7 @@ def test_new_tokens_are_written_through_a_stepped_slice_when_their_slots_are_eve
     assert batch.write_at == slice(9, 58, 16)
     outs = batched_step(arena, seqs, step, None)
     for layer in range(LAYERS):  # the new K/V landed in each sequence's slot 9
-        got = np.array(arena.keys[layer])[:, [9, 25, 41, 57], :].transpose(1, 0, 2)
+        got = np.array(arena.keys[layer])[0][:, [9, 25, 41, 57], :].transpose(1, 0, 2)
         np.testing.assert_array_equal(got, np.array(step["k"][layer])[:, :, 0, :])
     for out, expected in zip(outs, reference(arena, seqs, step)):
         np.testing.assert_allclose(np.array(out), expected, rtol=1e-5, atol=1e-5)

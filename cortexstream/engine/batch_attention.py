@@ -12,7 +12,7 @@ Strategies (chosen per step by `choose_strategy`; bench/results/arena_attention.
 - `paged`: the paged-attention kernel (kernels/paged_attention.py) reads K/V through the block tables, GQA-aware,
   no copy. Chosen when the kernels run on Metal.
 - `strided`: when every table is contiguous and the sequences start at evenly spaced slots (a contiguous
-  arena's equal reservations), the layer buffer [H, S, D] *is* a strided [B, H, L, D] array: `mx.as_strided`
+  arena's equal reservations), the layer buffer [1, H, S, D] *is* a strided [B, H, L, D] array: `mx.as_strided`
   makes that view (batch stride = the spacing) and one SDPA attends over it, masked where a sequence is shorter
   than the longest. No copy and one op, like mlx-lm's dense batch cache. Chosen on CPU when the layout allows
   (`strided_layout`) and the longest sequence has at most `STRIDED_MAX_KEYS` or more than `BLOCKS_MAX_KEYS`
@@ -133,7 +133,7 @@ def per_sequence_attention(batch: "DecodeBatch", layer: int, queries: mx.array, 
     paged_out = None
     if paged is not None:
         paged_out = cast(mx.array, paged_attention(
-            queries[paged.index], arena.keys[layer], arena.values[layer], paged.table, paged.lengths, scale,
+            queries[paged.index], *arena.layer_buffers(layer), paged.table, paged.lengths, scale,
             arena.config.block_size))
     outs, row = [], 0
     for b, seq in enumerate(batch.sequences):
@@ -142,24 +142,24 @@ def per_sequence_attention(batch: "DecodeBatch", layer: int, queries: mx.array, 
             outs.append(paged_out[row : row + 1])
             row += 1
             continue
-        k, v = arena.read(layer, seq.blocks, int(batch.lengths_after[b]), first)
+        k, v = arena.run_view(layer, first, int(batch.lengths_after[b]))
         # mask None: every query of a decode step sees every key; exactly what the unbatched decode computes
-        outs.append(mx.fast.scaled_dot_product_attention(queries[b : b + 1], k[None], v[None], scale=scale))
+        outs.append(mx.fast.scaled_dot_product_attention(queries[b : b + 1], k, v, scale=scale))
     return mx.concatenate(outs, axis=0)
 
 
 def paged_kernel_attention(batch: "DecodeBatch", layer: int, queries: mx.array, scale: float) -> mx.array:
     """The paged-attention kernel over the layer's arena buffers through the batch's block table: [B, Hq, 1, D]."""
     arena = batch.arena
-    out = paged_attention(queries, arena.keys[layer], arena.values[layer], batch.table, batch.lengths_array(),
+    out = paged_attention(queries, *arena.layer_buffers(layer), batch.table, batch.lengths_array(),
                           scale, arena.config.block_size)
     return cast(mx.array, out)  # colsum=False: the output alone
 
 
 def strided_view(buffer: mx.array, batch_size: int, layout: tuple[int, int], width: int) -> mx.array:
-    """The layer buffer [H, S, D] seen as [B, H, width, D]: sequence b's slots from `first + b * pitch` on."""
+    """The layer buffer [1, H, S, D] seen as [B, H, width, D]: sequence b's slots from `first + b * pitch` on."""
     first, pitch = layout
-    heads, slots, dim = buffer.shape
+    _, heads, slots, dim = buffer.shape
     return mx.as_strided(buffer, (batch_size, heads, width, dim), (pitch * dim, slots * dim, dim, 1), first * dim)
 
 
@@ -174,7 +174,7 @@ def strided_attention(queries: mx.array, keys: mx.array, values: mx.array, scale
 def block_matmul_attention(batch: "DecodeBatch", layer: int, queries: mx.array, scale: float) -> mx.array:
     """Decode attention through the block table with two `gather_mm`s, K/V read in place: [B, Hq, 1, DV].
 
-    The layer's buffers [H, S, D] are viewed as H * num_blocks matrices of one block each (free reshapes), so
+    The layer's buffers [1, H, S, D] are viewed as H * num_blocks matrices of one block each (free reshapes), so
     `batch.block_indices[1][b, h, j]` = h * num_blocks + table[b, j] picks KV head h's rows of block j of sequence b.
     """
     cfg = batch.arena.config

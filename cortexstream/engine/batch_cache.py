@@ -158,11 +158,10 @@ class BatchLayerCache:
         arena, batch = self.batch.arena, self.batch
         keys_buf, values_buf = arena.keys[self.layer], arena.values[self.layer]
         size, heads, _, _ = keys.shape
-        # [B, H, 1, D] -> [H, B, D], one write per buffer
-        keys_buf[:, batch.write_at, :] = as_dtype(keys.reshape(size, heads, -1).swapaxes(0, 1), keys_buf.dtype)
-        values_buf[:, batch.write_at, :] = as_dtype(values.reshape(size, heads, -1).swapaxes(0, 1),
-                                                      values_buf.dtype)
-        arena.keys[self.layer], arena.values[self.layer] = keys_buf, values_buf
+        # [B, H, 1, D] -> [H, B, D] (broadcast into the [1, H, B, D] target), one write per buffer
+        keys_buf[:, :, batch.write_at, :] = as_dtype(keys.reshape(size, heads, -1).swapaxes(0, 1), keys_buf.dtype)
+        values_buf[:, :, batch.write_at, :] = as_dtype(values.reshape(size, heads, -1).swapaxes(0, 1),
+                                                         values_buf.dtype)
         if batch.strategy == STRIDED:  # the batch is a view: no gather to build
             width = int(batch.lengths_after.max())
             return (strided_view(keys_buf, size, batch.strided, width),
@@ -188,7 +187,7 @@ class BatchLayerCache:
         return per_sequence_attention(batch, self.layer, queries, scale)
 
     def _gather(self, buffer: mx.array) -> mx.array:
-        heads, _, dim = buffer.shape
+        _, heads, _, dim = buffer.shape
         cfg = self.batch.arena.config
         blocked = buffer.reshape(heads, cfg.num_blocks, cfg.block_size, dim)
         gathered = blocked[:, self.batch.table]  # [H, B, max_blocks, bs, D]

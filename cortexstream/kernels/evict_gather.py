@@ -83,7 +83,7 @@ def compact_layer(arena: Any, layer: int, blocks: Sequence[int], keep: Any, *, b
     """Keep only positions `keep` ([n] or [H, n], ascending, unique, in range) of one layer of a sequence,
     moved to positions 0..n-1 of its block table. Returns n. The caller owns locking, copy-on-write and lengths.
     """
-    keys, values = evict_gather(arena.keys[layer], arena.values[layer], list(blocks), keep,
+    keys, values = evict_gather(*arena.layer_buffers(layer), list(blocks), keep,
                                 arena.config.block_size, backend=backend)
     mx.eval(keys, values)  # materialise before the in-place write into the same buffers
     arena.write(layer, blocks, 0, keys, values)

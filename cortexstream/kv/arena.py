@@ -1,9 +1,11 @@
 """The KV arena: K and V storage for every layer and sequence, handed out in blocks by a `BlockAllocator`.
 
-Layout: one buffer per layer for K and one for V, each `[kv_heads, num_slots, head_dim]` (head-major), where slot
+Layout: one buffer per layer for K and one for V, each `[1, kv_heads, num_slots, head_dim]` (head-major), where slot
 `b * block_size + i` is token `i` of block `b`. Why this layout (see bench/results/arena_attention.md):
-- a contiguous run of blocks is a plain strided slice `buf[:, start:end, :]`, which `scaled_dot_product_attention`
-  consumes directly: the zero-copy view;
+- a contiguous run of blocks is a plain strided slice `buf[..., start:end, :]`, which `scaled_dot_product_attention`
+  consumes directly: the zero-copy view. The leading axis of 1 is the batch axis of mlx-lm's `[B, H, L, D]`: with
+  it, a decode step's write and view are one op each, as in mlx-lm's KVCache (a `[H, S, D]` buffer needs a
+  reshape of the new token and an expand of the view, a few % of a batch-1 step at short contexts);
 - `buf.reshape(H, num_blocks, block_size, D)` is free, so paged sequences gather whole blocks, not single slots;
 - one buffer per layer (not one for all layers) because MLX updates a buffer in place only when nothing else
   holds it: with a single all-layer buffer, layer l's write would find layer l-1's view still alive in the same
@@ -39,8 +41,8 @@ class KVArena:
         self.allocator = BlockAllocator(config.num_blocks)
         dtype = _MX_DTYPES[config.dtype]
         heads, slots = config.num_kv_heads, config.num_slots
-        self.keys = [mx.zeros((heads, slots, config.head_dim), dtype) for _ in range(config.num_layers)]
-        self.values = [mx.zeros((heads, slots, config.value_head_dim), dtype) for _ in range(config.num_layers)]
+        self.keys = [mx.zeros((1, heads, slots, config.head_dim), dtype) for _ in range(config.num_layers)]
+        self.values = [mx.zeros((1, heads, slots, config.value_head_dim), dtype) for _ in range(config.num_layers)]
         mx.eval(self.keys, self.values)
         # Serialises buffer mutation from several sequences (e.g. an engine thread and a stats reader).
         self.lock = threading.RLock()
@@ -50,6 +52,12 @@ class KVArena:
     @property
     def dtype(self) -> mx.Dtype:
         return _MX_DTYPES[self.config.dtype]
+
+    def layer_buffers(self, layer: int) -> tuple[mx.array, mx.array]:
+        """This layer's K and V storage as `[H, num_slots, D]` (free reshapes) for kernels and gathers to read.
+        Writes go through the arena's methods, which update the `[1, H, S, D]` buffers in place."""
+        keys, values = self.keys[layer], self.values[layer]
+        return keys.reshape(keys.shape[1:]), values.reshape(values.shape[1:])
 
     # --- addressing -------------------------------------------------------------------------------------------
     def slot_indices(self, blocks: Sequence[int], start: int, end: int) -> np.ndarray:
@@ -84,13 +92,13 @@ class KVArena:
             first = self.contiguous_start(blocks)
         if first is not None:
             lo = first * bs
-            return self.keys[layer][:, lo : lo + length, :], self.values[layer][:, lo : lo + length, :]
+            return self.keys[layer][0, :, lo : lo + length, :], self.values[layer][0, :, lo : lo + length, :]
         used = -(-length // bs)
         table = mx.array(np.asarray(blocks[:used], dtype=np.int32))
         return self._gather_blocks(self.keys[layer], table, length), self._gather_blocks(self.values[layer], table, length)
 
     def _gather_blocks(self, buffer: mx.array, table: mx.array, length: int) -> mx.array:
-        heads, _, dim = buffer.shape
+        _, heads, _, dim = buffer.shape
         bs = self.config.block_size
         blocked = buffer.reshape(heads, self.config.num_blocks, bs, dim)
         return blocked[:, table, :, :].reshape(heads, -1, dim)[:, :length, :]
@@ -98,11 +106,12 @@ class KVArena:
     def gather_slots(self, layer: int, slots: np.ndarray | mx.array) -> tuple[mx.array, mx.array]:
         """K, V at arbitrary slots; `slots` is [n] or [H, n] (per-head selection)."""
         slots = mx.array(np.asarray(slots, dtype=np.int32)) if isinstance(slots, np.ndarray) else slots
+        keys, values = self.layer_buffers(layer)
         if slots.ndim == 1:
-            return self.keys[layer][:, slots, :], self.values[layer][:, slots, :]
+            return keys[:, slots, :], values[:, slots, :]
         return (
-            mx.take_along_axis(self.keys[layer], slots[:, :, None], axis=1),
-            mx.take_along_axis(self.values[layer], slots[:, :, None], axis=1),
+            mx.take_along_axis(keys, slots[:, :, None], axis=1),
+            mx.take_along_axis(values, slots[:, :, None], axis=1),
         )
 
     # --- writes -----------------------------------------------------------------------------------------------
@@ -120,26 +129,28 @@ class KVArena:
         k, v = as_dtype(keys, self.dtype), as_dtype(values, self.dtype)
         if first is not None or (start // bs == (start + n - 1) // bs):
             lo = (first * bs + start) if first is not None else blocks[start // bs] * bs + start % bs
-            self.keys[layer][:, lo : lo + n, :] = k
-            self.values[layer][:, lo : lo + n, :] = v
+            self.keys[layer][:, :, lo : lo + n, :] = k
+            self.values[layer][:, :, lo : lo + n, :] = v
             return
         slots = mx.array(self.slot_indices(blocks, start, start + n).astype(np.int32))
-        self.keys[layer][:, slots, :] = k
-        self.values[layer][:, slots, :] = v
+        self.keys[layer][:, :, slots, :] = k
+        self.values[layer][:, :, slots, :] = v
 
     def append_to_run(
         self, layer: int, first: int, start: int, keys: mx.array, values: mx.array
     ) -> tuple[mx.array, mx.array]:
         """Write one sequence's `[1, H, n, D]` keys/values at tokens [start, start+n) of the contiguous run that
         begins at block `first`, and return its tokens [0, start+n) as `[1, H, start+n, D]` views (no copy)."""
-        _, heads, n, dim = keys.shape
+        lo = first * self.config.block_size + start
+        self.keys[layer][..., lo : lo + keys.shape[2], :] = as_dtype(keys, self.dtype)
+        self.values[layer][..., lo : lo + keys.shape[2], :] = as_dtype(values, self.dtype)
+        return self.run_view(layer, first, start + keys.shape[2])
+
+    def run_view(self, layer: int, first: int, length: int) -> tuple[mx.array, mx.array]:
+        """The first `length` tokens of the contiguous run that begins at block `first`, as `[1, H, length, D]`
+        views of this layer's buffers: what SDPA reads, no copy."""
         lo = first * self.config.block_size
-        end = lo + start + n
-        k_buf, v_buf = self.keys[layer], self.values[layer]
-        if n:
-            k_buf[:, lo + start : end, :] = as_dtype(keys.reshape(heads, n, dim), self.dtype)
-            v_buf[:, lo + start : end, :] = as_dtype(values.reshape(heads, n, values.shape[3]), self.dtype)
-        return k_buf[None, :, lo:end, :], v_buf[None, :, lo:end, :]
+        return self.keys[layer][..., lo : lo + length, :], self.values[layer][..., lo : lo + length, :]
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's slots, every layer (copy-on-write and relocation)."""
@@ -152,8 +163,8 @@ class KVArena:
         src_slots = mx.array((np.repeat(np.asarray(src) * bs, bs) + np.tile(np.arange(bs), len(src))).astype(np.int32))
         dst_slots = mx.array((np.repeat(np.asarray(dst) * bs, bs) + np.tile(np.arange(bs), len(dst))).astype(np.int32))
         for layer in range(self.config.num_layers):
-            self.keys[layer][:, dst_slots, :] = self.keys[layer][:, src_slots, :]
-            self.values[layer][:, dst_slots, :] = self.values[layer][:, src_slots, :]
+            self.keys[layer][:, :, dst_slots, :] = self.keys[layer][:, :, src_slots, :]
+            self.values[layer][:, :, dst_slots, :] = self.values[layer][:, :, src_slots, :]
         mx.eval(self.keys, self.values)
 
     # --- stats ------------------------------------------------------------------------------------------------

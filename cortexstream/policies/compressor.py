@@ -129,7 +129,7 @@ class Compressor(MergingPolicy):
         cfg = arena.config
         comp = self._compressor_for(layer, cfg.num_kv_heads, cfg.head_dim, end - start)
         merged_keys, merged_values = comp.merge_windows_from_arena(
-            arena.keys[layer], arena.values[layer], blocks, start, (end - start) // self.factor, layer,
+            *arena.layer_buffers(layer), blocks, start, (end - start) // self.factor, layer,
             cfg.block_size)
         return Merged(merged_keys, merged_values)
 

@@ -104,7 +104,8 @@ class Sidecar(MergingPolicy):
             packed = pack_windows(buffer, blocks, start, count, window, cfg.block_size)
             return packed.reshape(heads, count, window, buffer.shape[-1])
 
-        k_b, v_b, beta = net.beads_with_mass(windows(arena.keys[layer]), windows(arena.values[layer]), layer)
+        keys, values = arena.layer_buffers(layer)
+        k_b, v_b, beta = net.beads_with_mass(windows(keys), windows(values), layer)
         return Merged(k_b, v_b, beta)
 
     def _network_for(self, layer: int, heads: int, head_dim: int, value_dim: int, num_slots: int,
