@@ -28,9 +28,9 @@ Strategies (chosen per step by `choose_strategy`; bench/results/arena_attention.
   a KV head's G query heads are G rows of one matmul), one softmax over the padded, masked scores, then the same
   block-wise product with V, summed over blocks. A fixed number of MLX ops whatever the batch, and paged tables
   cost the same as contiguous ones. Chosen on CPU for paged tables, and for contiguous ones between the strided
-  crossovers: 20-40 % faster than mlx-lm's KVCache from 1k to 4k keys, slower beyond 4k keys (x1.05-1.08; paged
-  tables have no better CPU strategy there), and at 512 keys on some machines, where its B * H * blocks small
-  matmuls cost more than they save. Not bit-identical to the unbatched decode (the sum over blocks adds in another
+  crossovers: 20-40 % faster than mlx-lm's KVCache from 1k to 4k keys; below and above, machine-dependent (x0.85
+  to x1.3 at 512 keys, where its B * H * blocks small matmuls can cost more than they save; x0.67 to x1.05 at 8k).
+  Not bit-identical to the unbatched decode (the sum over blocks adds in another
   order): equal to rounding. CPU `gather_mm` is float32 only: half-precision arenas get `per_sequence` instead.
 - `gather`: the padded [B, H, max_blocks * bs, D] gather + one masked SDPA (no hook): the only path before,
   kept to compare; also what the runner's own hook (KV policies: scores, logit biases) attends over.
@@ -52,9 +52,10 @@ if TYPE_CHECKING:  # import cycle: batch_cache imports this module
 GATHER, PER_SEQUENCE, BLOCKS, STRIDED, PAGED = "gather", "per_sequence", "blocks", "strided", "paged"
 STRATEGIES = (GATHER, PER_SEQUENCE, BLOCKS, STRIDED, PAGED)
 ENV_VAR = "CORTEXSTREAM_BATCH_ATTENTION"  # auto (unset) or one of STRATEGIES: debugging, benchmarks
-# CPU crossovers of `strided` (one SDPA, as fast as mlx-lm's) and `blocks` (block-wise gather_mm): blocks is slower
-# up to about 1k keys on some of our machines (x1.2 at 512 keys), 20-40 % faster from 1k to 4k keys, and 5-8 %
-# slower beyond 4k keys (its per-block score temporaries outgrow the CPU caches); bench/results/arena_attention.md.
+# CPU: `blocks` (block-wise gather_mm) only where it beat mlx-lm on both machines measured, else `strided` (one
+# SDPA over a view, mlx-lm's own speed). Blocks measured 0.6-0.8 x mlx-lm from 1k to 4k keys on both; at 512 keys
+# 1.1-1.3 x on one and 0.85 x on the other; at 8k keys 0.67-0.82 x on one and 1.05 x on the other
+# (bench/results/strategy_crossover.md).
 STRIDED_MAX_KEYS = 1024
 BLOCKS_MAX_KEYS = 4096
 
