@@ -16,8 +16,8 @@ Strategies (chosen per step by `choose_strategy`; bench/results/arena_attention.
   makes that view (batch stride = the spacing) and one SDPA attends over it, masked where a sequence is shorter
   than the longest. No copy and one op, like mlx-lm's dense batch cache. Chosen on CPU when the layout allows
   (`strided_layout`) and the longest sequence has at most `STRIDED_MAX_KEYS` or more than `BLOCKS_MAX_KEYS`
-  keys: in between, `blocks` is faster (bench/results/arena_attention.md). Not chosen on Metal, where whether MLX's SDPA
-  reads such a view without copying is unmeasured. Requested where the layout does not allow it, the
+  keys: in between, `blocks` is faster (bench/results/strategy_crossover.md). Not chosen on Metal, where whether
+  MLX's SDPA reads such a view without copying is unmeasured. Requested where the layout does not allow it, the
   automatic choice runs instead.
 - `per_sequence`: each sequence whose block table is contiguous gets one SDPA over a zero-copy view of its K/V:
   the same operands and operation as the unbatched decode (`ArenaKVCache`), so its output is bit-identical to
@@ -30,8 +30,8 @@ Strategies (chosen per step by `choose_strategy`; bench/results/arena_attention.
   cost the same as contiguous ones. Chosen on CPU for paged tables, and for contiguous ones between the strided
   crossovers: 20-40 % faster than mlx-lm's KVCache from 1k to 4k keys; below and above, machine-dependent (x0.85
   to x1.3 at 512 keys, where its B * H * blocks small matmuls can cost more than they save; x0.67 to x1.05 at 8k).
-  Not bit-identical to the unbatched decode (the sum over blocks adds in another
-  order): equal to rounding. CPU `gather_mm` is float32 only: half-precision arenas get `per_sequence` instead.
+  Not bit-identical to the unbatched decode (the sum over blocks adds in another order): equal to rounding. CPU
+  `gather_mm` is float32 only: half-precision arenas get `per_sequence` instead.
 - `gather`: the padded [B, H, max_blocks * bs, D] gather + one masked SDPA (no hook): the only path before,
   kept to compare; also what the runner's own hook (KV policies: scores, logit biases) attends over.
 """

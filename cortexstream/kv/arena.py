@@ -1,11 +1,12 @@
 """The KV arena: K and V storage for every layer and sequence, handed out in blocks by a `BlockAllocator`.
 
-Layout: one buffer per layer for K and one for V, each `[1, kv_heads, num_slots, head_dim]` (head-major), where slot
-`b * block_size + i` is token `i` of block `b`. Why this layout (see bench/results/arena_attention.md):
-- a contiguous run of blocks is a plain strided slice `buf[..., start:end, :]`, which `scaled_dot_product_attention`
-  consumes directly: the zero-copy view. The leading axis of 1 is the batch axis of mlx-lm's `[B, H, L, D]`: with
-  it, a decode step's write and view are one op each, as in mlx-lm's KVCache (a `[H, S, D]` buffer needs a
-  reshape of the new token and an expand of the view, a few % of a batch-1 step at short contexts);
+Layout: one buffer per layer for K and one for V, each `[1, kv_heads, num_slots, head_dim]` (head-major), where
+slot `b * block_size + i` is token `i` of block `b`. Why this layout (see bench/results/arena_attention.md):
+- a contiguous run of blocks is a plain strided slice `buf[..., start:end, :]`, which
+  `scaled_dot_product_attention` consumes directly: the zero-copy view. The leading axis of 1 is the batch axis
+  of mlx-lm's `[B, H, L, D]`: with it, a decode step's write and view are one op each, as in mlx-lm's KVCache
+  (a `[H, S, D]` buffer needs a reshape of the new token and an expand of the view, a few % of a batch-1 step at
+  short contexts);
 - `buf.reshape(H, num_blocks, block_size, D)` is free, so paged sequences gather whole blocks, not single slots;
 - one buffer per layer (not one for all layers) because MLX updates a buffer in place only when nothing else
   holds it: with a single all-layer buffer, layer l's write would find layer l-1's view still alive in the same

@@ -58,8 +58,8 @@ class ArenaKVCache:
         seq.lengths[layer] = end
         seq.offsets[layer] += n
         if first is not None:
-            # The decode hot path, run per layer per token: as few graph nodes and Python calls as mlx-lm's
-            # KVCache (a reshape instead of `[0]`'s slice + squeeze; the slice-update lands in the buffer in place).
+            # The decode hot path, run per layer per token: one slice update (in place) and one slice per buffer,
+            # the same graph as mlx-lm's KVCache.
             return arena.append_to_run(layer, first, start, keys, values)
         arena.write(layer, seq.blocks, start, keys[0], values[0], first)
         k, v = arena.read(layer, seq.blocks, end, first)

@@ -142,11 +142,11 @@ class SequenceKV:
             return
         bs = self.block_size
         alloc = self.arena.allocator
-        first, stop = start // bs, min(-(-end // bs), len(self.blocks))
-        if not alloc.any_shared(self.blocks[first:stop]):
+        first_index, stop_index = start // bs, min(-(-end // bs), len(self.blocks))
+        if not alloc.any_shared(self.blocks[first_index:stop_index]):
             return
         with self.arena.lock:
-            for index in range(first, stop):
+            for index in range(first_index, stop_index):
                 new, copied = alloc.copy_on_write(self.blocks[index], owner=self.owner)
                 if copied:
                     self.arena.copy_block(self.blocks[index], new)
