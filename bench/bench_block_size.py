@@ -1,12 +1,14 @@
 """Block size vs batched decode attention: contiguous and interleaved block tables, `blocks` strategy, batch 8.
 
 Run: ``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python bench/bench_block_size.py``
-(about 1 min). Writes bench/results/block_size.json and .md. The engine's paged block manager gives a growing
+(about 1 min; ``--engine``: also the engine end to end on SmolLM2, about 8 min more). Writes
+bench/results/block_size.json and .md. The engine's paged block manager gives a growing
 sequence one block at a time, so in the engine the tables of concurrent sequences interleave (sequence i owns
 blocks i, i+B, ...), which is what the "interleaved" rows model. One attention layer's decode step (SmolLM2
 shapes, float32) through the engine's DecodeBatch + SDPA hook with the `blocks` strategy forced, against mlx-lm's
-KVCache; variants interleaved in a rotating order, as in bench_arena_attention.py. Measurement only: the
-engine's default block size is not changed by it.
+KVCache; variants interleaved in a rotating order, as in bench_arena_attention.py. ``--engine`` adds the whole
+engine's decode tok/s (SmolLM2 fp32, 8 concurrent requests, no prefix caching) at block size 16 vs 64, runs
+alternated. Measurement only: the engine's default block size is not changed by it.
 """
 
 from __future__ import annotations
@@ -74,6 +76,39 @@ def measure(ctx: int, warmup: int, steps: int) -> list[dict]:
     return rows
 
 
+def engine_decode(cases: list[tuple[int, int]], repeats: int, progress: Progress) -> list[dict]:
+    """Decode tok/s of the engine (`num_decode_tokens / decode_time`) per block size, for (prompt, new) tokens."""
+    from cortexstream.benchmarks.common import prompt_token_lists
+    from cortexstream.engine.engine import Engine
+    from cortexstream.models.loader import load
+
+    model, tokenizer = load(None)
+    rows = []
+    task = progress.add_task("engine", total=len(cases) * (2 + 2 * repeats))
+    for prompt_tokens, new_tokens in cases:
+        prompts = prompt_token_lists(tokenizer, BATCH, prompt_tokens)
+
+        def run(block_size: int) -> float:
+            engine = Engine(model, tokenizer, kv_tokens=BATCH * (prompt_tokens + new_tokens + 128),
+                            max_num_seqs=BATCH, prefix_caching=False, block_size=block_size)
+            for prompt in prompts:
+                engine.add_request(prompt, max_tokens=new_tokens)
+            while engine.has_unfinished:
+                engine.step()
+            progress.advance(task)
+            return engine.num_decode_tokens / engine.decode_time
+
+        run(16), run(64)  # warm-up
+        tps: dict[int, list[float]] = {16: [], 64: []}
+        for r in range(repeats):
+            for block_size in ((16, 64) if r % 2 == 0 else (64, 16)):
+                tps[block_size].append(run(block_size))
+        rows.append({"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "decode_tps": tps,
+                     "best_ratio_64_vs_16": max(tps[64]) / max(tps[16]),
+                     "median_ratio_64_vs_16": statistics.median(tps[64]) / statistics.median(tps[16])})
+    return rows
+
+
 def to_markdown(data: dict) -> str:
     meta = data["meta"]
     lines = [
@@ -94,6 +129,14 @@ def to_markdown(data: dict) -> str:
                 r = next(r for r in data["rows"] if (r["ctx"], r["block_size"], r["layout"]) == (ctx, bs, layout))
                 cells.append(f"{r['ratio_vs_mlx_lm']:.2f} ({r['paired_ratio_vs_mlx_lm']:.2f})")
         lines.append(f"| {ctx} | " + " | ".join(cells) + " |")
+    if data.get("engine"):
+        lines += ["", "## The engine end to end (SmolLM2 fp32, 8 requests, decode tok/s, runs alternated)", "",
+                  "| prompt + new tokens | block 16: runs | block 64: runs | 64 vs 16, best | 64 vs 16, median |",
+                  "|---|---|---|---:|---:|"]
+        for r in data["engine"]:
+            runs = {bs: ", ".join(f"{x:.1f}" for x in r["decode_tps"][bs]) for bs in r["decode_tps"]}
+            lines.append(f"| {r['prompt_tokens']} + {r['new_tokens']} | {runs[16]} | {runs[64]} | "
+                         f"{r['best_ratio_64_vs_16']:.3f} | {r['median_ratio_64_vs_16']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -102,6 +145,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--engine", action="store_true", help="also the engine end to end on SmolLM2")
+    parser.add_argument("--engine-repeats", type=int, default=3)
     args = parser.parse_args()
     args.quick = False
     mx.random.seed(SEED)
@@ -112,6 +157,8 @@ def main() -> None:
         for ctx in CONTEXTS:
             data["rows"] += measure(ctx, args.warmup, args.steps)
             progress.advance(task)
+        if args.engine:
+            data["engine"] = engine_decode([(128, 128), (768, 48)], args.engine_repeats, progress)
     data["meta"]["elapsed_s"] = time.perf_counter() - t0
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "block_size.json").write_text(json.dumps(data, indent=1) + "\n")
