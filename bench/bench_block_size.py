@@ -21,8 +21,8 @@ from pathlib import Path
 
 import mlx.core as mx
 from arena_attention.cases import ArenaDecodeBatch, MlxLm  # bench/arena_attention/
-from arena_attention.common import HEAD_DIM, KV_HEADS, SEED, SPARE, interleave, make_inputs
-from arena_attention.meta import machine_meta
+from arena_attention.common import HEAD_DIM, KV_HEADS, SEED, SPARE, interleave, make_inputs, versus
+from arena_attention.meta import machine_line, machine_meta
 from rich.progress import Progress
 
 from cortexstream.kv.arena import KVArena
@@ -65,14 +65,10 @@ def measure(ctx: int, warmup: int, steps: int) -> list[dict]:
     rows = []
     for v in variants[1:]:
         layout, block_size = v.key.split("/")
-        rows.append({
-            "ctx": ctx, "layout": layout, "block_size": int(block_size),
-            "median_ms": statistics.median(v.times) * 1e3,
-            "mlx_lm_median_ms": statistics.median(base.times) * 1e3,
-            "ratio_vs_mlx_lm": statistics.median(v.times) / statistics.median(base.times),
-            "paired_ratio_vs_mlx_lm": statistics.median(t / t0 for t, t0 in zip(v.times, base.times)),
-            "max_abs_diff_vs_mlx_lm": float(mx.max(mx.abs(v.first_out - base.first_out)).item()),
-        })
+        c = versus(v, base)
+        rows.append({"ctx": ctx, "layout": layout, "block_size": int(block_size), "median_ms": c["ms"],
+                     "mlx_lm_median_ms": statistics.median(base.times) * 1e3, "ratio_vs_mlx_lm": c["ratio"],
+                     "paired_ratio_vs_mlx_lm": c["paired"], "max_abs_diff_vs_mlx_lm": c["max_abs_diff"]})
     return rows
 
 
@@ -113,8 +109,7 @@ def to_markdown(data: dict) -> str:
     meta = data["meta"]
     lines = [
         "# Block size vs batched decode attention (batch 8, `blocks` strategy)", "",
-        f"`python bench/bench_block_size.py` on {meta['platform']}, {meta['cpu']}, {meta['cores']} cores (shared), "
-        f"MLX {meta['mlx']}, BLAS: {meta['blas']}; {meta['elapsed_s']:.0f} s. One attention layer's decode step, "
+        machine_line(meta, "python bench/bench_block_size.py") + " One attention layer's decode step, "
         f"median of {meta['steps']} steps after {meta['warmup']} warm-up, rotating order. Ratio x mlx-lm's "
         "`KVCache` (paired ratio in brackets). Interleaved = sequence i owns blocks i, i+8, ... (what the engine's "
         "one-block-at-a-time growth produces). Every output matched mlx-lm's to "

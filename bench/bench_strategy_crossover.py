@@ -20,8 +20,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from arena_attention.cases import ArenaDecodeBatch, MlxLm, make_sequences  # bench/arena_attention/
-from arena_attention.common import SEED, interleave, make_inputs
-from arena_attention.meta import machine_meta
+from arena_attention.common import SEED, interleave, make_inputs, versus
+from arena_attention.meta import machine_line, machine_meta
 from rich.progress import Progress
 
 from cortexstream.engine import batch_attention
@@ -43,10 +43,7 @@ def measure(ctx: int, warmup: int, steps: int, rng: np.random.Generator) -> dict
     row = {"ctx": ctx, "mlx_lm_ms": statistics.median(base.times) * 1e3}
     for v in variants[1:]:
         assert v.strategy == v.key, f"{v.key} was not run ({v.strategy})"
-        row[f"{v.key}_ms"] = statistics.median(v.times) * 1e3
-        row[f"{v.key}_ratio"] = statistics.median(v.times) / statistics.median(base.times)
-        row[f"{v.key}_paired"] = statistics.median(t / t0 for t, t0 in zip(v.times, base.times))
-        row[f"{v.key}_max_abs_diff"] = float(mx.max(mx.abs(v.first_out - base.first_out)).item())
+        row.update({f"{v.key}_{name}": value for name, value in versus(v, base).items()})
     row["engine_choice"] = batch_attention.choose_strategy(None, mx.float32, strided=True, num_keys=ctx + 1)
     return row
 
@@ -55,8 +52,7 @@ def to_markdown(data: dict) -> str:
     meta = data["meta"]
     lines = [
         "# Batch strategy crossover (batch 8, contiguous tables)", "",
-        f"`python bench/bench_strategy_crossover.py` on {meta['platform']}, {meta['cpu']}, {meta['cores']} cores "
-        f"(shared), MLX {meta['mlx']}, BLAS: {meta['blas']}; {meta['elapsed_s']:.0f} s. One attention layer's "
+        machine_line(meta, "python bench/bench_strategy_crossover.py") + " One attention layer's "
         f"decode step, median of {meta['steps']} steps after {meta['warmup']} warm-up, variants interleaved in a "
         "rotating order. Ratio = median / mlx-lm `KVCache` median; paired = median of same-round ratios. "
         "Engine choice = what `choose_strategy` picks at that length on CPU.", "",

@@ -140,6 +140,18 @@ def make_inputs(ctx: int, batch: int) -> Inputs:
     return Inputs(ctx, batch, *arrays)
 
 
+def versus(variant: Variant, base: Variant) -> dict[str, float]:
+    """A variant against the baseline run interleaved with it: its median step (ms), the ratio of medians, the
+    median of same-round ratios (robust to load drift) and the max abs difference of their first outputs."""
+    median, base_median = statistics.median(variant.times), statistics.median(base.times)
+    return {
+        "ms": median * 1e3,
+        "ratio": median / base_median,
+        "paired": statistics.median(t / t0 for t, t0 in zip(variant.times, base.times)),
+        "max_abs_diff": float(mx.max(mx.abs(variant.first_out - base.first_out)).item()),
+    }
+
+
 def summarise(times: list[float]) -> dict[str, Any]:
     ms = [t * 1e3 for t in times]
     q = np.percentile(ms, [25, 75]) if ms else [float("nan")] * 2

@@ -62,6 +62,12 @@ def machine_meta(args: argparse.Namespace, warmup: int, steps: int) -> dict:
     }
 
 
+def machine_line(meta: dict, command: str) -> str:
+    """The first sentence of a report: the command, the machine and how long the run took."""
+    return (f"`{command}` on {meta['platform']}, {meta['cpu']}, {meta['cores']} cores (shared), MLX {meta['mlx']}, "
+            f"BLAS: {meta['blas']}; {meta['elapsed_s']:.0f} s.")
+
+
 def default_cache_limit() -> int:
     limit = mx.set_cache_limit(0)
     mx.set_cache_limit(limit)
