@@ -22,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 from arena_attention.cases import ArenaDecodeBatch, MlxLm  # bench/arena_attention/
 from arena_attention.common import HEAD_DIM, KV_HEADS, SEED, SPARE, interleave, make_inputs, versus
-from arena_attention.meta import machine_line, machine_meta
+from arena_attention.meta import machine_line, machine_meta, steps_sentence
 from rich.progress import Progress
 
 from cortexstream.kv.arena import KVArena
@@ -109,8 +109,7 @@ def to_markdown(data: dict) -> str:
     meta = data["meta"]
     lines = [
         "# Block size vs batched decode attention (batch 8, `blocks` strategy)", "",
-        machine_line(meta, "python bench/bench_block_size.py") + " One attention layer's decode step, "
-        f"median of {meta['steps']} steps after {meta['warmup']} warm-up, rotating order. Ratio x mlx-lm's "
+        f"{machine_line(meta, 'python bench/bench_block_size.py')} {steps_sentence(meta)} Ratio x mlx-lm's "
         "`KVCache` (paired ratio in brackets). Interleaved = sequence i owns blocks i, i+8, ... (what the engine's "
         "one-block-at-a-time growth produces). Every output matched mlx-lm's to "
         f"{max(r['max_abs_diff_vs_mlx_lm'] for r in data['rows']):.0e}.", "",

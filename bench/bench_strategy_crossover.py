@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 from arena_attention.cases import ArenaDecodeBatch, MlxLm, make_sequences  # bench/arena_attention/
 from arena_attention.common import SEED, interleave, make_inputs, versus
-from arena_attention.meta import machine_line, machine_meta
+from arena_attention.meta import machine_line, machine_meta, steps_sentence
 from rich.progress import Progress
 
 from cortexstream.engine import batch_attention
@@ -52,9 +52,8 @@ def to_markdown(data: dict) -> str:
     meta = data["meta"]
     lines = [
         "# Batch strategy crossover (batch 8, contiguous tables)", "",
-        machine_line(meta, "python bench/bench_strategy_crossover.py") + " One attention layer's "
-        f"decode step, median of {meta['steps']} steps after {meta['warmup']} warm-up, variants interleaved in a "
-        "rotating order. Ratio = median / mlx-lm `KVCache` median; paired = median of same-round ratios. "
+        f"{machine_line(meta, 'python bench/bench_strategy_crossover.py')} {steps_sentence(meta)} "
+        "Ratio = median / mlx-lm `KVCache` median; paired = median of same-round ratios. "
         "Engine choice = what `choose_strategy` picks at that length on CPU.", "",
         *[f"**Note:** {note}\n" for note in data.get("notes", [])],
         "| keys | mlx-lm ms | strided ms | strided ratio (paired) | blocks ms | blocks ratio (paired) "

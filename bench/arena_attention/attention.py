@@ -29,6 +29,7 @@ from .common import (
     make_inputs,
     sdpa,
     summarise,
+    versus,
 )
 
 
@@ -68,8 +69,6 @@ def experiment_attention(
                     arena, seqs = make_sequences(inp, ctx + capacity, layout, rng)
                     variants.append(ArenaDecodeBatch(f"{prefix}_{key}", inp, arena, seqs, strategy))
         interleave(variants, warmup, n_steps(batch), lambda: progress.advance(task))
-        reference = variants[0].first_out
-        base = statistics.median(variants[0].times)
         _, total_blocks = arena_blocks(batch, ctx + capacity)
         for variant in variants:
             strategy = getattr(variant, "strategy", None)
@@ -78,12 +77,11 @@ def experiment_attention(
                    "cache_limit": cache_limit if cache_limit is not None else "default"}
             row.update(summarise(variant.times))
             row["minor_faults_per_step"] = statistics.median(variant.faults)
-            row["ratio_vs_mlx_lm"] = row["median_ms"] / (base * 1e3)
-            # same-round ratio: both ran back to back, so slow drifts of the neighbours' load cancel out
-            row["paired_ratio_vs_mlx_lm"] = statistics.median(
-                t / t0 for t, t0 in zip(variant.times, variants[0].times))
+            vs_mlx_lm = versus(variant, variants[0])
+            row["ratio_vs_mlx_lm"] = vs_mlx_lm["ratio"]
+            row["paired_ratio_vs_mlx_lm"] = vs_mlx_lm["paired"]
             row["extra_peak_mb"] = max(variant.peaks) / 1e6
-            row["max_abs_diff_vs_mlx_lm"] = float(mx.max(mx.abs(variant.first_out - reference)).item())
+            row["max_abs_diff_vs_mlx_lm"] = vs_mlx_lm["max_abs_diff"]
             if variant.setup:
                 row["setup_us"] = statistics.median(variant.setup) * 1e6
             if not variant.key.startswith("mlx_lm"):

@@ -68,6 +68,12 @@ def machine_line(meta: dict, command: str) -> str:
             f"BLAS: {meta['blas']}; {meta['elapsed_s']:.0f} s.")
 
 
+def steps_sentence(meta: dict) -> str:
+    """How each figure was taken, for the reports of the scripts that time one attention layer's decode step."""
+    return (f"One attention layer's decode step, median of {meta['steps']} steps after {meta['warmup']} warm-up, "
+            "variants interleaved in a rotating order.")
+
+
 def default_cache_limit() -> int:
     limit = mx.set_cache_limit(0)
     mx.set_cache_limit(limit)
