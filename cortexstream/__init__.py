@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "load", "generate", "stream_generate", "batch_generate", "make_prompt_cache", "Engine", "ThreadedEngine",
-    "SamplingParams", "perplexity", "__version__",
+    "EngineClient", "InProcessClient", "ThreadedClient", "SamplingParams", "perplexity", "__version__",
 ]
 
 
@@ -34,6 +34,10 @@ def __getattr__(name: str) -> Any:
         from cortexstream.engine.threaded import ThreadedEngine
 
         return ThreadedEngine
+    if name in ("EngineClient", "InProcessClient", "ThreadedClient"):
+        from cortexstream.engine import client
+
+        return getattr(client, name)
     if name == "make_prompt_cache":
         from cortexstream.kv.prompt_cache import make_prompt_cache
 
