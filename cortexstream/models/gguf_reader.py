@@ -7,27 +7,21 @@ group size 32). Anything else (K-quants, Q5_x, IQ*) makes it fail for the whole 
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from cortexstream.errors import ModelLoadError, UnsupportedModelError
+from cortexstream.models.gguf_check import GGUF_MAGIC, check_gguf
 
-GGUF_MAGIC = b"GGUF"
+__all__ = ["GGUF_MAGIC", "check_gguf_file", "read_gguf"]
 
 
 def check_gguf_file(path: str) -> None:
-    """Fail early, naming the file, when it is missing, empty or not a GGUF at all."""
-    if not os.path.exists(path):
-        raise ModelLoadError(f"{path}: file not found")
-    if not os.path.isfile(path):
-        raise ModelLoadError(f"{path}: not a regular file")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != GGUF_MAGIC:
-        raise ModelLoadError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+    """Fail early, naming the file and the field, when it is missing, not a GGUF, or its header lies about the
+    file (counts, lengths, offsets, alignment): `mx.load` trusts the header and may crash the process."""
+    check_gguf(path)
 
 
 def read_gguf(path: str) -> tuple[dict[str, mx.array], dict[str, Any], str]:
