@@ -12,6 +12,7 @@ import mlx.nn as nn
 
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.generation.sampling import SamplingParams, sampling_from_kwargs
+from cortexstream.generation.text_input import repair_messages, repair_text
 from cortexstream.generation.text_stream import TextStream
 
 
@@ -35,14 +36,14 @@ def prompt_to_tokens(tokenizer: Any, prompt: Any) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidArgumentError("prompt: empty string")
-        return list(tokenizer.encode(prompt))
+        return list(tokenizer.encode(repair_text(prompt)))  # undecodable bytes -> U+FFFD, not a TypeError
     if isinstance(prompt, mx.array):
         prompt = prompt.tolist()
     if isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
         for i, message in enumerate(prompt):
             if "role" not in message or "content" not in message:
                 raise InvalidArgumentError(f"prompt: chat message {i} needs 'role' and 'content' keys")
-        tokens = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+        tokens = tokenizer.apply_chat_template(repair_messages(list(prompt)), add_generation_prompt=True, tokenize=True)
         return list(tokens["input_ids"] if isinstance(tokens, dict) else tokens)
     if isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         limit = len(tokenizer.get_vocab())
@@ -154,6 +155,10 @@ def _direct_generate(
         from cortexstream.kv.prompt_cache import make_prompt_cache
 
         prompt_cache = make_prompt_cache(model, max_tokens=len(tokens) + sampling.max_tokens)
+    else:
+        from cortexstream.kv.prompt_cache_check import check_cache_for_model
+
+        check_cache_for_model(prompt_cache, model)  # a short or foreign cache would run silently wrong
     evict = None
     if kv_policy is not None or getattr(prompt_cache[0], "policy_state", None) is not None:
         from cortexstream.policies.direct import apply_policy, attach_policy

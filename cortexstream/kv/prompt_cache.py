@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from cortexstream.atomic_files import atomic_write
 from cortexstream.errors import InvalidArgumentError, ModelLoadError
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_cache import ArenaKVCache
 from cortexstream.kv.arena_config import ArenaConfig, model_kv_shape
+from cortexstream.kv.prompt_cache_check import FORMAT, METADATA_KEY, check_prompt_cache_file, check_user_metadata
 from cortexstream.kv.sequence_kv import SequenceKV
+from cortexstream.models.safetensors_check import check_safetensors
 
-FORMAT = "cortexstream-prompt-cache/1"
+__all__ = ["FORMAT", "load_prompt_cache", "make_prompt_cache", "save_prompt_cache"]
 DEFAULT_PRIVATE_TOKENS = 1024
 
 
@@ -44,6 +46,8 @@ def make_prompt_cache(
     `max_tokens` (default 1024), grown on demand; with one, it takes blocks from the shared arena."""
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 0):
         raise InvalidArgumentError(f"max_tokens: {max_tokens!r} must be a non-negative integer")
+    if not isinstance(getattr(model, "layers", None), (list, tuple)) or not model.layers:
+        raise InvalidArgumentError(f"model: expected an mlx-lm model with `layers`, got {type(model).__name__}")
     if arena is None:
         layers, kv_heads, head_dim, dtype = model_kv_shape(model)
         seq = private_sequence(layers, kv_heads, head_dim, head_dim, max_tokens or DEFAULT_PRIVATE_TOKENS, dtype)
@@ -62,55 +66,54 @@ def make_prompt_cache(
 
 
 def save_prompt_cache(path: str, cache: list[ArenaKVCache], metadata: dict[str, str] | None = None) -> None:
-    """Save one sequence's KV (physical tokens of every layer) and its counters to a safetensors file."""
-    if not path.endswith(".safetensors"):
+    """Save one sequence's KV (physical tokens of every layer) and its counters to a safetensors file, written to a
+    temporary file and renamed into place."""
+    if not isinstance(path, str) or not path.endswith(".safetensors"):
         raise InvalidArgumentError(f"{path}: prompt cache files must end in .safetensors")
+    if not isinstance(cache, (list, tuple)) or not cache or not all(isinstance(c, ArenaKVCache) for c in cache):
+        raise InvalidArgumentError("cache: expected the list of per-layer caches from make_prompt_cache")
+    user = check_user_metadata(path, metadata)
     arrays: dict[str, mx.array] = {}
     for layer, layer_cache in enumerate(cache):
         state = layer_cache.state
-        if state:
-            arrays[f"{layer}.keys"], arrays[f"{layer}.values"] = state
+        if not state:
+            raise InvalidArgumentError(f"cache: layer {layer} holds no tokens; only filled caches can be saved")
+        arrays[f"{layer}.keys"], arrays[f"{layer}.values"] = state
     info = {
         "format": FORMAT,
         "num_layers": len(cache),
         "offsets": [c.offset for c in cache],
         "lengths": [c.size() for c in cache],
     }
-    mx.save_safetensors(path, arrays, metadata={"cortexstream": json.dumps(info), **(metadata or {})})
+    atomic_write(path, lambda tmp: mx.save_safetensors(tmp, arrays, metadata={METADATA_KEY: json.dumps(info), **user}))
 
 
 def load_prompt_cache(
     path: str, *, arena: KVArena | None = None, return_metadata: bool = False
 ) -> list[ArenaKVCache] | tuple[list[ArenaKVCache], dict[str, str]]:
-    """Load a cache written by `save_prompt_cache`, into `arena` or a private one."""
-    if not os.path.exists(path):
-        raise ModelLoadError(f"{path}: file not found")
-    try:
-        arrays, metadata = mx.load(path, return_metadata=True)
-        info = json.loads(metadata["cortexstream"])
-    except (KeyError, ValueError, RuntimeError) as exc:
-        raise ModelLoadError(f"{path}: not a CortexStream prompt cache ({exc})") from exc
-    if info.get("format") != FORMAT:
-        raise ModelLoadError(f"{path}: unknown prompt cache format {info.get('format')!r}")
-    layers = info["num_layers"]
-    lengths, offsets = info["lengths"], info["offsets"]
-    if "0.keys" not in arrays:
-        raise ModelLoadError(f"{path}: prompt cache holds no tokens")
-    k0, v0 = arrays["0.keys"], arrays["0.values"]
+    """Load a cache written by `save_prompt_cache`, into `arena` or a private one. The file's header and counters
+    are checked against its tensors before anything is allocated (a malformed file is a ModelLoadError)."""
+    if not isinstance(path, str):
+        raise InvalidArgumentError(f"path: expected a file path, got {type(path).__name__}")
+    info = check_prompt_cache_file(path, check_safetensors(path))
     if arena is None:
-        seq = private_sequence(layers, k0.shape[1], k0.shape[3], v0.shape[3], max(lengths), str(k0.dtype))
+        seq = private_sequence(info.num_layers, info.kv_heads, info.head_dim, info.v_head_dim, max(info.lengths),
+                               info.dtype)
     else:
         cfg = arena.config
-        if (layers, k0.shape[1], k0.shape[3]) != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
-            raise ModelLoadError(f"{path}: cache shape does not match the arena")
+        if (info.num_layers, info.kv_heads, info.head_dim) != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
+            raise ModelLoadError(
+                f"{path}: cache is {info.num_layers} layers x {info.kv_heads} KV heads x {info.head_dim}, the arena "
+                f"is {cfg.num_layers} x {cfg.num_kv_heads} x {cfg.head_dim}")
         seq = SequenceKV(arena, owner=0)
-    caches = [ArenaKVCache(seq, layer) for layer in range(layers)]
+    try:
+        arrays, metadata = mx.load(path, return_metadata=True)
+    except (ValueError, RuntimeError) as exc:
+        raise ModelLoadError(f"{path}: cannot read prompt cache tensors: {exc}") from exc
+    caches = [ArenaKVCache(seq, layer) for layer in range(info.num_layers)]
     for layer, layer_cache in enumerate(caches):
-        keys, values = arrays.get(f"{layer}.keys"), arrays.get(f"{layer}.values")
-        if keys is None or keys.shape[2] != lengths[layer]:
-            raise ModelLoadError(f"{path}: layer {layer} data missing or its length differs from the metadata")
-        layer_cache.state = (keys, values)
-        layer_cache.offset = offsets[layer]
+        layer_cache.state = (arrays[f"{layer}.keys"], arrays[f"{layer}.values"])
+        layer_cache.offset = info.offsets[layer]
     mx.eval(seq.arena.keys, seq.arena.values)
-    user_meta = {k: v for k, v in metadata.items() if k != "cortexstream"}
+    user_meta = {k: v for k, v in metadata.items() if k != METADATA_KEY}
     return (caches, user_meta) if return_metadata else caches

@@ -69,12 +69,17 @@ def load(
     dequantize: None = dequantise on the CPU backend (float32 is much faster there), keep quantised on Metal.
     dtype: float dtype of the weights ("float32", "float16", "bfloat16"); None = float32 on CPU, as stored on Metal.
     """
+    if source is not None and not isinstance(source, (str, os.PathLike)):
+        raise InvalidArgumentError(f"source: expected a path, a hub repo id or None, got {type(source).__name__}")
+    if dequantize is not None and not isinstance(dequantize, bool):
+        raise InvalidArgumentError(f"dequantize: expected True, False or None, got {dequantize!r:.40}")
     if dtype is not None and dtype not in _DTYPES:
         raise InvalidArgumentError(f"dtype: '{dtype}' is not one of {', '.join(_DTYPES)}")
     cpu = on_cpu()
     if dequantize is None:
         dequantize = cpu
     target = _DTYPES[dtype] if dtype else (mx.float32 if cpu else None)
+    source = os.fspath(source) if source is not None else None
     if source is None or source == DEFAULT_MODEL:
         source = default_model_path()
     if source.endswith(".gguf") or os.path.isfile(source):
@@ -184,6 +189,10 @@ def _download_repo(repo_id: str) -> Path:
 def _load_directory(path: Path, dequantize: bool, target: Any) -> tuple[nn.Module, Any, ModelInfo]:
     from mlx_lm.utils import dequantize_model, load_model, load_tokenizer
 
+    from cortexstream.models.safetensors_check import check_safetensors
+
+    for weights_file in sorted(path.glob("*.safetensors")):
+        check_safetensors(str(weights_file))  # before mlx-lm's mx.load trusts the header
     try:
         model, config = load_model(path)
     except (ValueError, FileNotFoundError) as exc:

@@ -67,7 +67,10 @@ def load_torch(path: str) -> dict[str, mx.array]:
 
 
 def load_safetensors(path: str) -> tuple[dict[str, mx.array], dict[str, str]]:
-    """A safetensors file -> (tensors, string metadata)."""
+    """A safetensors file -> (tensors, string metadata); the header is checked against the file first."""
+    from cortexstream.models.safetensors_check import check_safetensors
+
+    check_safetensors(path)  # mx.load trusts the header's offsets
     try:
         tensors, metadata = mx.load(path, return_metadata=True)
     except Exception as exc:  # noqa: BLE001 - MLX raises RuntimeError/ValueError with terse messages

@@ -1,0 +1,122 @@
+"""Checks for prompt caches: a saved file's metadata against its own tensors (before any arena is sized on the
+metadata's word), and a cache in memory against the model it is about to run with.
+
+A saved cache is a safetensors file whose header (checked by `safetensors_check`) gives every tensor's shape
+without reading it; the `cortexstream` metadata entry must agree with those shapes exactly, so the private arena
+`load_prompt_cache` allocates is never larger than the data the file really holds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from cortexstream.errors import InvalidArgumentError, ModelLoadError
+from cortexstream.models.safetensors_check import SafetensorsLayout
+
+FORMAT = "cortexstream-prompt-cache/1"
+METADATA_KEY = "cortexstream"
+FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+MAX_POSITION = 2**31 - 1  # RoPE offsets are int32 in MLX
+
+
+@dataclass(frozen=True)
+class PromptCacheInfo:
+    num_layers: int
+    lengths: list[int]
+    offsets: list[int]
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    dtype: str  # "float32", "float16" or "bfloat16"
+
+
+def _int_list(path: str, info: dict[str, Any], field: str, count: int) -> list[int]:
+    values = info.get(field)
+    if not isinstance(values, list) or len(values) != count or not all(type(v) is int for v in values):
+        raise ModelLoadError(f"{path}: prompt cache metadata '{field}' must be a list of {count} integers, "
+                             f"got {values!r:.80}")
+    return values
+
+
+def check_prompt_cache_file(path: str, layout: SafetensorsLayout) -> PromptCacheInfo:
+    """The file's `cortexstream` metadata, checked against itself and against the tensors the header lists."""
+    raw = layout.metadata.get(METADATA_KEY)
+    if raw is None:
+        raise ModelLoadError(f"{path}: not a CortexStream prompt cache (no '{METADATA_KEY}' metadata)")
+    try:
+        info = json.loads(raw)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: prompt cache metadata '{METADATA_KEY}' is not JSON ({exc})") from exc
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        found = info.get("format") if isinstance(info, dict) else info
+        raise ModelLoadError(f"{path}: unknown prompt cache format {found!r:.80} (expected {FORMAT!r})")
+    layers = info.get("num_layers")
+    stored = {name for name in layout.tensors}
+    if type(layers) is not int or not 1 <= layers or 2 * layers != len(stored):
+        raise ModelLoadError(f"{path}: prompt cache metadata 'num_layers' is {layers!r:.40}, but the file holds "
+                             f"{len(stored)} tensors (one keys and one values tensor per layer)")
+    lengths = _int_list(path, info, "lengths", layers)
+    offsets = _int_list(path, info, "offsets", layers)
+    first = None
+    for layer in range(layers):
+        keys, values = layout.tensors.get(f"{layer}.keys"), layout.tensors.get(f"{layer}.values")
+        if keys is None or values is None:
+            raise ModelLoadError(f"{path}: prompt cache layer {layer} has no '{layer}.keys'/'{layer}.values' tensor")
+        if len(keys.shape) != 4 or len(values.shape) != 4 or keys.shape[0] != 1 or values.shape[:3] != keys.shape[:3]:
+            raise ModelLoadError(f"{path}: prompt cache layer {layer} keys {keys.shape} / values {values.shape} "
+                                 "are not [1, kv_heads, tokens, head_dim] arrays of the same length")
+        if keys.dtype not in FLOAT_DTYPES or values.dtype != keys.dtype:
+            raise ModelLoadError(f"{path}: prompt cache layer {layer} has dtypes {keys.dtype}/{values.dtype}, "
+                                 f"expected one of {', '.join(FLOAT_DTYPES)} for both")
+        shape = (keys.shape[1], keys.shape[3], values.shape[3], keys.dtype)
+        if first is None:
+            first = shape
+        elif shape != first:
+            raise ModelLoadError(f"{path}: prompt cache layer {layer} has (kv_heads, head_dim, v_head_dim, dtype) "
+                                 f"{shape}, layer 0 has {first}")
+        if lengths[layer] != keys.shape[2]:
+            raise ModelLoadError(f"{path}: prompt cache metadata 'lengths'[{layer}] is {lengths[layer]}, "
+                                 f"the layer's tensors hold {keys.shape[2]} tokens")
+        if not lengths[layer] <= offsets[layer] <= MAX_POSITION:
+            raise ModelLoadError(f"{path}: prompt cache metadata 'offsets'[{layer}] is {offsets[layer]}, must be "
+                                 f"between the layer's length {lengths[layer]} and {MAX_POSITION}")
+    kv_heads, head_dim, v_head_dim, dtype = first
+    if kv_heads < 1 or head_dim < 1 or v_head_dim < 1:
+        raise ModelLoadError(f"{path}: prompt cache has empty dims (kv_heads {kv_heads}, head_dim {head_dim})")
+    return PromptCacheInfo(layers, lengths, offsets, kv_heads, head_dim, v_head_dim, FLOAT_DTYPES[dtype])
+
+
+def check_user_metadata(path: str, metadata: Any) -> dict[str, str]:
+    """User metadata for `save_prompt_cache`: a str -> str map that does not overwrite our own entry."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                 for k, v in metadata.items()):
+        raise InvalidArgumentError(f"metadata: {path}: must be a dict of str -> str, got {metadata!r:.80}")
+    if METADATA_KEY in metadata:
+        raise InvalidArgumentError(f"metadata: key '{METADATA_KEY}' is reserved for the cache's own counters")
+    return dict(metadata)
+
+
+def check_cache_for_model(cache: Any, model: Any, name: str = "prompt_cache") -> None:
+    """A cache handed to generation must have one layer cache per model layer, shaped like the model's KV."""
+    from cortexstream.kv.arena_cache import ArenaKVCache
+    from cortexstream.kv.arena_config import model_kv_shape
+
+    if not isinstance(cache, (list, tuple)) or not cache:
+        raise InvalidArgumentError(f"{name}: expected the list of per-layer caches from make_prompt_cache, "
+                                   f"got {type(cache).__name__}")
+    layers, kv_heads, head_dim, _ = model_kv_shape(model)
+    if len(cache) != layers:
+        raise InvalidArgumentError(f"{name}: has {len(cache)} layer caches, the model has {layers} layers")
+    for layer, layer_cache in enumerate(cache):
+        if not isinstance(layer_cache, ArenaKVCache):
+            continue  # mlx-lm's own caches shape themselves on first use
+        cfg = layer_cache.sequence.arena.config
+        if (cfg.num_kv_heads, cfg.head_dim) != (kv_heads, head_dim) or layer_cache.layer != layer:
+            raise InvalidArgumentError(
+                f"{name}: layer {layer} holds {cfg.num_kv_heads} KV heads x {cfg.head_dim} (arena layer "
+                f"{layer_cache.layer}), the model's layer {layer} needs {kv_heads} x {head_dim}: a cache made for "
+                "another model?")
