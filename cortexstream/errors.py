@@ -17,5 +17,9 @@ class InvalidArgumentError(CortexStreamError, ValueError):
     """A user-supplied argument (sampling value, size, policy string...) is out of range."""
 
 
+class EngineNotRunningError(CortexStreamError, RuntimeError):
+    """A call reached a ThreadedEngine that was never started or has been stopped; nothing was queued."""
+
+
 class OutOfBlocksError(CortexStreamError, MemoryError):
     """The KV arena has no room for the requested blocks; nothing was allocated."""

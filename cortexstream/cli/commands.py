@@ -6,7 +6,9 @@ import argparse
 import sys
 from typing import Any
 
+from cortexstream.errors import CortexStreamError
 from cortexstream.generation.sampling import SamplingParams
+from cortexstream.generation.text_input import has_surrogates, repair_text
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
@@ -128,8 +130,6 @@ class _ChatCache:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    from cortexstream.generation.stream import stream_generate
-
     sampling = _sampling(args)
     policy = _kv_policy(args)
     model, tokenizer = _load(args)
@@ -152,18 +152,34 @@ def run_chat(args: argparse.Namespace) -> int:
             continue
         if not command:
             continue
-        history.append({"role": "user", "content": line})
-        reply, reply_tokens = [], []
-        tokens = chat_cache.turn_tokens(_messages(args.system, history))
-        for response in stream_generate(model, tokenizer, tokens, sampling=sampling, prompt_cache=chat_cache.cache,
-                                        kv_policy=policy):
-            sys.stdout.write(response.text)
-            sys.stdout.flush()
-            reply.append(response.text)
-            reply_tokens.append(response.token)
-        chat_cache.after_reply(reply_tokens)
-        sys.stdout.write("\n")
-        history.append({"role": "assistant", "content": "".join(reply)})
+        if has_surrogates(line):
+            line = repair_text(line)
+            print("(undecodable bytes in that line were replaced by \ufffd)", file=sys.stderr)
+        try:
+            reply = _chat_turn(model, tokenizer, sampling, policy, chat_cache, _messages(args.system, history), line)
+        except Exception as exc:  # noqa: BLE001 - one bad line must not end the session
+            kind = "" if isinstance(exc, CortexStreamError) else f"{type(exc).__name__}: "
+            print(f"cortexstream: error: {kind}{exc} (line ignored; the conversation goes on)", file=sys.stderr)
+            chat_cache.reset()  # the cache may hold part of the failed turn; the history is replayed next turn
+            continue
+        history.extend([{"role": "user", "content": line}, {"role": "assistant", "content": reply}])
+
+
+def _chat_turn(model: Any, tokenizer: Any, sampling: SamplingParams, policy: Any, chat_cache: "_ChatCache",
+               history: list[dict[str, str]], line: str) -> str:
+    from cortexstream.generation.stream import stream_generate
+
+    reply, reply_tokens = [], []
+    tokens = chat_cache.turn_tokens(history + [{"role": "user", "content": line}])
+    for response in stream_generate(model, tokenizer, tokens, sampling=sampling, prompt_cache=chat_cache.cache,
+                                    kv_policy=policy):
+        sys.stdout.write(response.text)
+        sys.stdout.flush()
+        reply.append(response.text)
+        reply_tokens.append(response.token)
+    chat_cache.after_reply(reply_tokens)
+    sys.stdout.write("\n")
+    return "".join(reply)
 
 
 def run_bench(args: argparse.Namespace) -> int:

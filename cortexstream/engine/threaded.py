@@ -11,7 +11,7 @@ import threading
 from typing import Any, Callable, Iterator
 
 from cortexstream.engine.engine import Engine, RequestOutput
-from cortexstream.errors import CortexStreamError
+from cortexstream.errors import CortexStreamError, EngineNotRunningError
 
 _DONE = object()
 
@@ -51,13 +51,54 @@ class ThreadedEngine:
         self.error: BaseException | None = None
 
     def start(self) -> "ThreadedEngine":
+        if self._stop.is_set():
+            raise EngineNotRunningError("ThreadedEngine: stopped engines cannot be restarted; build a new one")
         self._thread.start()
         return self
 
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread; every open stream and every caller still waiting gets EngineNotRunningError."""
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._fail_pending_commands()
+
+    def _check_running(self, what: str) -> None:
+        if not self.running:
+            state = "was stopped" if self._stop.is_set() else "was never started (call start() or use `with`)"
+            raise EngineNotRunningError(f"ThreadedEngine.{what}: the engine thread {state}")
+
+    def _wait_reply(self, reply: queue.Queue, what: str) -> Any:
+        # Poll so that a thread that stops (or dies) after the command was queued cannot leave us waiting forever.
+        while True:
+            try:
+                result = reply.get(timeout=0.1)
+            except queue.Empty:
+                if not self._thread.is_alive():
+                    self._fail_pending_commands()
+                    try:
+                        result = reply.get_nowait()
+                    except queue.Empty:
+                        raise EngineNotRunningError(f"ThreadedEngine.{what}: the engine thread stopped") from None
+                else:
+                    continue
+            if isinstance(result, BaseException):
+                raise result
+            return result
+
+    def _fail_pending_commands(self) -> None:
+        while True:
+            try:
+                _kind, _payload, reply = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if reply is not None:
+                reply.put(EngineNotRunningError("ThreadedEngine: the engine thread stopped before this call ran"))
 
     def __enter__(self) -> "ThreadedEngine":
         return self.start()
@@ -67,13 +108,11 @@ class ThreadedEngine:
 
     def submit(self, prompt: Any, **kwargs: Any) -> RequestStream:
         """Queue a request from any thread; returns its stream. Bad arguments raise here, in the caller."""
+        self._check_running("submit")
         reply: queue.Queue = queue.Queue()
         self._commands.put(("add", (prompt, kwargs), reply))
         self._wake.set()
-        result = reply.get()
-        if isinstance(result, BaseException):
-            raise result
-        return result
+        return self._wait_reply(reply, "submit")
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id, None))
@@ -81,13 +120,11 @@ class ThreadedEngine:
 
     def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Run `fn(engine)` on the engine thread and return its result (e.g. a consistent stats snapshot)."""
+        self._check_running("call")
         reply: queue.Queue = queue.Queue()
         self._commands.put(("call", fn, reply))
         self._wake.set()
-        result = reply.get()
-        if isinstance(result, BaseException):
-            raise result
-        return result
+        return self._wait_reply(reply, "call")
 
     def _handle_commands(self) -> None:
         while True:
@@ -135,8 +172,11 @@ class ThreadedEngine:
                         del self._streams[output.request_id]
             if self.on_step is not None:
                 self.on_step(self.engine, outputs)
+        stopped = EngineNotRunningError("ThreadedEngine: the engine was stopped before this request finished")
         for stream in self._streams.values():
-            stream._queue.put(_DONE)
+            stream._queue.put(stopped)
+        self._streams.clear()
+        self._fail_pending_commands()
 
     def _reset_after_failure(self) -> None:
         for seq in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):

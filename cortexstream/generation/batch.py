@@ -58,6 +58,9 @@ def batch_generate(
     """
     from cortexstream.engine.engine import Engine
 
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise InvalidArgumentError(f"prompts: expected a list of prompts, got {type(prompts).__name__} "
+                                   "(wrap a single prompt in a list)")
     if not prompts:
         raise InvalidArgumentError("prompts: empty list")
     limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)

@@ -47,6 +47,8 @@ class SamplingParams:
             raise bad("max_tokens", self.max_tokens, "must be an integer >= 0")
         if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", self.stop, "must be a sequence of non-empty strings")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
+            raise bad("seed", self.seed, "must be an integer in [0, 2**64) (MLX seeds are unsigned 64-bit)")
 
     @property
     def greedy(self) -> bool:
