@@ -138,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     c2c = kinds.add_parser("c2c", help="C2C fusion: held-out quality (same model, cross-model) and handoff latency")
     add_c2c_bench_arguments(c2c)
     add_train_parsers(commands)
+    from cortexstream.cli.convert import add_convert_parser
+    from cortexstream.cli.serve import add_serve_parser
+
+    add_serve_parser(commands)
+    add_convert_parser(commands)
     for sub in (throughput, single):
         sub.add_argument("--model", default=None)
         sub.add_argument("--out", default="bench/results", help="output folder")
@@ -147,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _command(name: str) -> Callable[[argparse.Namespace], int]:
     from cortexstream.cli import commands
 
+    if name in ("serve", "convert"):
+        import importlib
+
+        return getattr(importlib.import_module(f"cortexstream.cli.{name}"), f"run_{name}")
     if name == "train":
         from cortexstream.cli.training import run_train
 

@@ -1,0 +1,70 @@
+"""`cortexstream serve`: the OpenAI-compatible server (argument parsing and start-up)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, SSE streaming)")
+    serve.add_argument("--model", default=None, help="GGUF file, model directory or hub repo id (default: smollm2-135m)")
+    serve.add_argument("--model-name", default=None, help="id the API serves the model as (default: from --model)")
+    serve.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    size = serve.add_mutually_exclusive_group()
+    size.add_argument("--kv-tokens", type=int, default=None, help="KV arena size in tokens (default 16384)")
+    size.add_argument("--kv-memory", type=float, default=None, help="KV arena as a fraction of device memory")
+    serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument("--max-num-seqs", type=int, default=32)
+    serve.add_argument("--max-queue", type=int, default=256, help="requests queued beyond max-num-seqs before 429")
+    serve.add_argument("--kv-policy", default=None, help="default KV policy (anything parse_policy accepts)")
+    keys = serve.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", action="append", default=None, help="accepted API key (repeatable)")
+    keys.add_argument("--api-keys", default=None, help="file with one API key per line")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds running requests may finish after SIGTERM")
+    serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    serve.add_argument("--log-level", default="warning")
+
+
+def model_name_for(source: str | None) -> str:
+    from pathlib import Path
+
+    from cortexstream.models.loader import DEFAULT_MODEL
+
+    if source is None or source == DEFAULT_MODEL:
+        return DEFAULT_MODEL
+    path = Path(source)
+    return path.stem if path.suffix == ".gguf" else (path.name or source)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from cortexstream.backend import backend_info
+    from cortexstream.models.loader import load
+    from cortexstream.server import ServerConfig, create_app
+    from cortexstream.server.auth import read_key_file
+    from cortexstream.server.runner import banner, serve_app
+
+    api_keys = tuple(args.api_key or ()) or (read_key_file(args.api_keys) if args.api_keys else ())
+    config = ServerConfig(
+        model_name=args.model_name or model_name_for(args.model), kv_tokens=args.kv_tokens,
+        kv_memory=args.kv_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_queue=args.max_queue, kv_policy=args.kv_policy, api_keys=api_keys,
+        shutdown_timeout=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,
+    )  # validated before the model loads, so a bad option fails in a second
+    model, tokenizer = load(args.model, dtype=args.dtype)
+    app = create_app(model, tokenizer, config)
+    arena = app.state.server.bridge.engine.arena
+    backend = backend_info()
+    tenants = (f"{len(api_keys)} API keys, one prefix-cache tenant each (Authorization: Bearer required)"
+               if api_keys else "no API keys: one tenant, every request may share cached prefixes")
+    arena_text = (f"{arena.config.num_blocks} blocks x {arena.config.block_size} tokens = {arena.config.num_slots} "
+                  f"tokens, {arena.config.total_bytes / 2**20:.0f} MiB ({arena.config.dtype})")
+    print(banner(f"http://{args.host}:{args.port}", config.model_name,
+                 f"{backend.device} ({'Metal' if backend.metal else 'CPU'}), BLAS {backend.blas}", arena_text,
+                 tenants), flush=True)
+    code = serve_app(app, args.host, args.port, args.shutdown_timeout, 16 * 1024, args.log_level)
+    print("cortexstream serve: stopped", file=sys.stderr, flush=True)
+    return code

@@ -1,0 +1,89 @@
+"""`create_app(model, tokenizer, config)`: the FastAPI app with its engine, started and stopped by the lifespan."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI
+
+from cortexstream.server.auth import AuthMiddleware, KeyRing
+from cortexstream.server.bridge import EngineBridge
+from cortexstream.server.config import ServerConfig
+from cortexstream.server.errors import install_error_handlers
+from cortexstream.server.limits import SizeLimitMiddleware
+from cortexstream.server.metrics import Metrics
+from cortexstream.server.prepare import ArenaLimits
+from cortexstream.server.routes import router, token_text_for
+
+
+@dataclass
+class ServerState:
+    """What the handlers share (app.state.server)."""
+
+    config: ServerConfig
+    model_name: str
+    tokenizer: Any
+    bridge: EngineBridge
+    keys: KeyRing
+    metrics: Metrics
+    arena_limits: ArenaLimits
+    default_policy: Any
+    token_text: Any
+    started: int
+    draining: bool = False
+
+
+def build_engine(model: Any, tokenizer: Any, config: ServerConfig) -> Any:
+    from cortexstream.engine.engine import Engine
+    from cortexstream.kv.arena import KVArena
+    from cortexstream.kv.arena_config import ArenaConfig
+
+    if config.kv_memory is not None:
+        arena = KVArena(ArenaConfig.for_model(model, memory_fraction=config.kv_memory, block_size=config.block_size))
+    else:
+        arena = KVArena(ArenaConfig.for_model(model, num_tokens=config.kv_tokens or 16384,
+                                              block_size=config.block_size))
+    return Engine(model, tokenizer, arena=arena, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+                  kv_policy=config.kv_policy)
+
+
+def create_app(model: Any, tokenizer: Any, config: ServerConfig | None = None, engine: Any = None) -> FastAPI:
+    """The ASGI app. The engine thread starts with the app's lifespan and stops with it."""
+    config = config or ServerConfig()
+    engine = engine if engine is not None else build_engine(model, tokenizer, config)
+    metrics = Metrics(config.model_name)
+    bridge = EngineBridge(engine, handoff=config.handoff, on_events=metrics.on_event)
+    from cortexstream.policies import parse_policy
+
+    state = ServerState(
+        config=config, model_name=config.model_name, tokenizer=tokenizer, bridge=bridge,
+        keys=KeyRing(config.api_keys), metrics=metrics,
+        arena_limits=ArenaLimits(engine.arena.allocator.num_total_blocks, engine.arena.config.block_size),
+        default_policy=parse_policy(config.kv_policy) if config.kv_policy else None,
+        token_text=token_text_for(tokenizer), started=int(time.time()),
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        import asyncio
+
+        bridge.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            state.draining = True
+            bridge.stop()
+
+    app = FastAPI(title="CortexStream", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible API on the CortexStream engine")
+    app.state.server = state
+    install_error_handlers(app)
+    app.include_router(router)
+    app.add_middleware(AuthMiddleware, keys=state.keys)
+    # Added last, so it runs first: oversized requests are refused before anything reads them.
+    app.add_middleware(SizeLimitMiddleware, max_body_bytes=config.max_body_bytes,
+                       max_header_bytes=config.max_header_bytes)
+    return app

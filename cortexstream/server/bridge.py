@@ -1,0 +1,333 @@
+"""The boundary between the engine thread and the asyncio event loop.
+
+The engine runs on `ThreadedEngine`'s thread. Tokens come back through its `on_step` hook: after every engine
+step the hook turns that step's outputs into `TokenEvent`s and hands them all to the event loop with ONE
+`loop.call_soon_threadsafe`, whatever the number of requests, instead of one thread hop per token per request
+(`handoff="per_token"` keeps the latter only for the diagnostic that measures the difference). Requests go the
+other way in batches too: jobs are queued under a lock and one `ThreadedEngine.call` adds every job queued
+since the last one, so a burst of arrivals costs one engine-thread round trip, and the event loop never blocks
+on the engine (the round trip waits in a one-thread executor).
+
+Log-probabilities are read on the engine thread (MLX arrays are never touched by the event loop), for the
+requests that asked for them only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from cortexstream.engine.engine import Engine, RequestOutput
+from cortexstream.engine.fork import add_forking_request
+from cortexstream.engine.sequence import Sequence
+from cortexstream.engine.threaded import ThreadedEngine
+from cortexstream.errors import CortexStreamError
+from cortexstream.generation.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One step's output for one completion, as the event loop sees it."""
+
+    index: int  # which of the request's n completions
+    token: int | None
+    text: str
+    finish_reason: str | None
+    error: str | None
+    time: float  # perf_counter at the end of the engine step
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache (first event only)
+
+
+@dataclass
+class EngineJob:
+    """What one API request asks of the engine."""
+
+    request_ids: list[str]  # one per completion; the first is the parent that is prefilled
+    prompt_tokens: list[int]
+    sampling: SamplingParams
+    kv_policy: Any = None
+    tenant: str | None = None
+    top_logprobs: int | None = None  # None: no log-probabilities; 0: the sampled token's only
+    fork: bool = True  # False: n independent requests (evicting policies keep their blocks private)
+
+
+@dataclass
+class _Tracked:
+    """Engine-thread bookkeeping of one completion."""
+
+    index: int
+    top_logprobs: int | None
+    sequence: Sequence | None = None
+    siblings: list[str] = field(default_factory=list)  # children to finish if the parent ends before forking
+    started: bool = False
+
+
+class RequestHandle:
+    """Event-loop side of one API request: its completions' events arrive on `events`."""
+
+    def __init__(self, job: EngineJob, arrival: float) -> None:
+        self.job = job
+        self.arrival = arrival
+        self.events: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+        self.unfinished = set(range(len(job.request_ids)))
+        self.last_time = [None] * len(job.request_ids)
+
+    @property
+    def finished(self) -> bool:
+        return not self.unfinished
+
+
+StepListener = Callable[[Engine], None]
+
+
+class EngineBridge:
+    def __init__(self, engine: Engine, handoff: str = "per_step",
+                 on_events: Callable[[RequestHandle, TokenEvent], None] | None = None) -> None:
+        self.engine = engine
+        self.handoff = handoff
+        self.on_events = on_events  # event-loop callback per delivered event (metrics)
+        self.threaded = _ServerThreadedEngine(engine, on_step=self._on_step, on_failure=self._on_failure)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.step_listeners: list[StepListener] = []  # engine thread, after each step (stats snapshots)
+        self._lock = threading.Lock()
+        self._pending: list[tuple[EngineJob, asyncio.Future]] = []
+        self._drain_scheduled = False
+        self._cancelled: set[str] = set()
+        self._submitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cortexstream-submit")
+        self._handles: dict[str, tuple[RequestHandle, int]] = {}  # event loop only
+        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self.owner_tenants: dict[int, str | None] = {}  # Sequence.owner -> tenant label, for /v1/kv
+
+    # --- life cycle -------------------------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.threaded.start()
+
+    def stop(self) -> None:
+        self.threaded.stop()
+        self._submitter.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def engine_alive(self) -> bool:
+        running = getattr(self.threaded, "running", None)
+        return bool(running) if running is not None else self.threaded._thread.is_alive()
+
+    @property
+    def num_active(self) -> int:
+        return len({id(handle) for handle, _ in self._handles.values()})
+
+    # --- submission (event loop) ------------------------------------------------------------------------------
+    async def submit(self, job: EngineJob) -> RequestHandle:
+        """Queue a job; returns once the engine holds it. Engine-side argument errors are raised here."""
+        assert self.loop is not None, "EngineBridge.start() was not called"
+        if not self.engine_alive:
+            raise CortexStreamError("the engine thread is not running")
+        handle = RequestHandle(job, time.perf_counter())
+        for index, rid in enumerate(job.request_ids):
+            self._handles[rid] = (handle, index)
+        accepted = self.loop.create_future()
+        with self._lock:
+            self._pending.append((job, accepted))
+            schedule = not self._drain_scheduled
+            self._drain_scheduled = True
+        if schedule:
+            self.loop.run_in_executor(self._submitter, self._call_add_pending)
+        try:
+            error = await accepted
+        except asyncio.CancelledError:
+            self.abort(handle)
+            raise
+        if error is not None:
+            self._forget(handle)
+            raise error
+        return handle
+
+    def abort(self, handle: RequestHandle) -> None:
+        """Stop every unfinished completion of `handle`; its blocks return to the arena within one step."""
+        rids = [rid for i, rid in enumerate(handle.job.request_ids) if i in handle.unfinished]
+        with self._lock:
+            self._cancelled.update(rids)
+        for rid in rids:
+            self.threaded.abort(rid)
+        self._forget(handle)
+
+    def _forget(self, handle: RequestHandle) -> None:
+        for rid in handle.job.request_ids:
+            self._handles.pop(rid, None)
+
+    # --- engine thread ----------------------------------------------------------------------------------------
+    def _add_pending(self, engine: Engine) -> None:
+        with self._lock:
+            jobs, self._pending = self._pending, []
+            self._drain_scheduled = False
+        for job, accepted in jobs:
+            error: BaseException | None = None
+            if self._take_cancelled(job.request_ids[0]):
+                with self._lock:
+                    self._cancelled.difference_update(job.request_ids)
+            else:
+                try:
+                    self._add_job(engine, job)
+                except Exception as exc:  # noqa: BLE001 - reported to the request that caused it
+                    error = exc
+            self.loop.call_soon_threadsafe(_resolve, accepted, error)
+
+    def _call_add_pending(self) -> None:
+        """Submitter thread: one engine-thread round trip for every job queued so far."""
+        try:
+            self.threaded.call(self._add_pending)
+        except Exception as exc:  # noqa: BLE001 - the engine thread is gone: fail the jobs it never took
+            with self._lock:
+                jobs, self._pending = self._pending, []
+                self._drain_scheduled = False
+            for _job, accepted in jobs:
+                self.loop.call_soon_threadsafe(_resolve, accepted, CortexStreamError(f"engine unavailable: {exc}"))
+
+    def _take_cancelled(self, rid: str) -> bool:
+        """Whether `rid` was aborted before the engine got it (forgotten once asked)."""
+        with self._lock:
+            if rid in self._cancelled:
+                self._cancelled.discard(rid)
+                return True
+        return False
+
+    def _add_job(self, engine: Engine, job: EngineJob) -> None:
+        def track(rid: str, index: int, seq: Sequence | None) -> None:
+            self._tracked[rid] = _Tracked(index, job.top_logprobs, seq)
+            if seq is not None:
+                self.owner_tenants[seq.owner] = job.tenant
+
+        if job.fork:
+            parent = add_forking_request(
+                engine, job.prompt_tokens, job.sampling, job.request_ids, kv_policy=job.kv_policy,
+                tenant=job.tenant, skip_child=self._take_cancelled,
+                on_child=lambda rid, seq: self._adopt_child(rid, seq),
+            )
+            track(job.request_ids[0], 0, parent)
+            self._tracked[job.request_ids[0]].siblings = list(job.request_ids[1:])
+            for index, rid in enumerate(job.request_ids[1:], start=1):
+                self._tracked[rid] = _Tracked(index, job.top_logprobs)
+            return
+        from cortexstream.engine.fork import child_sampling, find_sequence
+        from cortexstream.engine.seeded import install_seeded_sampler
+
+        for index, rid in enumerate(job.request_ids):
+            sampling = child_sampling(job.sampling, index)
+            engine.add_request(job.prompt_tokens, sampling, kv_policy=job.kv_policy, tenant=job.tenant,
+                               request_id=rid)
+            install_seeded_sampler(engine, rid, sampling)
+            track(rid, index, find_sequence(engine, rid))
+
+    def _adopt_child(self, rid: str, seq: Sequence) -> None:
+        tracked = self._tracked.get(rid)
+        if tracked is not None:
+            tracked.sequence = seq
+            self.owner_tenants[seq.owner] = self.owner_tenants.get(seq.owner, seq.tenant)
+        for parent in self._tracked.values():
+            if rid in parent.siblings:
+                parent.siblings.remove(rid)
+
+    def _on_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
+        now = time.perf_counter()
+        for listener in self.step_listeners:
+            listener(engine)
+        if not outputs:
+            return
+        wanted = [(out, self._tracked.get(out.request_id)) for out in outputs]
+        lazy = [out.logprobs for out, tracked in wanted
+                if tracked is not None and tracked.top_logprobs is not None and out.logprobs is not None]
+        if lazy:
+            mx.eval(lazy)
+        events: list[tuple[str, TokenEvent]] = []
+        for out, tracked in wanted:
+            if tracked is None:
+                continue
+            events.append((out.request_id, self._event(out, tracked, now)))
+            if out.finished:
+                del self._tracked[out.request_id]
+                with self._lock:
+                    self._cancelled.discard(out.request_id)
+                for sibling in tracked.siblings:  # ended before it could fork: its children end with it
+                    if self._tracked.pop(sibling, None) is not None:
+                        reason = "error" if out.finish_reason in ("stop", "length") else out.finish_reason
+                        events.append((sibling, TokenEvent(-1, None, "", reason, out.error or
+                                                           "the shared prompt ended before forking", now)))
+        if not events:
+            return
+        if self.handoff == "per_token":
+            for event in events:
+                self.loop.call_soon_threadsafe(self._deliver, [event])
+        else:
+            self.loop.call_soon_threadsafe(self._deliver, events)
+
+    def _on_failure(self, exc: BaseException) -> None:
+        """The engine step failed and ThreadedEngine aborted everything: fail every request still open."""
+        self._tracked.clear()
+        message = f"engine step failed: {type(exc).__name__}: {exc}"
+        self.loop.call_soon_threadsafe(self._fail_all, message)
+
+    def _fail_all(self, message: str) -> None:
+        for handle, _ in list(self._handles.values()):
+            handle.events.put_nowait(CortexStreamError(message))
+        self._handles.clear()
+
+    def _event(self, out: RequestOutput, tracked: _Tracked, now: float) -> TokenEvent:
+        cached = None
+        if not tracked.started and (out.token is not None or out.finished):
+            tracked.started = True
+            cached = tracked.sequence.num_cached_prefix if tracked.sequence is not None else 0
+        logprob, top = None, ()
+        if tracked.top_logprobs is not None and out.logprobs is not None and out.token is not None:
+            logprobs = out.logprobs
+            logprob = float(logprobs[out.token].item())
+            k = tracked.top_logprobs
+            if k > 0:
+                best = mx.argpartition(-logprobs, kth=k - 1)[:k]
+                values = logprobs[best].tolist()
+                top = tuple(sorted(zip(best.tolist(), values), key=lambda pair: -pair[1]))
+        return TokenEvent(tracked.index, out.token, out.text, out.finish_reason, out.error, now, logprob, top,
+                          cached)
+
+    # --- delivery (event loop) --------------------------------------------------------------------------------
+    def _deliver(self, events: list[tuple[str, TokenEvent]]) -> None:
+        for rid, event in events:
+            entry = self._handles.get(rid)
+            if entry is None:
+                continue  # its client is gone
+            handle, index = entry
+            if event.index != index:
+                event = TokenEvent(index, *[getattr(event, f) for f in
+                                            ("token", "text", "finish_reason", "error", "time", "logprob",
+                                             "top_logprobs", "cached_tokens")])
+            if event.finish_reason is not None:
+                handle.unfinished.discard(index)
+                self._handles.pop(rid, None)
+            if self.on_events is not None:
+                self.on_events(handle, event)
+            handle.events.put_nowait(event)
+
+
+class _ServerThreadedEngine(ThreadedEngine):
+    """ThreadedEngine that also tells the bridge when a failed step made it abort every request (the bridge
+    does not use ThreadedEngine's per-request streams, which is where that failure is otherwise reported)."""
+
+    def __init__(self, engine: Engine, on_step: Callable, on_failure: Callable[[BaseException], None]) -> None:
+        super().__init__(engine, on_step=on_step)
+        self._on_failure = on_failure
+
+    def _reset_after_failure(self) -> None:
+        super()._reset_after_failure()
+        self._on_failure(self.error)
+
+
+def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+    if not future.done():
+        future.set_result(error)

@@ -1,0 +1,60 @@
+"""Server settings, validated once at start-up (every error names the option)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything `create_app` needs besides the model. Engine sizes go to `Engine`, the rest to the server."""
+
+    model_name: str = "default"
+    kv_tokens: int | None = None  # arena size in tokens; None with kv_memory None: 16384
+    kv_memory: float | None = None  # fraction of device memory for the arena
+    block_size: int = 16
+    max_num_seqs: int = 32
+    max_queue: int = 256  # requests waiting beyond max_num_seqs before 429
+    kv_policy: str | None = None  # default policy for requests that name none
+    api_keys: tuple[str, ...] = ()  # empty: no auth, one prefix-cache tenant
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_header_bytes: int = 16 * 1024
+    shutdown_timeout: float = 30.0
+    handoff: str = "per_step"  # "per_token" only for the hand-off diagnostic
+    default_chat_max_tokens: int = 256
+    default_completion_max_tokens: int = 16  # OpenAI's default for /v1/completions
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise ValueError(f"model_name: {self.model_name!r} must be a non-empty string")
+        if self.kv_tokens is not None and self.kv_memory is not None:
+            raise ValueError("kv_tokens / kv_memory: give one of them, not both")
+        if self.kv_tokens is not None and (not isinstance(self.kv_tokens, int) or self.kv_tokens < 1):
+            raise ValueError(f"kv_tokens: {self.kv_tokens!r} must be an integer >= 1")
+        if self.kv_memory is not None and not 0.0 < self.kv_memory <= 0.9:
+            raise ValueError(f"kv_memory: {self.kv_memory!r} must be in (0, 0.9]")
+        for name in ("block_size", "max_num_seqs", "max_body_bytes", "max_header_bytes",
+                     "default_chat_max_tokens", "default_completion_max_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: {value!r} must be an integer >= 1")
+        if not isinstance(self.max_queue, int) or self.max_queue < 0:
+            raise ValueError(f"max_queue: {self.max_queue!r} must be an integer >= 0")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout: {self.shutdown_timeout!r} must be >= 0")
+        if self.handoff not in ("per_step", "per_token"):
+            raise ValueError(f"handoff: {self.handoff!r} must be 'per_step' or 'per_token'")
+        if any(not isinstance(k, str) or not k.strip() for k in self.api_keys):
+            raise ValueError("api_keys: every key must be a non-empty string")
+        if len(set(self.api_keys)) != len(self.api_keys):
+            raise ValueError("api_keys: duplicate keys")
+        if self.kv_policy is not None:
+            from cortexstream.policies import parse_policy
+
+            parse_policy(self.kv_policy)  # a typo fails at start-up, naming the bad key
+
+    @property
+    def max_in_flight(self) -> int:
+        """Requests accepted at once (running + queued); one more gets 429."""
+        return self.max_num_seqs + self.max_queue

@@ -1,0 +1,110 @@
+"""Prometheus text-format metrics (names after vLLM's, prefixed `cortexstream:`).
+
+Counters and histograms are updated on the event loop as token events are delivered; gauges are read from the
+engine when scraped (list lengths and the allocator's counts, which are safe to read from another thread).
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+from cortexstream.server.bridge import RequestHandle, TokenEvent
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+               0.5, 0.75, 1.0, 2.5)
+
+
+class Histogram:
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]) -> None:
+        self.name = name
+        self.help = help_text
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self.total = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def render(self, model: str) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        cumulative = 0
+        for bound, count in zip(self.buckets + (float("inf"),), self.counts):
+            cumulative += count
+            le = "+Inf" if bound == float("inf") else repr(bound)
+            lines.append(f'{self.name}_bucket{{model_name="{model}",le="{le}"}} {cumulative}')
+        lines.append(f'{self.name}_sum{{model_name="{model}"}} {self.total}')
+        lines.append(f'{self.name}_count{{model_name="{model}"}} {self.count}')
+        return lines
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.model = model_name
+        self.generation_tokens = 0
+        self.prompt_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.finished: dict[str, int] = {}
+        self.ttft = Histogram("cortexstream:time_to_first_token_seconds",
+                              "Time from request arrival to its first token.", TTFT_BUCKETS)
+        self.itl = Histogram("cortexstream:inter_token_latency_seconds",
+                             "Time between consecutive tokens of one completion.", ITL_BUCKETS)
+        self.e2e = Histogram("cortexstream:e2e_request_latency_seconds",
+                             "Time from request arrival to its last token.", TTFT_BUCKETS)
+
+    def on_accepted(self, prompt_tokens: int) -> None:
+        self.prompt_tokens += prompt_tokens
+
+    def on_event(self, handle: RequestHandle, event: TokenEvent) -> None:
+        index = event.index
+        if event.cached_tokens is not None and index == 0:
+            self.prefix_hit_tokens += event.cached_tokens
+        if event.token is not None:
+            self.generation_tokens += 1
+            last = handle.last_time[index]
+            if last is None:
+                self.ttft.observe(event.time - handle.arrival)
+            else:
+                self.itl.observe(event.time - last)
+            handle.last_time[index] = event.time
+        if event.finish_reason is not None:
+            self.finished[event.finish_reason] = self.finished.get(event.finish_reason, 0) + 1
+            self.e2e.observe(event.time - handle.arrival)
+
+    def render(self, engine: Any) -> str:
+        allocator = engine.arena.allocator
+        m = f'model_name="{self.model}"'
+
+        def single(name: str, kind: str, help_text: str, value: float) -> list[str]:
+            return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{{{m}}} {value}"]
+
+        lines: list[str] = []
+        lines += single("cortexstream:num_requests_running", "gauge", "Sequences in the running batch.",
+                        len(engine.scheduler.running))
+        lines += single("cortexstream:num_requests_waiting", "gauge", "Sequences waiting for admission.",
+                        len(engine.scheduler.waiting))
+        lines += single("cortexstream:kv_blocks_used", "gauge", "KV arena blocks in use (incl. prefix cache).",
+                        allocator.num_used_blocks)
+        lines += single("cortexstream:kv_blocks_total", "gauge", "KV arena blocks.", allocator.num_total_blocks)
+        lines += single("cortexstream:kv_cache_usage_perc", "gauge", "Fraction of KV arena blocks in use.",
+                        allocator.num_used_blocks / max(1, allocator.num_total_blocks))
+        lines += single("cortexstream:prefix_cache_hit_tokens_total", "counter",
+                        "Prompt tokens served from the prefix cache.", self.prefix_hit_tokens)
+        lines += single("cortexstream:prompt_tokens_total", "counter", "Prompt tokens of accepted requests.",
+                        self.prompt_tokens)
+        lines += single("cortexstream:generation_tokens_total", "counter", "Generated tokens.",
+                        self.generation_tokens)
+        lines += single("cortexstream:num_preemptions_total", "counter", "Sequences preempted for KV blocks.",
+                        engine.scheduler.num_preemptions)
+        name = "cortexstream:request_success_total"
+        lines += [f"# HELP {name} Finished completions by finish reason.", f"# TYPE {name} counter"]
+        for reason, count in sorted(self.finished.items()):
+            lines.append(f'{name}{{{m},finished_reason="{reason}"}} {count}')
+        for histogram in (self.ttft, self.itl, self.e2e):
+            lines += histogram.render(self.model)
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,158 @@
+"""Turn a validated API request into an `EngineJob`, or an `APIError` naming the offending field.
+
+Everything that can be refused is refused here, before the engine sees the request: unknown model (404),
+unsupported fields, bad sampling values, a KV policy `parse_policy` rejects, and a prompt + max_tokens the
+arena can never hold (400 at once rather than a rejection after queueing).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from cortexstream.errors import CortexStreamError, InvalidArgumentError
+from cortexstream.generation.sampling import SamplingParams
+from cortexstream.generation.stream import prompt_to_tokens
+from cortexstream.server.bridge import EngineJob
+from cortexstream.server.errors import APIError
+from cortexstream.server.protocol import MAX_STOP_STRINGS, ChatCompletionRequest, CompletionRequest
+
+
+@dataclass(frozen=True)
+class ArenaLimits:
+    num_blocks: int
+    block_size: int
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+
+@dataclass
+class PreparedRequest:
+    job: EngineJob
+    response_id: str
+    prompt_tokens: int
+
+
+def check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested not in (served, "default", "default_model"):
+        raise APIError(404, f"The model '{requested}' does not exist; this server serves '{served}'",
+                       param="model", code="model_not_found")
+
+
+def _param_of(exc: Exception) -> str | None:
+    head = str(exc).split(":", 1)[0].strip()
+    return head if head.isidentifier() else None
+
+
+def _sampling(request: Any, max_tokens: int) -> SamplingParams:
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(request, name):
+            raise APIError(400, f"{name}: not supported by this server (use repetition_penalty)", param=name,
+                           code="unsupported_parameter")
+    stops = request.stop_strings()
+    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+        raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
+    try:
+        return SamplingParams(
+            temperature=1.0 if request.temperature is None else float(request.temperature),
+            top_p=1.0 if request.top_p is None else float(request.top_p),
+            top_k=request.top_k or 0,
+            min_p=request.min_p or 0.0,
+            repetition_penalty=request.repetition_penalty,
+            max_tokens=max_tokens,
+            stop=stops,
+            seed=request.seed,
+        )
+    except InvalidArgumentError as exc:
+        raise APIError(400, str(exc), param=_param_of(exc)) from exc
+
+
+def _policy(spec: str | None, default: Any) -> Any:
+    if spec is None:
+        return default
+    from cortexstream.policies import parse_policy
+
+    try:
+        return parse_policy(spec)
+    except (CortexStreamError, ValueError, TypeError, KeyError) as exc:
+        raise APIError(400, f"kv_policy: {exc}", param="kv_policy") from exc
+
+
+def _fit(prompt_len: int, requested: int | None, default: int, n: int, policy: Any, arena: ArenaLimits) -> int:
+    """max_tokens for the request: the requested value if it fits, the default shrunk to fit otherwise."""
+    def blocks(max_tokens: int) -> int:
+        bound = getattr(policy, "max_physical_tokens", None)
+        if bound is not None and getattr(policy, "evicts", False):
+            limit = bound(prompt_len + max_tokens, 512)
+            if limit:
+                return n * arena.blocks_for(min(prompt_len + max_tokens, limit))
+        # n completions share the prompt's blocks; each has its own for its tokens (+1 copied on write).
+        extra = 0 if n == 1 else n * (arena.blocks_for(max_tokens) + 1)
+        return arena.blocks_for(prompt_len + (max_tokens if n == 1 else 0)) + extra
+
+    capacity = arena.num_blocks * arena.block_size
+    if requested is None:
+        max_tokens = default
+        while max_tokens > 1 and blocks(max_tokens) > arena.num_blocks:
+            max_tokens //= 2
+        requested = max_tokens
+    if blocks(requested) > arena.num_blocks:
+        raise APIError(
+            400,
+            f"This request needs {prompt_len} prompt tokens + {requested} max_tokens x {n} completions, more "
+            f"than the KV arena's {capacity} tokens; shorten the prompt or lower max_tokens",
+            param="max_tokens", code="context_length_exceeded",
+        )
+    return requested
+
+
+def _job(prefix: str, tokens: list[int], sampling: SamplingParams, n: int, policy: Any, tenant: str | None,
+         top_logprobs: int | None) -> PreparedRequest:
+    base = f"{prefix}-{uuid.uuid4().hex}"
+    ids = [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
+    fork = not getattr(policy, "evicts", False)
+    job = EngineJob(ids, tokens, sampling, kv_policy=policy, tenant=tenant, top_logprobs=top_logprobs, fork=fork)
+    return PreparedRequest(job, base, len(tokens))
+
+
+def prepare_chat(request: ChatCompletionRequest, tokenizer: Any, arena: ArenaLimits, default_policy: Any,
+                 tenant: str | None, default_max_tokens: int) -> PreparedRequest:
+    if request.top_logprobs is not None and not request.logprobs:
+        raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+    messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
+                for m in request.messages]
+    try:
+        tokens = prompt_to_tokens(tokenizer, messages)
+    except InvalidArgumentError as exc:
+        raise APIError(400, str(exc), param="messages") from exc
+    except Exception as exc:  # noqa: BLE001 - a template that cannot render these messages is the client's input
+        raise APIError(400, f"messages: the chat template failed: {type(exc).__name__}: {exc}",
+                       param="messages") from exc
+    policy = _policy(request.kv_policy, default_policy)
+    requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    max_tokens = _fit(len(tokens), requested, default_max_tokens, request.n, policy, arena)
+    sampling = _sampling(request, max_tokens)
+    top = (request.top_logprobs or 0) if request.logprobs else None
+    return _job("chatcmpl", tokens, sampling, request.n, policy, tenant, top)
+
+
+def prepare_completion(request: CompletionRequest, tokenizer: Any, arena: ArenaLimits, default_policy: Any,
+                       tenant: str | None, default_max_tokens: int) -> PreparedRequest:
+    if request.echo:
+        raise APIError(400, "echo: not supported by this server", param="echo", code="unsupported_parameter")
+    prompt: Any = request.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise APIError(400, "prompt: one prompt per request (a list of strings must hold exactly one)",
+                           param="prompt")
+        prompt = prompt[0]
+    try:
+        tokens = prompt_to_tokens(tokenizer, prompt)
+    except InvalidArgumentError as exc:
+        raise APIError(400, str(exc), param="prompt") from exc
+    policy = _policy(request.kv_policy, default_policy)
+    max_tokens = _fit(len(tokens), request.max_tokens, default_max_tokens, request.n, policy, arena)
+    sampling = _sampling(request, max_tokens)
+    return _job("cmpl", tokens, sampling, request.n, policy, tenant, request.logprobs)
