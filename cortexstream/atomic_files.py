@@ -22,6 +22,9 @@ def atomic_write(path: str, write: Callable[[str], None]) -> None:
     suffix = os.path.splitext(path)[1]
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=f".tmp{suffix}", dir=folder)
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; the result should look like any file we write
     try:
         write(tmp)
         os.replace(tmp, path)

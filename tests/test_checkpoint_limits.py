@@ -17,7 +17,7 @@ def test_broadcast_view_larger_than_its_storage_is_refused(tmp_path):
     path = str(tmp_path / "expand.pth")
     torch.save({"w": torch.zeros(1).expand(100000, 100000)}, path)  # storage of 1 float, stride (0, 0)
     assert os.path.getsize(path) < 4096
-    with pytest.raises(ModelLoadError, match=r"'w' .*stride \(0, 0\).* has 10000000000 elements but its storage"):
+    with pytest.raises(ModelLoadError, match=r"'w' .*stride \(0, 0\).* has 10000000000 elements .* but its storage"):
         load_checkpoint(path)
 
 

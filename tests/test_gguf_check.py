@@ -121,3 +121,19 @@ def test_repro12_future_version_is_refused_by_load(tiny_gguf, tmp_path):
     bad.write_bytes(data)
     with pytest.raises(ModelLoadError, match="version 99 is not supported"):
         cortexstream.load(str(bad))
+
+
+def test_fuzz_regression_config_values_that_overflow_model_construction(tiny_gguf, tmp_path):
+    """Found by the fuzzer: a valid header whose head_count_kv (721420290) overflowed inside mlx-lm's Linear."""
+    import cortexstream
+
+    data = bytearray(open(tiny_gguf, "rb").read())
+    key = b"llama.attention.head_count_kv"
+    at = data.index(key) + len(key)
+    value_type = struct.unpack_from("<i", data, at)[0]
+    assert value_type in (4, 5)  # UINT32 / INT32
+    struct.pack_into("<I", data, at + 4, 721420290)
+    bad = tmp_path / "kv.gguf"
+    bad.write_bytes(data)
+    with pytest.raises(ModelLoadError, match=r"kv.gguf: model config is inconsistent \(OverflowError"):
+        cortexstream.load(str(bad))

@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten
 
 from cortexstream.errors import InvalidArgumentError, ModelLoadError
 from cortexstream.port import load_checkpoint, load_strict, map_state_dict, save_safetensors, write_infinilm_bin
+from cortexstream.port.finite import check_finite
 
 PREFIXES = ("compress_tk", "compress_tv", "compress_ik", "compress_iv")
 _KEY = r"compress_(?:tk|tv|ik|iv)\.\d+\.\d+\.(?:weight|bias)"
@@ -248,8 +249,12 @@ class KVCompressor(nn.Module):
         file's metadata/header, else 1 (the reference's default)."""
         ckpt = load_checkpoint(path)
         meta = ckpt.metadata
-        msl = min_seq_len if min_seq_len is not None else int(meta.get("min_seq_len", 1))
-        factor = int(meta["factor"]) if meta.get("factor", "0") not in ("0", "") else None
+        try:
+            msl = min_seq_len if min_seq_len is not None else int(meta.get("min_seq_len", 1))
+            factor = int(meta["factor"]) if meta.get("factor", "0") not in ("0", "") else None
+        except ValueError as exc:
+            raise ModelLoadError(f"{path}: metadata 'min_seq_len'/'factor' is not an integer ({exc})") from exc
+        check_finite(ckpt.tensors, path)  # NaN/inf weights would merge every window into garbage, silently
         return cls.from_state_dict(ckpt.tensors, min_seq_len=msl, factor=factor, source=path)
 
     def state_dict(self) -> dict[str, mx.array]:

@@ -73,12 +73,17 @@ def load(
         raise InvalidArgumentError(f"source: expected a path, a hub repo id or None, got {type(source).__name__}")
     if dequantize is not None and not isinstance(dequantize, bool):
         raise InvalidArgumentError(f"dequantize: expected True, False or None, got {dequantize!r:.40}")
+    if source is not None and not isinstance(source, (str, os.PathLike)):
+        raise InvalidArgumentError(f"source: expected a path, a hub repo id or None, got {type(source).__name__}")
+    if dequantize is not None and not isinstance(dequantize, bool):
+        raise InvalidArgumentError(f"dequantize: expected True, False or None, got {dequantize!r:.40}")
     if dtype is not None and dtype not in _DTYPES:
         raise InvalidArgumentError(f"dtype: '{dtype}' is not one of {', '.join(_DTYPES)}")
     cpu = on_cpu()
     if dequantize is None:
         dequantize = cpu
     target = _DTYPES[dtype] if dtype else (mx.float32 if cpu else None)
+    source = os.fspath(source) if source is not None else None
     source = os.fspath(source) if source is not None else None
     if source is None or source == DEFAULT_MODEL:
         source = default_model_path()
@@ -97,7 +102,14 @@ def _model_class(config: dict[str, Any], source: str) -> nn.Module:
         model_class, args_class = _get_classes(config)
     except ValueError as exc:
         raise UnsupportedModelError(f"{source}: model type '{config.get('model_type')}' is not supported") from exc
-    return model_class(args_class.from_dict(config))
+    sizes = {k: v for k, v in config.items() if isinstance(v, int) and not isinstance(v, bool)}
+    bad = {k: v for k, v in sizes.items() if not 0 <= v < 2**31}
+    if bad:  # a corrupt header value must be named here, not overflow inside mlx-lm's constructors
+        raise ModelLoadError(f"{source}: model config values out of range: {bad}")
+    try:
+        return model_class(args_class.from_dict(config))
+    except (ArithmeticError, ValueError, TypeError, KeyError) as exc:
+        raise ModelLoadError(f"{source}: model config is inconsistent ({type(exc).__name__}: {exc})") from exc
 
 
 def _load_gguf(path: str, dequantize: bool, target: Any) -> tuple[nn.Module, Any, ModelInfo]:

@@ -75,6 +75,7 @@ class Compressor(MergingPolicy):
             label = os.fspath(weights)
             if not os.path.isfile(label):
                 raise InvalidArgumentError(f"weights: file '{label}' does not exist")
+            load_cached(label)  # read and check the file now, not when a prompt first grows long enough
         elif weights is None:
             label = None
         else:

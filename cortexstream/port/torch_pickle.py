@@ -35,6 +35,7 @@ from cortexstream.errors import ModelLoadError
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 LEGACY_PROTOCOL = 1001
+BROADCAST_COPY_LIMIT = 64 << 20  # bytes a broadcast (overlapping-stride) view may expand to when copied out
 
 # torch storage class name -> element dtype (UntypedStorage: raw bytes).
 STORAGE_DTYPES = {
@@ -110,6 +111,15 @@ class TorchTensor(_Inert):
             raise ModelLoadError(
                 f"{source}: tensor '{key}' (size {self.size}, stride {self.stride}, offset {self.offset}) "
                 f"reads past its storage '{self.storage.key}' of {base.size} elements (corrupt checkpoint?)")
+        copy_bytes = prod(self.size) * np_dtype.itemsize
+        if prod(self.size) > base.size and copy_bytes > BROADCAST_COPY_LIMIT:
+            # Only overlapping strides (0 or repeated) can do this; copying such a view out could allocate far
+            # more than the file holds (a 1.5 kB file asking for 37 GiB), so a file never gets that on its word.
+            # Small broadcast views (torch's expand) are legitimate and still load.
+            raise ModelLoadError(
+                f"{source}: tensor '{key}' (size {self.size}, stride {self.stride}) has {prod(self.size)} elements "
+                f"({copy_bytes} bytes) but its storage '{self.storage.key}' holds {base.size}: overlapping "
+                f"(broadcast) views are copied out only up to {BROADCAST_COPY_LIMIT} bytes")
         if prod(self.size) > base.size:
             # Only overlapping strides (0 or repeated) can do this; copying such a view out would allocate far
             # more than the file holds (a 1.5 kB file asking for 37 GiB), so a file never gets that on its word.

@@ -79,6 +79,7 @@ class RequestHandle:
         self.events: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
         self.unfinished = set(range(len(job.request_ids)))
         self.last_time = [None] * len(job.request_ids)
+        self.aborted = False
 
     @property
     def finished(self) -> bool:
@@ -155,9 +156,9 @@ class EngineBridge:
         rids = [rid for i, rid in enumerate(handle.job.request_ids) if i in handle.unfinished]
         with self._lock:
             self._cancelled.update(rids)
+        handle.aborted = True  # its remaining events still come (for the metrics), but nobody reads them
         for rid in rids:
             self.threaded.abort(rid)
-        self._forget(handle)
 
     def _forget(self, handle: RequestHandle) -> None:
         for rid in handle.job.request_ids:
@@ -173,6 +174,7 @@ class EngineBridge:
             if self._take_cancelled(job.request_ids[0]):
                 with self._lock:
                     self._cancelled.difference_update(job.request_ids)
+                self._post_aborted(job.request_ids)
             else:
                 try:
                     self._add_job(engine, job)
@@ -199,6 +201,19 @@ class EngineBridge:
                 return True
         return False
 
+    def _skip_child(self, rid: str) -> bool:
+        """Fork time: a child whose client already left is not created, and is reported aborted."""
+        if not self._take_cancelled(rid):
+            return False
+        self._tracked.pop(rid, None)
+        self._post_aborted([rid])
+        return True
+
+    def _post_aborted(self, rids: list[str]) -> None:
+        now = time.perf_counter()
+        self.loop.call_soon_threadsafe(
+            self._deliver, [(rid, TokenEvent(-1, None, "", "aborted", None, now)) for rid in rids])
+
     def _add_job(self, engine: Engine, job: EngineJob) -> None:
         def track(rid: str, index: int, seq: Sequence | None) -> None:
             self._tracked[rid] = _Tracked(index, job.top_logprobs, seq)
@@ -208,7 +223,7 @@ class EngineBridge:
         if job.fork:
             parent = add_forking_request(
                 engine, job.prompt_tokens, job.sampling, job.request_ids, kv_policy=job.kv_policy,
-                tenant=job.tenant, skip_child=self._take_cancelled,
+                tenant=job.tenant, skip_child=self._skip_child,
                 on_child=lambda rid, seq: self._adopt_child(rid, seq),
             )
             track(job.request_ids[0], 0, parent)
@@ -312,7 +327,8 @@ class EngineBridge:
                 self._handles.pop(rid, None)
             if self.on_events is not None:
                 self.on_events(handle, event)
-            handle.events.put_nowait(event)
+            if not handle.aborted:
+                handle.events.put_nowait(event)
 
 
 class _ServerThreadedEngine(ThreadedEngine):
