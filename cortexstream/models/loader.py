@@ -73,17 +73,12 @@ def load(
         raise InvalidArgumentError(f"source: expected a path, a hub repo id or None, got {type(source).__name__}")
     if dequantize is not None and not isinstance(dequantize, bool):
         raise InvalidArgumentError(f"dequantize: expected True, False or None, got {dequantize!r:.40}")
-    if source is not None and not isinstance(source, (str, os.PathLike)):
-        raise InvalidArgumentError(f"source: expected a path, a hub repo id or None, got {type(source).__name__}")
-    if dequantize is not None and not isinstance(dequantize, bool):
-        raise InvalidArgumentError(f"dequantize: expected True, False or None, got {dequantize!r:.40}")
     if dtype is not None and dtype not in _DTYPES:
         raise InvalidArgumentError(f"dtype: '{dtype}' is not one of {', '.join(_DTYPES)}")
     cpu = on_cpu()
     if dequantize is None:
         dequantize = cpu
     target = _DTYPES[dtype] if dtype else (mx.float32 if cpu else None)
-    source = os.fspath(source) if source is not None else None
     source = os.fspath(source) if source is not None else None
     if source is None or source == DEFAULT_MODEL:
         source = default_model_path()

@@ -120,13 +120,6 @@ class TorchTensor(_Inert):
                 f"{source}: tensor '{key}' (size {self.size}, stride {self.stride}) has {prod(self.size)} elements "
                 f"({copy_bytes} bytes) but its storage '{self.storage.key}' holds {base.size}: overlapping "
                 f"(broadcast) views are copied out only up to {BROADCAST_COPY_LIMIT} bytes")
-        if prod(self.size) > base.size:
-            # Only overlapping strides (0 or repeated) can do this; copying such a view out would allocate far
-            # more than the file holds (a 1.5 kB file asking for 37 GiB), so a file never gets that on its word.
-            raise ModelLoadError(
-                f"{source}: tensor '{key}' (size {self.size}, stride {self.stride}) has {prod(self.size)} elements "
-                f"but its storage '{self.storage.key}' holds {base.size}: overlapping (broadcast) views larger than "
-                "their storage are refused")
         view = np.lib.stride_tricks.as_strided(
             base[self.offset:], shape=self.size, strides=[s * np_dtype.itemsize for s in self.stride], writeable=False)
         out = np.array(view, copy=True)
