@@ -296,7 +296,7 @@ def run_all(cases: int, formats: tuple[str, ...] = FORMATS, keep_dir: str | None
             worker.close()
 
 
-def write_results(reports: list[Report], out_dir: str, seconds: float) -> None:
+def write_results(reports: list[Report], out_dir: str, seconds: float, notes: list[str] | None = None) -> None:
     sys.path.insert(0, os.path.dirname(HERE))
     from cortexstream.atomic_files import write_json_atomic, write_text_atomic
 
@@ -305,6 +305,7 @@ def write_results(reports: list[Report], out_dir: str, seconds: float) -> None:
     payload = {
         "benchmark": "fuzz", "machine": machine, "seconds": round(seconds, 1),
         "command": "python tests/fuzz_harness.py --cases N (or pytest -m fuzz tests/test_fuzz_files.py)",
+        "notes": list(notes or []),
         "formats": {r.fmt: {"cases": r.cases, **{k: r.counts.get(k, 0) for k in
                                                   ("ok", "rejected", "raw", "crash", "hang")},
                             "findings": [d for _, _, d in r.findings][:20]} for r in reports},
@@ -319,6 +320,7 @@ def write_results(reports: list[Report], out_dir: str, seconds: float) -> None:
         c = r.counts
         lines.append(f"| {r.fmt} | {r.cases} | {c['ok']} | {c['rejected']} | {c['raw']} | {c['crash']} | "
                      f"{c['hang']} |")
+    lines += ["", *[f"- {note}" for note in notes or []]] if notes else []
     write_text_atomic(os.path.join(out_dir, "fuzz.md"), "\n".join(lines) + "\n")
 
 
@@ -330,9 +332,10 @@ if __name__ == "__main__":
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "bench", "results"))
     parser.add_argument("--keep", default=None, help="folder to save crashing / raw-error files in")
+    parser.add_argument("--note", action="append", default=[], help="a line added to the report (repeatable)")
     args = parser.parse_args()
     start = time.time()
     results = run_all(args.cases, tuple(args.formats.split(",")), args.keep)
-    write_results(results, args.out, time.time() - start)
+    write_results(results, args.out, time.time() - start, args.note)
     for r in results:
         print(r.fmt, dict(r.counts), *[f"\n  {o}: {d}" for o, _, d in r.findings[:10]])

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 from typing import Any
+
+from cortexstream.atomic_files import write_json_atomic, write_text_atomic
 
 
 def machine() -> dict[str, Any]:
@@ -56,8 +57,6 @@ def write_results(out_dir: str, name: str, payload: dict[str, Any], markdown: st
     os.makedirs(out_dir, exist_ok=True)
     json_path = os.path.join(out_dir, f"{name}.json")
     md_path = os.path.join(out_dir, f"{name}.md")
-    with open(json_path, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=2)
-    with open(md_path, "w", encoding="utf-8") as f:
-        f.write(markdown)
+    write_json_atomic(json_path, payload)
+    write_text_atomic(md_path, markdown)
     return json_path, md_path

@@ -13,13 +13,13 @@ A policy that cannot be built (e.g. no shipped weights for this model) is listed
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any, Callable
 
 import numpy as np
 
+from cortexstream.atomic_files import read_json_file, write_json_atomic
 from cortexstream.benchmarks.common import machine
 from cortexstream.benchmarks.frontier_report import write_frontier_report
 from cortexstream.benchmarks.quality_data import wiki_text
@@ -69,7 +69,7 @@ def score_cell(model: Any, ids: list[int], spec: str, chunk: int) -> dict[str, A
 class _Doc:
     def __init__(self, path: str, settings: dict[str, Any], resume: bool) -> None:
         self.path = path
-        old = json.load(open(path, encoding="utf-8")) if resume and os.path.exists(path) else {}
+        old = read_json_file(path, "results file") if resume and os.path.exists(path) else {}
         for key in ("contexts", "policies", "passkey_policies", "needle_policies"):  # a resumed run adds to these
             earlier = old.get("settings", {}).get(key, [])
             settings[key] = earlier + [x for x in settings[key] if x not in earlier]
@@ -86,8 +86,7 @@ class _Doc:
         self.save()
 
     def save(self) -> None:
-        with open(self.path, "w", encoding="utf-8") as fh:
-            json.dump(self.data, fh, indent=2)
+        write_json_atomic(self.path, self.data)  # a kill mid-write leaves the previous cells intact
 
 
 def _buildable(spec: str, model: Any, doc: _Doc, log: Callable[[str], None]) -> bool:

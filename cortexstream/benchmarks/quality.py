@@ -17,7 +17,6 @@ Results (and each cell's wall time) are written after every cell, so an interrup
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -26,6 +25,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
+from cortexstream.atomic_files import read_json_file, write_json_atomic
 from cortexstream.benchmarks.common import machine
 from cortexstream.benchmarks.quality_data import passkey_prompt, wiki_text
 from cortexstream.benchmarks.quality_report import write_report
@@ -50,7 +50,7 @@ class _Results:
 
     def __init__(self, path: str, settings: dict[str, Any], resume: bool) -> None:
         self.path = path
-        old = json.load(open(path, encoding="utf-8")) if resume and os.path.exists(path) else {}
+        old = read_json_file(path, "results file") if resume and os.path.exists(path) else {}
         self.data: dict[str, Any] = {"benchmark": "quality", "settings": settings, "machine": machine(),
                                      "perplexity": old.get("perplexity", []), "passkey": old.get("passkey", []),
                                      "streaming": old.get("streaming", []), "chunkcheck": old.get("chunkcheck", []),
@@ -61,8 +61,7 @@ class _Results:
 
     def add(self, part: str, row: dict[str, Any]) -> None:
         self.data[part].append(row)
-        with open(self.path, "w", encoding="utf-8") as fh:
-            json.dump(self.data, fh, indent=2)
+        write_json_atomic(self.path, self.data)  # a kill mid-write leaves the previous cells intact
 
 
 def _feed(model: Any, cache: list[Any], ids: list[int], chunk: int, context: int, logits: bool = False) -> Any:

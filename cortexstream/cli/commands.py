@@ -183,6 +183,10 @@ def _chat_turn(model: Any, tokenizer: Any, sampling: SamplingParams, policy: Any
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if getattr(args, "out", None):
+        from cortexstream.atomic_files import check_output_dir
+
+        check_output_dir(args.out)  # before a long run, not after it: results must have somewhere to go
     if args.bench_kind == "throughput":
         from cortexstream.benchmarks import throughput
 

@@ -1,0 +1,81 @@
+"""Files the project writes appear whole or not at all; torn or missing ones are errors that name the file;
+output folders are checked before a long run (issue #24 repro 10)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from cortexstream.atomic_files import atomic_write, check_output_dir, read_json_file, write_json_atomic
+from cortexstream.errors import InvalidArgumentError, ModelLoadError
+
+
+def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path):
+    path = str(tmp_path / "r.json")
+    write_json_atomic(path, {"a": 1})
+
+    def half_then_fail(tmp: str) -> None:
+        with open(tmp, "w") as fh:
+            fh.write('{"a": ')
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write(path, half_then_fail)
+    assert read_json_file(path) == {"a": 1} and os.listdir(tmp_path) == ["r.json"]
+
+
+def test_atomic_files_get_ordinary_permissions(tmp_path):
+    path = str(tmp_path / "p.json")
+    write_json_atomic(path, [1])
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o666 & ~umask
+
+
+def test_torn_or_missing_json_names_the_file(tmp_path):
+    torn = tmp_path / "t.json"
+    torn.write_text('{"perplexity": [')
+    with pytest.raises(ModelLoadError, match=rf"{torn}: results file is unreadable or torn"):
+        read_json_file(str(torn), "results file")
+    with pytest.raises(ModelLoadError, match="missing.json: state not found"):
+        read_json_file(str(tmp_path / "missing.json"), "state")
+
+
+def test_output_folder_is_created_or_refused_up_front(tmp_path):
+    assert check_output_dir(str(tmp_path / "new" / "dir")) and (tmp_path / "new" / "dir").is_dir()
+    with pytest.raises(InvalidArgumentError, match="--out: /proc/nope: cannot write results there"):
+        check_output_dir("/proc/nope")
+
+
+@pytest.mark.parametrize("module, cls", [("cortexstream.benchmarks.quality", "_Results"),
+                                         ("cortexstream.benchmarks.frontier", "_Doc")])
+def test_bench_resume_on_a_torn_results_file_names_it(tmp_path, module, cls):
+    import importlib
+
+    store = getattr(importlib.import_module(module), cls)
+    torn = tmp_path / "q.json"
+    torn.write_text('{"perplexity": [')
+    with pytest.raises(ModelLoadError, match=rf"{torn}: results file is unreadable"):
+        store(str(torn), {}, resume=True)
+
+
+def test_training_resume_on_torn_state_or_missing_optimizer_names_the_file(tmp_path):
+    loop = pytest.importorskip("cortexstream.training.loop")
+    (tmp_path / "state.json").write_text('{"train": {"st')
+    with pytest.raises(ModelLoadError, match=r"state.json: training state is unreadable or torn"):
+        loop.load_resumable(str(tmp_path), {"steps": 1})
+    with pytest.raises(ModelLoadError, match=r"optimizer.safetensors: file not found"):
+        loop.load_optimizer_state(str(tmp_path), None)
+
+
+def test_bench_with_an_unwritable_out_fails_before_running():
+    env = {**os.environ, "CORTEXSTREAM_NO_OPENBLAS": "1", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-m", "cortexstream.cli.main", "bench", "throughput", "--out", "/proc/nope"],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 1
+    assert result.stderr.strip() == ("cortexstream: error: --out: /proc/nope: cannot write results there "
+                                     "(No such file or directory)")
