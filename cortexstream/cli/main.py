@@ -137,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     c2c = kinds.add_parser("c2c", help="C2C fusion: held-out quality (same model, cross-model) and handoff latency")
     add_c2c_bench_arguments(c2c)
+    from cortexstream.benchmarks.serve import add_arguments as add_serve_bench_arguments
+
+    serve_bench = kinds.add_parser("serve", help="cortexstream serve vs mlx_lm.server over HTTP (3 workloads)")
+    add_serve_bench_arguments(serve_bench)
+    serve_bench.set_defaults(run="cortexstream.benchmarks.serve:run_bench_serve")
     add_train_parsers(commands)
     from cortexstream.cli.convert import add_convert_parser
     from cortexstream.cli.serve import add_serve_parser
@@ -170,6 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         maybe_reexec_with_openblas()
     args = build_parser().parse_args(args_list)
     try:
+        if getattr(args, "run", None):  # a sub-command that names its own entry point ("module:function")
+            import importlib
+
+            module, function = args.run.split(":")
+            return getattr(importlib.import_module(module), function)(args)
         return _command(args.command)(args)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

@@ -1,0 +1,118 @@
+"""`cortexstream bench serve`: cortexstream serve vs mlx_lm.server on the same weights, over real HTTP streaming.
+
+For each workload both servers are started as subprocesses (127.0.0.1, ephemeral ports; the one that goes first
+alternates between workloads), driven with the same seeded workload by async streaming clients, and stopped; a
+fresh process per workload keeps each peak RSS about that workload. Writes `<out>/<name>.json`, `.md`, `.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from cortexstream.benchmarks.serve_client import drive
+from cortexstream.benchmarks.serve_processes import SYSTEMS, start_server
+from cortexstream.benchmarks.serve_report import markdown, plot, ratios, summarize
+from cortexstream.benchmarks.serve_workloads import build_workloads
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model to serve (default: smollm2-135m); converted once")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rate", type=float, default=8.0, help="workload 1 Poisson arrival rate (requests/s)")
+    parser.add_argument("--kv-tokens", type=int, default=20480,
+                        help="cortexstream serve's arena (tokens; preallocated, so it counts in its peak RSS)")
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--workloads", default="shared_system_chat,multi_turn,unrelated")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per workload and system")
+    parser.add_argument("--quick", action="store_true", help="smoke run: a few tiny requests (not a measurement)")
+    parser.add_argument("--out", default="bench/results", help="output folder")
+    parser.add_argument("--name", default=None, help="file name stem (default: serve, or serve_quick)")
+
+
+def machine_line() -> str:
+    from cortexstream.backend import find_openblas
+
+    blas = "OpenBLAS (preloaded for both servers)" if find_openblas() and not os.environ.get(
+        "CORTEXSTREAM_NO_OPENBLAS") else "MLX's bundled BLAS"
+    return f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, {blas}"
+
+
+def _convert(source: str | None, out_dir: Path) -> None:
+    cmd = [sys.executable, "-m", "cortexstream.cli.main", "convert", source or "smollm2-135m", str(out_dir)]
+    run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if run.returncode != 0:
+        raise RuntimeError(f"convert failed: {run.stderr.strip()[-500:]}")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    systems = [s for s in args.systems.split(",") if s]
+    wanted = [w for w in args.workloads.split(",") if w]
+    work = Path(tempfile.mkdtemp(prefix="cortexstream-bench-serve-"))
+    try:
+        model_dir = work / "model"
+        print(f"[bench serve] converting {args.model or 'smollm2-135m'} to an mlx-lm directory", flush=True)
+        _convert(args.model, model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        workloads = [w for w in build_workloads(tokenizer, args.seed, args.quick, args.rate) if w.name in wanted]
+        result: dict[str, Any] = {
+            "machine": machine_line(), "model": Path(args.model).stem if args.model else "smollm2-135m",
+            "seed": args.seed, "quick": args.quick, "kv_tokens": args.kv_tokens, "max_num_seqs": args.max_num_seqs,
+            "command": "cortexstream bench serve " + " ".join(_argv_of(args)), "workloads": [],
+        }
+        for index, workload in enumerate(workloads):
+            order = systems if index % 2 == 0 else list(reversed(systems))
+            entry: dict[str, Any] = {"name": workload.name, "description": workload.description, "order": order,
+                                     "systems": {}}
+            for system in order:
+                print(f"[bench serve] {workload.name}: {system}", flush=True)
+                server = start_server(system, str(model_dir), args.kv_tokens, args.max_num_seqs, work)
+                try:
+                    measured = asyncio.run(drive(server.url, workload, args.timeout))
+                    entry["systems"][system] = summarize(measured, server.peak_rss)
+                finally:
+                    server.stop()
+                s = entry["systems"][system]
+                print(f"[bench serve]   {s['output_tokens_per_s']:.1f} output tok/s, TTFT p50 "
+                      f"{(s['ttft_p50_s'] or 0) * 1e3:.0f} ms, peak RSS {s['peak_rss_mib']:.0f} MiB, "
+                      f"{s['failed']} failed", flush=True)
+            if set(entry["systems"]) >= {"cortexstream", "mlx_lm"}:
+                entry["ratios"] = ratios(workload.name, entry["systems"]["cortexstream"], entry["systems"]["mlx_lm"])
+            result["workloads"].append(entry)
+        return result
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _argv_of(args: argparse.Namespace) -> list[str]:
+    out = []
+    for key in ("seed", "rate", "kv_tokens", "max_num_seqs"):
+        out += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    return out + (["--quick"] if args.quick else [])
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    result = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = args.name or ("serve_quick" if args.quick else "serve")
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(markdown(result))
+    try:
+        plot(result, out / f"{stem}.png")
+    except ImportError:
+        print("[bench serve] matplotlib missing (pip install -e '.[bench]'): no PNG", file=sys.stderr)
+    print(f"[bench serve] wrote {out / stem}.json/.md/.png")
+    return 0

@@ -1,0 +1,114 @@
+"""Summaries, ratios against the issue's targets, and the Markdown + PNG report of `cortexstream bench serve`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cortexstream.benchmarks.serve_client import WorkloadRun
+
+# workload -> (min output tok/s ratio, max p50 TTFT ratio or None), cortexstream / mlx_lm.server
+TARGETS = {"shared_system_chat": (1.5, 0.5), "multi_turn": (1.3, None), "unrelated": (1.0, None)}
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def summarize(run: WorkloadRun, peak_rss: int) -> dict[str, Any]:
+    ok = [r for r in run.records if r.error is None and r.first_token is not None]
+    wall = max(run.finished - run.started, 1e-9)
+    ttfts = [r.ttft for r in ok]
+    tpots = [r.tpot for r in ok if r.tpot is not None]
+    tokens = sum(r.output_tokens for r in ok)
+    return {
+        "requests": len(run.records),
+        "failed": len(run.records) - len(ok),
+        "errors": sorted({r.error for r in run.records if r.error})[:5],
+        "wall_s": wall,
+        "request_throughput": len(ok) / wall,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / wall,
+        "ttft_p50_s": _pct(ttfts, 50), "ttft_p99_s": _pct(ttfts, 99),
+        "tpot_p50_s": _pct(tpots, 50), "tpot_p99_s": _pct(tpots, 99),
+        "peak_rss_mib": peak_rss / 2**20,
+    }
+
+
+def ratios(name: str, ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
+    def ratio(key: str) -> float | None:
+        a, b = ours.get(key), theirs.get(key)
+        return a / b if a is not None and b else None
+
+    tps_target, ttft_target = TARGETS.get(name, (None, None))
+    out = {"output_tokens_per_s": ratio("output_tokens_per_s"), "ttft_p50": ratio("ttft_p50_s"),
+           "peak_rss": ratio("peak_rss_mib"), "target_output_tokens_per_s": tps_target,
+           "target_ttft_p50": ttft_target}
+    out["meets_throughput"] = None if out["output_tokens_per_s"] is None or tps_target is None else \
+        out["output_tokens_per_s"] >= tps_target
+    out["meets_ttft"] = None if ttft_target is None or out["ttft_p50"] is None else out["ttft_p50"] <= ttft_target
+    out["meets_rss"] = None if out["peak_rss"] is None else out["peak_rss"] <= 1.0
+    return out
+
+
+def _fmt(value: Any, scale: float = 1.0, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value * scale:.{digits}f}"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = ["# Serving benchmark: cortexstream serve vs mlx_lm.server", "",
+             f"Machine: {result['machine']}. Model: {result['model']} (same weights for both: the GGUF converted "
+             f"with `cortexstream convert`), greedy decoding, streaming over HTTP. Seed {result['seed']}."
+             + (" **Quick smoke run: not a measurement.**" if result["quick"] else ""), ""]
+    for workload in result["workloads"]:
+        lines += [f"## {workload['name']}", "", workload["description"] + f"; order: {', '.join(workload['order'])}.",
+                  "", "| system | req/s | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) "
+                  "| peak RSS (MiB) | failed |", "|---|---|---|---|---|---|---|---|---|"]
+        for system, s in workload["systems"].items():
+            lines.append(f"| {system} | {_fmt(s['request_throughput'])} | {_fmt(s['output_tokens_per_s'], 1, 1)} | "
+                         f"{_fmt(s['ttft_p50_s'], 1e3, 0)} | {_fmt(s['ttft_p99_s'], 1e3, 0)} | "
+                         f"{_fmt(s['tpot_p50_s'], 1e3, 1)} | {_fmt(s['tpot_p99_s'], 1e3, 1)} | "
+                         f"{_fmt(s['peak_rss_mib'], 1, 0)} | {s['failed']} |")
+        r = workload.get("ratios")
+        if r:
+            ttft = "" if r["target_ttft_p50"] is None else \
+                f", p50 TTFT {_fmt(r['ttft_p50'])}x (target <= {r['target_ttft_p50']}x: {_verdict(r['meets_ttft'])})"
+            lines += ["", f"cortexstream / mlx_lm.server: output tok/s {_fmt(r['output_tokens_per_s'])}x (target >= "
+                      f"{r['target_output_tokens_per_s']}x: {_verdict(r['meets_throughput'])}){ttft}, peak RSS "
+                      f"{_fmt(r['peak_rss'])}x (target <= 1.0x: {_verdict(r['meets_rss'])})."]
+        lines.append("")
+    lines += ["Rerun: `" + result["command"] + "`", ""]
+    return "\n".join(lines)
+
+
+def _verdict(flag: bool | None) -> str:
+    return "n/a" if flag is None else ("met" if flag else "missed")
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [w["name"] for w in result["workloads"]]
+    systems = sorted({s for w in result["workloads"] for s in w["systems"]})
+    fig, (ax_tps, ax_ttft) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / max(1, len(systems))
+    for i, system in enumerate(systems):
+        xs = np.arange(len(names)) + i * width
+        tps = [w["systems"].get(system, {}).get("output_tokens_per_s") or 0 for w in result["workloads"]]
+        ttft = [(w["systems"].get(system, {}).get("ttft_p50_s") or 0) * 1e3 for w in result["workloads"]]
+        ax_tps.bar(xs, tps, width, label=system)
+        ax_ttft.bar(xs, ttft, width, label=system)
+    for ax, title in ((ax_tps, "output tokens/s (higher is better)"), (ax_ttft, "p50 TTFT, ms (lower is better)")):
+        ax.set_xticks(np.arange(len(names)) + width * (len(systems) - 1) / 2)
+        ax.set_xticklabels(names, fontsize=8)
+        ax.set_title(title)
+        ax.legend()
+    fig.suptitle(f"cortexstream serve vs mlx_lm.server ({result['model']}, {result['machine']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

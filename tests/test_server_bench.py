@@ -1,0 +1,40 @@
+"""`cortexstream bench serve` pieces that need no server: seeded workloads and the report."""
+
+from __future__ import annotations
+
+from cortexstream.benchmarks.serve_client import RequestRecord, WorkloadRun
+from cortexstream.benchmarks.serve_report import markdown, ratios, summarize
+from cortexstream.benchmarks.serve_workloads import build_workloads, shared_system_chat
+
+
+def test_workloads_are_seeded_and_sized_in_tokens(tiny):
+    _, wrapper = tiny
+    tokenizer = wrapper._tokenizer
+    a = shared_system_chat(tokenizer, seed=3, users=5, system_tokens=40, user_tokens=(10, 12), new_tokens=(4, 6))
+    b = shared_system_chat(tokenizer, seed=3, users=5, system_tokens=40, user_tokens=(10, 12), new_tokens=(4, 6))
+    assert a == b
+    assert len({s.system for s in a.sessions}) == 1
+    assert len(tokenizer.encode(a.sessions[0].system, add_special_tokens=False)) in range(36, 45)
+    starts = [s.start for s in a.sessions]
+    assert starts == sorted(starts) and starts[0] == 0.0 and starts[-1] > 0
+    quick = build_workloads(tokenizer, seed=0, quick=True, rate=4.0)
+    assert [w.name for w in quick] == ["shared_system_chat", "multi_turn", "unrelated"]
+    assert [len(t.turns) for t in quick[1].sessions] == [2, 2]
+
+
+def test_summary_ratios_and_markdown():
+    run = WorkloadRun(started=0.0, finished=2.0)
+    run.records = [RequestRecord(sent=0.0, first_token=0.5, last_token=1.5, output_tokens=11),
+                   RequestRecord(sent=0.0, first_token=1.0, last_token=2.0, output_tokens=11),
+                   RequestRecord(sent=0.0, error="HTTP 500")]
+    ours = summarize(run, peak_rss=2**30)
+    assert ours["failed"] == 1 and ours["output_tokens_per_s"] == 11.0
+    assert ours["tpot_p50_s"] == 0.1 and ours["ttft_p50_s"] == 0.75
+    theirs = dict(ours, output_tokens_per_s=5.5, ttft_p50_s=3.0, peak_rss_mib=2048.0)
+    r = ratios("shared_system_chat", ours, theirs)
+    assert r["output_tokens_per_s"] == 2.0 and r["meets_throughput"] and r["meets_ttft"] and r["meets_rss"]
+    result = {"machine": "Linux x86_64, 2 cores", "model": "m", "seed": 0, "quick": False, "command": "x",
+              "workloads": [{"name": "shared_system_chat", "description": "d", "order": ["a", "b"],
+                             "systems": {"cortexstream": ours, "mlx_lm": theirs}, "ratios": r}]}
+    text = markdown(result)
+    assert "| cortexstream | 1.00 | 11.0 | 750 |" in text and "target >= 1.5x: met" in text
