@@ -23,10 +23,22 @@ def test_parse_policy_strings(spec, expected):
     assert parse_policy(spec) == expected
 
 
-def test_parse_passes_objects_and_none_through():
+def test_parse_passes_objects_through_and_none_is_the_full_cache():
     policy = H2O(budget=100)
     assert parse_policy(policy) is policy
-    assert parse_policy(None) is None
+    assert parse_policy(None) == FullCache()  # no policy named: the explicit full cache, never None
+
+
+def test_every_capability_is_declared_on_the_base_class():
+    # The runtime reads these attributes directly (no getattr with a default), so each must exist on every policy.
+    for policy in (FullCache(), H2O(budget=100), StreamingLLM(window=8), parse_policy("meanpool:window=4"),
+                   parse_policy("tome:window=4")):
+        for capability in ("evicts", "needs_attention_scores", "merges", "uses_logit_bias", "rerotate"):
+            assert isinstance(getattr(policy, capability), bool), (policy, capability)
+        assert isinstance(policy.parse_keys, dict)
+    full = FullCache()
+    assert not (full.evicts or full.merges or full.needs_attention_scores or full.uses_logit_bias or full.rerotate)
+    assert full.max_physical_tokens(100, 16) is None and full.merge_range(10, 100, None) is None
 
 
 @pytest.mark.parametrize("spec, words", [

@@ -39,15 +39,34 @@ Strategies (chosen per step by `choose_strategy`; bench/results/arena_attention.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Sequence, cast
+from typing import Any, Protocol, Sequence, cast
 
 import mlx.core as mx
+import numpy as np
 
 from cortexstream.kernels.dispatch import METAL, resolve_backend
 from cortexstream.kernels.paged_attention import paged_attention
 
-if TYPE_CHECKING:  # import cycle: batch_cache imports this module
-    from cortexstream.engine.batch_cache import DecodeBatch
+
+class DecodeBatch(Protocol):
+    """What the strategies read of a batch (`batch_cache.DecodeBatch` implements it). A protocol rather than an
+    import, because `batch_cache` builds its batches with this module's strategy choice."""
+
+    arena: Any  # KVArena
+    sequences: Sequence[Any]  # SequenceKV per row
+    firsts: list[int | None]  # contiguous start slot per row (None: paged)
+    lengths_after: np.ndarray  # physical keys per row after this step
+    table: mx.array  # padded block table [B, max_blocks]
+    mask: mx.array  # padding mask [B, 1, 1, max_blocks * block_size]
+    step_mask: mx.array | None  # the mask handed to the model (None: no padding)
+
+    @property
+    def paged(self) -> Any: ...  # `PagedRows` of the paged rows, or None
+
+    @property
+    def block_indices(self) -> tuple[mx.array, mx.array, mx.array]: ...
+
+    def lengths_array(self) -> mx.array: ...
 
 GATHER, PER_SEQUENCE, BLOCKS, STRIDED, PAGED = "gather", "per_sequence", "blocks", "strided", "paged"
 STRATEGIES = (GATHER, PER_SEQUENCE, BLOCKS, STRIDED, PAGED)

@@ -31,7 +31,7 @@ from cortexstream.generation.stream import prompt_to_tokens
 from cortexstream.generation.text_stream import TextStream
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_config import ArenaConfig
-from cortexstream.policies.base import parse_policy
+from cortexstream.policies.parsing import parse_policy
 
 
 @dataclass
@@ -265,7 +265,7 @@ class Engine:
             reason = "stop" if state.text.stopped else None
             if reason is None and len(seq.output_ids) >= seq.sampling.max_tokens:
                 text, reason = text + state.text.finish(), "length"
-        if not getattr(seq.kv_policy, "evicts", False):
+        if not seq.kv_policy.evicts:
             # An evicting sequence's blocks stay private: a shared block would have to be copied on write
             # by the next eviction, which may find no free block.
             self.block_manager.register_full_blocks(seq)

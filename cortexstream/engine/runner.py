@@ -75,7 +75,7 @@ class ModelRunner:
     def policy_state(self, seq: Sequence) -> PolicyState | None:
         """The sequence's policy runtime, or None when its policy never evicts (the fast path)."""
         policy = seq.kv_policy
-        if policy is None or not getattr(policy, "evicts", False):
+        if not policy.evicts:
             return None
         state = self._policy.get(seq.request_id)
         if state is None:

@@ -72,9 +72,7 @@ class Scheduler:
 
     def physical_budget(self, seq: Sequence) -> int:
         """Most KV slots the sequence can ever hold: its policy's bound, else prompt + max_tokens."""
-        policy = seq.kv_policy
-        bound = getattr(policy, "max_physical_tokens", None)
-        limit = bound(seq.max_total_tokens, self.config.prefill_step_size) if bound else None
+        limit = seq.kv_policy.max_physical_tokens(seq.max_total_tokens, self.config.prefill_step_size)
         return min(seq.max_total_tokens, limit) if limit else seq.max_total_tokens
 
     def abort(self, request_id: str) -> Sequence | None:
@@ -157,7 +155,7 @@ class Scheduler:
 
     @staticmethod
     def _evicts(seq: Sequence) -> bool:
-        return bool(getattr(seq.kv_policy, "evicts", False))
+        return seq.kv_policy.evicts
 
     def _admit_bounded(self, seq: Sequence) -> bool:
         """Admit a sequence whose policy evicts with blocks for its first prefill chunk only.

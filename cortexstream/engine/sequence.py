@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from cortexstream.generation.sampling import SamplingParams
+from cortexstream.policies.base import FullCache, KVPolicy
 
 _ids = itertools.count()
 
@@ -27,7 +28,7 @@ class Sequence:
     sampling: SamplingParams
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     tenant: str | None = None
-    kv_policy: Any = None
+    kv_policy: KVPolicy = field(default_factory=FullCache)  # what stays in the KV cache (see policies.base)
     arrival_time: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING

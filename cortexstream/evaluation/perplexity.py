@@ -16,7 +16,8 @@ import mlx.core as mx
 import numpy as np
 
 from cortexstream.errors import InvalidArgumentError
-from cortexstream.policies.base import KVPolicy, parse_policy
+from cortexstream.policies.base import KVPolicy
+from cortexstream.policies.parsing import parse_policy
 
 FULL_CHUNK = 512
 

@@ -106,7 +106,7 @@ def _engine_generate(
     from cortexstream.engine.engine import Engine
 
     if engine is None:
-        from cortexstream.policies.base import parse_policy
+        from cortexstream.policies.parsing import parse_policy
 
         kv_policy = parse_policy(kv_policy)
         total = len(tokens) + sampling.max_tokens

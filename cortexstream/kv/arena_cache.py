@@ -7,7 +7,7 @@ from typing import Any
 import mlx.core as mx
 
 from cortexstream.errors import InvalidArgumentError
-from cortexstream.kv.sequence_kv import SequenceKV
+from cortexstream.kv.sequence_kv import SequenceKV, private_sequence
 
 
 class ArenaKVCache:
@@ -103,8 +103,6 @@ class ArenaKVCache:
     @classmethod
     def from_state(cls, state: tuple[mx.array, mx.array], meta_state: tuple[str, str] | None = None) -> "ArenaKVCache":
         """A single-layer cache in a private arena holding `state` (mlx-lm's `load_prompt_cache` hook)."""
-        from cortexstream.kv.prompt_cache import private_sequence
-
         keys, values = state
         seq = private_sequence(1, keys.shape[1], keys.shape[3], values.shape[3], keys.shape[2], str(keys.dtype))
         cache = cls(seq, 0)

@@ -13,25 +13,11 @@ from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_cache import ArenaKVCache
 from cortexstream.kv.arena_config import ArenaConfig, model_kv_shape
 from cortexstream.kv.prompt_cache_check import FORMAT, METADATA_KEY, check_prompt_cache_file, check_user_metadata
-from cortexstream.kv.sequence_kv import SequenceKV
+from cortexstream.kv.sequence_kv import SequenceKV, private_sequence
 from cortexstream.models.safetensors_check import check_safetensors
 
 __all__ = ["FORMAT", "load_prompt_cache", "make_prompt_cache", "save_prompt_cache"]
 DEFAULT_PRIVATE_TOKENS = 1024
-
-
-def private_sequence(
-    num_layers: int, kv_heads: int, head_dim: int, v_head_dim: int, num_tokens: int, dtype: str,
-    block_size: int = 16,
-) -> SequenceKV:
-    """A sequence in an arena of its own, sized for `num_tokens` and regrown (doubling) when exceeded."""
-    dtype = dtype.split(".")[-1]
-    blocks = max(1, -(-max(num_tokens, 1) // block_size))
-    config = ArenaConfig(num_layers, kv_heads, head_dim, blocks, block_size, dtype,
-                         None if v_head_dim == head_dim else v_head_dim)
-    seq = SequenceKV(KVArena(config), owner=0, contiguous=True, private=True)
-    seq.ensure_capacity(num_tokens)
-    return seq
 
 
 def make_prompt_cache(

@@ -248,3 +248,17 @@ class SequenceKV:
             self.lengths = [0] * len(self.lengths)
             self.offsets = [0] * len(self.offsets)
             return freed
+
+
+def private_sequence(
+    num_layers: int, kv_heads: int, head_dim: int, v_head_dim: int, num_tokens: int, dtype: str,
+    block_size: int = 16,
+) -> SequenceKV:
+    """A sequence in an arena of its own, sized for `num_tokens` and regrown (doubling) when exceeded."""
+    dtype = dtype.split(".")[-1]
+    blocks = max(1, -(-max(num_tokens, 1) // block_size))
+    config = ArenaConfig(num_layers, kv_heads, head_dim, blocks, block_size, dtype,
+                         None if v_head_dim == head_dim else v_head_dim)
+    seq = SequenceKV(KVArena(config), owner=0, contiguous=True, private=True)
+    seq.ensure_capacity(num_tokens)
+    return seq

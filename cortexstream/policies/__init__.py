@@ -5,10 +5,11 @@ Attach one to a request with `kv_policy=` (an object or a string such as 'h2o:bu
 see `base` for budgets, `attention_scores` for how H2O sees attention weights, `state` for the runtime.
 """
 
-from cortexstream.policies.base import FullCache, KVPolicy, parse_policy
+from cortexstream.policies.base import FullCache, KVPolicy
 from cortexstream.policies.compressor import Compressor
 from cortexstream.policies.h2o import H2O
 from cortexstream.policies.mean_pool import MeanPool
+from cortexstream.policies.parsing import parse_policy
 from cortexstream.policies.merging import Merged, MergingPolicy
 from cortexstream.policies.sidecar import Sidecar
 from cortexstream.policies.streaming_llm import StreamingLLM

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, ClassVar, Union
 
 import numpy as np
 
@@ -55,11 +55,30 @@ def resolve_budget(value: Budget, context: int) -> int:
 
 
 class KVPolicy:
-    """Base class: keeps everything. Subclasses override `budget_tokens` and `select`."""
+    """Base class and the whole policy protocol: every capability the runtime reads is declared here, so the
+    engine reads `policy.evicts` and friends directly (a request without a policy gets `FullCache`, never None).
+
+    Capabilities (class attributes a subclass overrides, or a dataclass field / property of the same name):
+
+    - `evicts`: the runtime keeps per-sequence state for this request and calls `select` / `merge_range` after
+      every forward pass. False: the engine skips all policy work (and may share the request's blocks through
+      the prefix cache).
+    - `needs_attention_scores`: the runtime accumulates the attention each key received (the SDPA hook) and
+      passes it to `select`.
+    - `merges`: the runtime asks `merge_range` for slots to merge and writes `merge_from_arena`'s result
+      through `SequenceKV.replace` (see `merging`).
+    - `uses_logit_bias`: merged slots carry an additive attention-logit bias the SDPA hook adds.
+    - `rerotate`: kept keys are re-rotated to positions 0..n-1 after each eviction (needs the model's RoPE).
+    - `parse_keys`: keys accepted in the policy's string form (key -> kind, see `parsing`).
+    """
 
     name = "base"
-    needs_attention_scores = False  # True: the runtime must accumulate the attention each key received
-    evicts = False  # False: the runtime may skip all policy work for this request
+    evicts = False
+    needs_attention_scores = False
+    merges = False
+    uses_logit_bias = False
+    rerotate = False
+    parse_keys: ClassVar[dict[str, str]] = {}
 
     def budget_tokens(self, context: int) -> int | None:
         """Physical tokens allowed between forward passes for a request of `context` tokens (None: no bound)."""
@@ -78,19 +97,21 @@ class KVPolicy:
         """
         return None
 
+    def merge_range(self, num_physical: int, context: int, mass: np.ndarray) -> tuple[int, int] | None:
+        """Physical slots [start, end) to merge now, or None (only called when `merges`)."""
+        return None
+
+    def merge_from_arena(self, layer: int, arena: Any, blocks: list[int], start: int, end: int,
+                         mass: np.ndarray) -> Any:
+        """Merge physical slots [start, end) of one layer into fewer (a `merging.Merged`); only when `merges`."""
+        raise NotImplementedError(f"{self.name}: does not merge")
+
     def describe(self) -> str:
         return self.name
 
 
 @dataclass(frozen=True)
 class FullCache(KVPolicy):
-    """Keep every token (the default)."""
+    """Keep every token (the default: what a request without a policy gets)."""
 
     name = "full"
-
-
-def parse_policy(spec: "str | KVPolicy | None") -> KVPolicy | None:
-    """Turn a CLI string ('full', 'streaming:window=1020', 'h2o:budget=0.2,sinks=4,recent=64') into a policy."""
-    from cortexstream.policies.parsing import parse_policy as parse
-
-    return parse(spec)

@@ -15,8 +15,9 @@ import mlx.core as mx
 
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.kv.arena_cache import ArenaKVCache
-from cortexstream.kv.prompt_cache import private_sequence
-from cortexstream.policies.base import KVPolicy, parse_policy
+from cortexstream.kv.sequence_kv import private_sequence
+from cortexstream.policies.base import KVPolicy
+from cortexstream.policies.parsing import parse_policy
 from cortexstream.policies.state import PolicyState, policy_caches
 
 

@@ -12,6 +12,7 @@ Ties between equal scores go to the older token (a stable sort), so selection is
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -31,6 +32,8 @@ class H2O(KVPolicy):
     name = "h2o"
     evicts = True
     needs_attention_scores = True
+    parse_keys: ClassVar[dict[str, str]] = {"budget": "budget", "sinks": "count", "recent": "count",
+                                            "keep_prefix": "count"}
 
     def __post_init__(self) -> None:
         check_budget("budget", self.budget)

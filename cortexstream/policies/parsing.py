@@ -20,21 +20,14 @@ _NAMES: dict[str, type[KVPolicy]] = {
     "streaming": StreamingLLM, "streamingllm": StreamingLLM, "streaming_llm": StreamingLLM, "sllm": StreamingLLM,
     "h2o": H2O,
 }
-# Policies defined in their own modules, imported on first use; each class declares `parse_keys` (key -> kind).
+# Policies defined in their own modules, imported on first use. Every class declares `parse_keys` (key -> kind:
+# "count" int, "budget" int or fraction, "float", "bool" (0/1/true/false), "str" (e.g. a path)).
 _LAZY: dict[str, tuple[str, str]] = {
     "meanpool": ("cortexstream.policies.mean_pool", "MeanPool"),
     "compressor": ("cortexstream.policies.compressor", "Compressor"),
     "sidecar": ("cortexstream.policies.sidecar", "Sidecar"),
     "tome": ("cortexstream.policies.token_merging", "TokenMerging"),
 }
-# key -> kind: "count" int, "budget" int or fraction, "float", "bool" (0/1/true/false), "str" (e.g. a path)
-_KEYS: dict[type[KVPolicy], dict[str, str]] = {
-    FullCache: {},
-    StreamingLLM: {"sinks": "count", "window": "budget", "budget": "budget", "rerotate": "bool"},
-    H2O: {"budget": "budget", "sinks": "count", "recent": "count", "keep_prefix": "count"},
-}
-
-
 def _value(policy: str, key: str, text: str, kind: str) -> Any:
     if kind == "str":
         return text
@@ -72,9 +65,12 @@ def _policy_class(name: str) -> type[KVPolicy] | None:
     return None
 
 
-def parse_policy(spec: "str | KVPolicy | None") -> KVPolicy | None:
-    """A policy from its string form; policies and None pass through unchanged."""
-    if spec is None or isinstance(spec, KVPolicy):
+def parse_policy(spec: "str | KVPolicy | None") -> KVPolicy:
+    """A policy from its string form ('full', 'streaming:window=1020', 'h2o:budget=0.2,sinks=4,recent=64');
+    policies pass through unchanged and None (no policy named) is `FullCache()`."""
+    if spec is None:
+        return FullCache()
+    if isinstance(spec, KVPolicy):
         return spec
     if not isinstance(spec, str):
         raise InvalidArgumentError(f"kv_policy: expected a string or a KVPolicy, got {type(spec).__name__}")
@@ -83,7 +79,7 @@ def parse_policy(spec: "str | KVPolicy | None") -> KVPolicy | None:
     if cls is None:
         known = ", ".join(["full", "streaming", "h2o", *_LAZY])
         raise InvalidArgumentError(f"kv_policy: unknown policy '{name}' in '{spec}' (known: {known})")
-    allowed = _KEYS.get(cls) or dict(getattr(cls, "parse_keys", {}))
+    allowed = cls.parse_keys
     kwargs: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, eq, text = item.partition("=")

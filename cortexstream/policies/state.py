@@ -56,7 +56,7 @@ class PolicyState:
             )
         cfg = seq.arena.config
         state = cls(policy, cfg.num_layers, cfg.num_kv_heads, seq.num_tokens)
-        if getattr(policy, "rerotate", False) and model is not None:
+        if policy.rerotate and model is not None:
             state.rotate = key_rotator(model)
         return state
 
@@ -105,7 +105,7 @@ class PolicyState:
             keep = np.asarray(keep, dtype=np.int64)
             seq.keep(keep)
             self.compact(keep)
-            if getattr(self.policy, "rerotate", False):
+            if self.policy.rerotate:
                 if self.rotate is None:
                     raise InvalidArgumentError(f"{self.policy.describe()}: re-rotation needs the model's RoPE "
                                                "(attach the policy with model=...)")
@@ -113,7 +113,7 @@ class PolicyState:
             removed = n - keep.shape[-1]
             self.num_evicted += removed
             self.num_evictions += 1
-        if getattr(self.policy, "merges", False):
+        if self.policy.merges:
             removed += self.merge(seq, context)
         return removed
 
@@ -251,7 +251,7 @@ class PolicyKVCache(ArenaKVCache):
         super().__init__(sequence, layer)
         self.policy_state = state
         policy = state.policy
-        if policy.needs_attention_scores or getattr(policy, "uses_logit_bias", False):
+        if policy.needs_attention_scores or policy.uses_logit_bias:
             install_attention_hook()
             self.attention_hook = self._hook
 

@@ -10,6 +10,7 @@ attention scores, so it runs on the fast path (no SDPA hook) and evicts with one
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -29,6 +30,8 @@ class StreamingLLM(KVPolicy):
 
     name = "streaming"
     evicts = True
+    parse_keys: ClassVar[dict[str, str]] = {"sinks": "count", "window": "budget", "budget": "budget",
+                                            "rerotate": "bool"}
 
     def __post_init__(self) -> None:
         check_count("sinks", self.sinks, 0)
