@@ -43,7 +43,7 @@ def __getattr__(name: str) -> Any:
 
         return make_prompt_cache
     if name == "SamplingParams":
-        from cortexstream.generation.sampling import SamplingParams
+        from cortexstream.engine.sampling import SamplingParams
 
         return SamplingParams
     if name == "perplexity":

@@ -13,7 +13,7 @@ from cortexstream.engine.block_manager import BlockManager
 from cortexstream.engine.engine import Engine
 from cortexstream.engine.sequence import Sequence
 from cortexstream.errors import InvalidArgumentError
-from cortexstream.generation.sampling import SamplingParams
+from cortexstream.engine.sampling import SamplingParams
 from cortexstream.kv.allocator import BlockAllocator
 from tiny_models import tiny_model
 

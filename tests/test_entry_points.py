@@ -13,8 +13,8 @@ import pytest
 import cortexstream
 from cortexstream.engine.threaded import ThreadedEngine
 from cortexstream.errors import EngineNotRunningError, InvalidArgumentError, ModelLoadError
-from cortexstream.generation.sampling import SamplingParams
-from cortexstream.generation.text_input import repair_messages, repair_text
+from cortexstream.engine.sampling import SamplingParams
+from cortexstream.engine.text_input import repair_messages, repair_text
 
 
 def cli(*args: str, stdin: bytes | None = None, argv_bytes: list[bytes] | None = None) -> subprocess.CompletedProcess:

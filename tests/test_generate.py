@@ -9,8 +9,8 @@ from mlx_lm.generate import generate_step
 
 import cortexstream
 from cortexstream.errors import InvalidArgumentError
-from cortexstream.generation.sampling import SamplingParams
-from cortexstream.generation.text_stream import TextStream
+from cortexstream.engine.sampling import SamplingParams
+from cortexstream.engine.text_stream import TextStream
 
 
 def _mlx_lm_greedy(model, tokens, n):

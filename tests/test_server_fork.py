@@ -6,7 +6,7 @@ import pytest
 
 from cortexstream.engine.engine import Engine
 from cortexstream.engine.fork import add_forking_request
-from cortexstream.generation.sampling import SamplingParams
+from cortexstream.engine.sampling import SamplingParams
 from tiny_models import random_token_ids
 
 

@@ -7,8 +7,8 @@ import sys
 from typing import Any
 
 from cortexstream.errors import CortexStreamError
-from cortexstream.generation.sampling import SamplingParams
-from cortexstream.generation.text_input import has_surrogates, repair_text
+from cortexstream.engine.sampling import SamplingParams
+from cortexstream.engine.text_input import has_surrogates, repair_text
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:

@@ -26,9 +26,9 @@ from cortexstream.engine.runner import ModelRunner
 from cortexstream.engine.scheduler import Scheduler, SchedulerConfig
 from cortexstream.engine.sequence import Sequence
 from cortexstream.errors import InvalidArgumentError
-from cortexstream.generation.sampling import SamplingParams, sampling_from_kwargs
-from cortexstream.generation.stream import prompt_to_tokens
-from cortexstream.generation.text_stream import TextStream
+from cortexstream.engine.prompt import prompt_to_tokens
+from cortexstream.engine.sampling import SamplingParams, sampling_from_kwargs
+from cortexstream.engine.text_stream import TextStream
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_config import ArenaConfig
 from cortexstream.policies.parsing import parse_policy

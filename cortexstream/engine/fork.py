@@ -19,7 +19,7 @@ from typing import Callable, Sequence as TypingSequence
 from cortexstream.engine.engine import Engine, _RequestState
 from cortexstream.engine.seeded import install_seeded_sampler
 from cortexstream.engine.sequence import Sequence, SequenceStatus
-from cortexstream.generation.sampling import SamplingParams
+from cortexstream.engine.sampling import SamplingParams
 
 # Called on the engine thread for every child created: (child request id, child sequence).
 ChildCallback = Callable[[str, Sequence], None]

@@ -14,7 +14,7 @@ from typing import Callable
 import mlx.core as mx
 
 from cortexstream.engine.engine import Engine
-from cortexstream.generation.sampling import SamplingParams
+from cortexstream.engine.sampling import SamplingParams
 
 
 def seeded_sampler(sampling: SamplingParams, seed: int) -> Callable[[mx.array], mx.array]:

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from cortexstream.generation.sampling import SamplingParams
+from cortexstream.engine.sampling import SamplingParams
 from cortexstream.policies.base import FullCache, KVPolicy
 
 _ids = itertools.count()

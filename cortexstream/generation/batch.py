@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from cortexstream.errors import InvalidArgumentError
-from cortexstream.generation.sampling import sampling_from_kwargs
+from cortexstream.engine.sampling import sampling_from_kwargs
 
 
 @dataclass

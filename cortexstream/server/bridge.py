@@ -28,7 +28,7 @@ from cortexstream.engine.fork import add_forking_request
 from cortexstream.engine.sequence import Sequence
 from cortexstream.engine.threaded import ThreadedEngine
 from cortexstream.errors import CortexStreamError
-from cortexstream.generation.sampling import SamplingParams
+from cortexstream.engine.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from cortexstream.errors import CortexStreamError, InvalidArgumentError
-from cortexstream.generation.sampling import SamplingParams
-from cortexstream.generation.stream import prompt_to_tokens
+from cortexstream.engine.prompt import prompt_to_tokens
+from cortexstream.engine.sampling import SamplingParams
 from cortexstream.server.bridge import EngineJob
 from cortexstream.server.errors import APIError
 from cortexstream.server.protocol import MAX_STOP_STRINGS, ChatCompletionRequest, CompletionRequest

@@ -87,8 +87,15 @@ def sampling_from_kwargs(
     repetition_context_size: int = 20,
     stop: Any = (),
     seed: int | None = None,
+    **unknown: Any,
 ) -> SamplingParams:
-    """mlx-lm spells temperature `temp`; accept both, refuse conflicting values."""
+    """mlx-lm spells temperature `temp`; accept both, refuse conflicting values and unknown names."""
+    if unknown:
+        raise InvalidArgumentError(f"{', '.join(sorted(unknown))}: unknown generation argument(s); sampling takes "
+                                   "temperature/temp, top_p, top_k, min_p, repetition_penalty, "
+                                   "repetition_context_size, stop, seed")
+    if stop is not None and not isinstance(stop, str) and not isinstance(stop, (list, tuple)):
+        raise InvalidArgumentError(f"stop: {stop!r:.40} must be a string or a list of strings")
     if temperature is not None and temp is not None and temperature != temp:
         raise InvalidArgumentError(f"temperature: got both temperature={temperature} and temp={temp}")
     chosen = temperature if temperature is not None else (temp if temp is not None else 0.0)
