@@ -156,3 +156,65 @@ def test_a_waiter_is_released_when_the_thread_stops_after_queueing(tiny):
     result = waiter["box"]
     assert result.get("value") == 2 or isinstance(result.get("error"), EngineNotRunningError)
     threaded.stop()
+
+
+# --- more doors (found by probing every public entry point with bad values) -----------------------------------
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"kv_tokens": -1}, "num_tokens"), ({"kv_tokens": "x"}, "num_tokens"), ({"block_size": 0}, "block_size"),
+    ({"max_num_seqs": 0}, "max_num_seqs"), ({"prefill_step_size": 0}, "prefill_step_size"),
+])
+def test_engine_arguments_are_invalid_argument_errors(tiny, kwargs, name):
+    with pytest.raises(InvalidArgumentError, match=name):
+        cortexstream.Engine(*tiny, **kwargs)
+
+
+def test_engine_and_caches_refuse_a_non_model():
+    with pytest.raises(InvalidArgumentError, match="model: expected an mlx-lm model"):
+        cortexstream.Engine(None, None)
+
+
+@pytest.mark.parametrize("kwargs, name", [({"foo": 1}, "foo: unknown generation argument"), ({"stop": 5}, "stop")])
+def test_generation_keyword_arguments_are_checked(tiny, kwargs, name):
+    with pytest.raises(InvalidArgumentError, match=name):
+        cortexstream.generate(*tiny, "hi", max_tokens=2, **kwargs)
+
+
+def test_bytes_prompt_is_refused_not_read_as_token_ids(tiny):
+    with pytest.raises(InvalidArgumentError, match="prompt: got bytes"):
+        cortexstream.generate(*tiny, b"hi", max_tokens=2)
+
+
+def test_add_request_checks_sampling_type(tiny):
+    with pytest.raises(InvalidArgumentError, match="sampling: expected a SamplingParams, got str"):
+        cortexstream.Engine(*tiny, kv_tokens=256).add_request("hi", sampling="x")
+
+
+def test_two_threads_on_one_engine_get_a_clear_error(tiny):
+    from cortexstream.engine.single_thread import EngineBusyError
+
+    engine = cortexstream.Engine(*tiny, kv_tokens=256)
+    engine.add_request("hello", max_tokens=2)
+    inside, release = threading.Event(), threading.Event()
+    original = engine.scheduler.schedule
+
+    def slow_schedule():
+        inside.set()
+        release.wait(10)
+        return original()
+
+    engine.scheduler.schedule = slow_schedule
+    first = threading.Thread(target=engine.step, daemon=True)
+    first.start()
+    assert inside.wait(10)
+    try:
+        with pytest.raises(EngineBusyError, match="use ThreadedEngine|with ThreadedEngine"):
+            engine.step()
+        with pytest.raises(EngineBusyError):
+            engine.add_request("x", max_tokens=1)
+    finally:
+        release.set()
+        first.join(10)
+    engine.scheduler.schedule = original
+    while engine.has_unfinished:  # the engine still works from one thread afterwards
+        engine.step()

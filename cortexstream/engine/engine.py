@@ -27,6 +27,7 @@ from cortexstream.engine.scheduler import Scheduler, SchedulerConfig
 from cortexstream.engine.sequence import Sequence
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.engine.prompt import prompt_to_tokens
+from cortexstream.engine.single_thread import single_threaded
 from cortexstream.engine.sampling import SamplingParams, sampling_from_kwargs
 from cortexstream.engine.text_stream import TextStream
 from cortexstream.kv.arena import KVArena
@@ -107,6 +108,7 @@ class Engine:
         self._inflight: dict[str, tuple[Sequence, mx.array, mx.array]] = {}
 
     # --- requests ---------------------------------------------------------------------------------------------
+    @single_threaded
     def add_request(
         self,
         prompt: Any,
@@ -121,6 +123,8 @@ class Engine:
             sampling = sampling_from_kwargs(**sampling_kwargs)
         elif sampling_kwargs:
             raise InvalidArgumentError(f"add_request: pass either sampling= or {sorted(sampling_kwargs)}, not both")
+        elif not isinstance(sampling, SamplingParams):
+            raise InvalidArgumentError(f"sampling: expected a SamplingParams, got {type(sampling).__name__}")
         tokens = prompt_to_tokens(self.tokenizer, prompt)
         policy = self.kv_policy if kv_policy is None else parse_policy(kv_policy)
         seq = Sequence(tokens, sampling, tenant=tenant, kv_policy=policy)
@@ -132,6 +136,7 @@ class Engine:
         self.scheduler.add(seq)
         return seq.request_id
 
+    @single_threaded
     def abort(self, request_id: str) -> bool:
         entry = self._inflight.pop(request_id, None)
         if entry is not None:
@@ -146,6 +151,7 @@ class Engine:
         return self.scheduler.has_unfinished or bool(self._inflight)
 
     # --- the step ---------------------------------------------------------------------------------------------
+    @single_threaded
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         if self._inflight and not self._may_pipeline():

@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cortexstream.engine.block_manager import BlockManager
+from cortexstream.errors import InvalidArgumentError
 from cortexstream.engine.sequence import Sequence, SequenceStatus
 
 
@@ -29,9 +30,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs: {self.max_num_seqs!r} must be an integer >= 1")
+            raise InvalidArgumentError(f"max_num_seqs: {self.max_num_seqs!r} must be an integer >= 1")
         if not isinstance(self.prefill_step_size, int) or self.prefill_step_size < 1:
-            raise ValueError(f"prefill_step_size: {self.prefill_step_size!r} must be an integer >= 1")
+            raise InvalidArgumentError(f"prefill_step_size: {self.prefill_step_size!r} must be an integer >= 1")
 
 
 @dataclass

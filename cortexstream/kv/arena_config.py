@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from cortexstream.errors import InvalidArgumentError
+
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -24,11 +26,11 @@ class ArenaConfig:
         for name in ("num_layers", "num_kv_heads", "head_dim", "num_blocks", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"ArenaConfig.{name}: {value!r} must be a positive integer")
+                raise InvalidArgumentError(f"ArenaConfig.{name}: {value!r} must be a positive integer")
         if self.v_head_dim is not None and (not isinstance(self.v_head_dim, int) or self.v_head_dim <= 0):
-            raise ValueError(f"ArenaConfig.v_head_dim: {self.v_head_dim!r} must be a positive integer or None")
+            raise InvalidArgumentError(f"ArenaConfig.v_head_dim: {self.v_head_dim!r} must be a positive integer or None")
         if self.dtype not in _ITEMSIZE:
-            raise ValueError(f"ArenaConfig.dtype: {self.dtype!r} must be one of {', '.join(_ITEMSIZE)}")
+            raise InvalidArgumentError(f"ArenaConfig.dtype: {self.dtype!r} must be one of {', '.join(_ITEMSIZE)}")
 
     @property
     def value_head_dim(self) -> int:
@@ -69,20 +71,20 @@ class ArenaConfig:
         """Size an arena for `model` from exactly one of a token count, a byte budget or a fraction of device memory."""
         given = [x for x in (num_tokens, num_bytes, memory_fraction) if x is not None]
         if len(given) != 1:
-            raise ValueError("ArenaConfig.for_model: give exactly one of num_tokens, num_bytes, memory_fraction")
+            raise InvalidArgumentError("ArenaConfig.for_model: give exactly one of num_tokens, num_bytes, memory_fraction")
         layers, kv_heads, head_dim, model_dtype = model_kv_shape(model)
         probe = cls(layers, kv_heads, head_dim, 1, block_size, dtype or model_dtype)
         if num_tokens is not None:
             if not isinstance(num_tokens, int) or num_tokens <= 0:
-                raise ValueError(f"num_tokens: {num_tokens!r} must be a positive integer")
+                raise InvalidArgumentError(f"num_tokens: {num_tokens!r} must be a positive integer")
             blocks = probe.blocks_for_tokens(num_tokens)
         else:
             if memory_fraction is not None:
                 if not 0.0 < memory_fraction <= 0.9:
-                    raise ValueError(f"memory_fraction: {memory_fraction!r} must be in (0, 0.9]")
+                    raise InvalidArgumentError(f"memory_fraction: {memory_fraction!r} must be in (0, 0.9]")
                 num_bytes = int(device_memory_bytes() * memory_fraction)
             if not isinstance(num_bytes, int) or num_bytes < probe.bytes_per_block:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"num_bytes: {num_bytes!r} is smaller than one block ({probe.bytes_per_block} bytes)"
                 )
             blocks = num_bytes // probe.bytes_per_block
@@ -94,10 +96,12 @@ def model_kv_shape(model: Any) -> tuple[int, int, int, str]:
 
     head_dim comes from the module (config.head_dim), never hidden/heads, which is wrong for many GQA models.
     """
-    layers = model.layers
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, (list, tuple)) or not layers:
+        raise InvalidArgumentError(f"model: expected an mlx-lm model with `layers`, got {type(model).__name__}")
     attention = getattr(layers[0], "self_attn", None)
     if attention is None:
-        raise ValueError("model: its layers have no `self_attn`; only attention-only decoders are supported")
+        raise InvalidArgumentError("model: its layers have no `self_attn`; only attention-only decoders are supported")
     kv_heads = int(getattr(attention, "n_kv_heads", 0) or getattr(attention, "num_key_value_heads", 0))
     head_dim = getattr(attention, "head_dim", None)
     if head_dim is None:
