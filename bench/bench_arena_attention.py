@@ -20,7 +20,7 @@ Experiments:
      boolean padding mask DecodeBatch uses (a reference that separates the mask's cost from the gather's);
    * arena contiguous: batch 1 through ``ArenaKVCache`` (zero-copy view); batch 8 through the engine's real batched
      path: ``DecodeBatch`` + ``BatchLayerCache.update_and_fetch`` (one scatter per buffer) + mlx-lm's SDPA entry
-     point as the engine patches it (``policies.attention_scores.dispatch_sdpa``), which hands the call to the
+     point as the engine patches it (``engine.attention_hook.dispatch_sdpa``), which hands the call to the
      cache's attention hook, i.e. the batch strategy (engine/batch_attention.py): the engine's default
      (``blocks`` on CPU: block-wise ``gather_mm`` through the table, no K/V copy), ``per_sequence`` (zero-copy
      view + one SDPA per contiguous sequence; paged rows through one padded gather) and ``gather`` (the padded

@@ -23,7 +23,7 @@ from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_cache import ArenaKVCache
 from cortexstream.kv.arena_config import ArenaConfig
 from cortexstream.kv.sequence_kv import SequenceKV
-from cortexstream.policies.attention_scores import dispatch_sdpa, original_sdpa
+from cortexstream.engine.attention_hook import dispatch_sdpa, original_sdpa
 
 LAYERS, KV_HEADS, GROUP, DIM, BS = 2, 2, 3, 8, 4
 SCALE = DIM**-0.5

@@ -9,11 +9,11 @@ import pytest
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.evaluation.perplexity import token_nlls
 from cortexstream.policies import parse_policy
-from cortexstream.policies import direct
-from cortexstream.policies.attention_scores import original_sdpa
+from cortexstream.engine import policy_prompt_cache as direct
+from cortexstream.engine.attention_hook import original_sdpa
 from cortexstream.policies.mean_pool import MeanPool
 from cortexstream.policies.merging import Merged, MergingPolicy
-from cortexstream.policies.state import biased_mask
+from cortexstream.engine.policy_runtime import biased_mask
 from test_policies_runtime import engine_run
 from tiny_models import random_token_ids
 

@@ -9,7 +9,7 @@ import sys
 from cortexstream.cli.commands import _ChatCache
 from cortexstream.generation.stream import stream_generate
 from cortexstream.policies import H2O
-from cortexstream.policies.direct import policy_state_of
+from cortexstream.engine.policy_prompt_cache import policy_state_of
 
 
 def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:

@@ -9,7 +9,7 @@ from cortexstream.engine.engine import Engine
 from cortexstream.evaluation import perplexity as ppl_module
 from cortexstream.evaluation.perplexity import token_nlls
 from cortexstream.policies import H2O, FullCache, StreamingLLM
-from cortexstream.policies import direct
+from cortexstream.engine import policy_prompt_cache as direct
 from tiny_models import random_token_ids
 
 POLICIES = [StreamingLLM(sinks=3, budget=24), H2O(budget=24, sinks=3, recent=6), H2O(budget=0.25, keep_prefix=7)]

@@ -12,7 +12,9 @@ from mlx_lm.models import llama
 from cortexstream.evaluation.perplexity import token_nlls
 from cortexstream.generation.stream import stream_generate
 from cortexstream.kv.prompt_cache import make_prompt_cache
-from cortexstream.policies import H2O, StreamingLLM, attention_scores, direct
+from cortexstream.engine import attention_hook as attention_scores
+from cortexstream.engine import policy_prompt_cache as direct
+from cortexstream.policies import H2O, StreamingLLM
 from tiny_models import random_token_ids
 
 

@@ -10,8 +10,8 @@ from cortexstream.errors import InvalidArgumentError
 from cortexstream.evaluation.perplexity import token_nlls
 from cortexstream.kv.prompt_cache import make_prompt_cache
 from cortexstream.policies import StreamingLLM, parse_policy
-from cortexstream.policies import direct
-from cortexstream.policies.rerotate import find_rope
+from cortexstream.engine import policy_prompt_cache as direct
+from cortexstream.engine.rerotate import find_rope
 from test_policies_runtime import engine_run
 from tiny_models import random_token_ids
 

@@ -9,7 +9,8 @@ import pytest
 
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.evaluation.perplexity import token_nlls
-from cortexstream.policies import direct, parse_policy
+from cortexstream.engine import policy_prompt_cache as direct
+from cortexstream.policies import parse_policy
 from cortexstream.policies.sidecar import Sidecar
 from cortexstream.sidecar import SidecarConfig, SidecarNet, save_sidecar
 from cortexstream.sidecar.shipped import find_shipped, load_cached
@@ -171,7 +172,7 @@ def test_bias_path_equals_replicated_beads(sharp):
     from mlx_lm.models.cache import KVCache
 
     from cortexstream.kv.prompt_cache import make_prompt_cache
-    from cortexstream.policies.direct import attach_policy
+    from cortexstream.engine.policy_prompt_cache import attach_policy
     from cortexstream.policies.mean_pool import MeanPool
 
     model, _ = sharp

@@ -30,7 +30,7 @@ def _capture(model: Any, tokens: list[int]) -> list[dict[str, np.ndarray]]:
     """What SDPA saw and returned, per layer, through the same hook the collector uses."""
     from mlx_lm.models.cache import KVCache
 
-    from cortexstream.policies.attention_scores import install_attention_hook, original_sdpa
+    from cortexstream.engine.attention_hook import install_attention_hook, original_sdpa
 
     install_attention_hook()
     seen: list[dict[str, np.ndarray]] = []

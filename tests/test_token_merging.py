@@ -9,7 +9,8 @@ import pytest
 
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.evaluation.perplexity import token_nlls
-from cortexstream.policies import direct, parse_policy
+from cortexstream.engine import policy_prompt_cache as direct
+from cortexstream.policies import parse_policy
 from cortexstream.policies.token_merging import TokenMerging, greedy_merge
 from tiny_models import random_token_ids
 

@@ -12,7 +12,7 @@ from cortexstream.engine.batch_cache import DecodeBatch
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_cache import ArenaKVCache
 from cortexstream.kv.sequence_kv import SequenceKV
-from cortexstream.policies.attention_scores import dispatch_sdpa
+from cortexstream.engine.attention_hook import dispatch_sdpa
 
 from .common import SCALE, Inputs, Variant, arena_blocks, make_arena, sdpa
 

@@ -53,7 +53,7 @@ def needle_prompt(tokenizer: Any, heap: Sequence[int], total_tokens: int, depth:
 
 def _feed(model: Any, cache: list[Any], ids: Sequence[int], chunk: int, context: int) -> mx.array:
     """Prefill in chunks with the policy applied after each; the last position's logits."""
-    from cortexstream.policies.direct import apply_policy
+    from cortexstream.engine.policy_prompt_cache import apply_policy
 
     logits = None
     for start in range(0, len(ids), chunk):
@@ -64,7 +64,7 @@ def _feed(model: Any, cache: list[Any], ids: Sequence[int], chunk: int, context:
 
 
 def _greedy(model: Any, tokenizer: Any, cache: list[Any], logits: mx.array, context: int) -> str:
-    from cortexstream.policies.direct import apply_policy
+    from cortexstream.engine.policy_prompt_cache import apply_policy
 
     tokens: list[int] = []
     for _ in range(ANSWER_TOKENS):
@@ -79,7 +79,7 @@ def _greedy(model: Any, tokenizer: Any, cache: list[Any], logits: mx.array, cont
 
 
 def _answer_nll(model: Any, cache: list[Any], logits: mx.array, answer: list[int], context: int) -> float:
-    from cortexstream.policies.direct import apply_policy
+    from cortexstream.engine.policy_prompt_cache import apply_policy
 
     total = 0.0
     for i, token in enumerate(answer):
@@ -95,7 +95,7 @@ def needle_cell(model: Any, tokenizer: Any, heap: Sequence[int], context: int, p
                 chunk: int, seed: int) -> dict[str, Any]:
     """Every trial of one (context, policy) cell."""
     from cortexstream.kv.prompt_cache import make_prompt_cache
-    from cortexstream.policies.direct import attach_policy, fork_cache
+    from cortexstream.engine.policy_prompt_cache import attach_policy, fork_cache
 
     rng = np.random.default_rng([seed, context])
     depths = np.linspace(0.1, 0.9, trials) if trials > 1 else np.array([0.5])

@@ -1,6 +1,6 @@
 """`cortexstream bench quality`: what KV eviction costs in quality (SmolLM2-135M by default).
 
-Three parts, each with the policy evicting while the text is processed (`policies.direct` on a private arena):
+Three parts, each with the policy evicting while the text is processed (`engine.policy_prompt_cache` on a private arena):
 - perplexity of real English text (`quality_data.wiki_text`) at each context, for the full cache, StreamingLLM
   (4 sinks) and H2O (4 sinks, recent = half the rest) at each budget fraction of the context. Scored
   teacher-forced in chunks of `ppl_chunk` tokens with eviction after every chunk, so a token sees at most
@@ -32,7 +32,7 @@ from cortexstream.benchmarks.quality_report import write_report
 from cortexstream.evaluation.perplexity import token_nlls
 from cortexstream.kv.prompt_cache import make_prompt_cache
 from cortexstream.policies import H2O, KVPolicy, StreamingLLM, parse_policy
-from cortexstream.policies.direct import apply_policy, attach_policy, fork_cache
+from cortexstream.engine.policy_prompt_cache import apply_policy, attach_policy, fork_cache
 
 FULL_CHUNK = 256
 ANSWER_TOKENS = 7

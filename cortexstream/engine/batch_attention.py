@@ -1,7 +1,7 @@
 """How one layer of a batched decode step attends over the arena: the strategies behind `BatchLayerCache`.
 
 mlx-lm models call `cache.update_and_fetch(k, v)` and then `scaled_dot_product_attention(q, k, v, cache=cache,
-...)`; `policies.attention_scores.dispatch_sdpa` hands that second call to `cache.attention_hook` when the cache
+...)`; `engine.attention_hook.dispatch_sdpa` hands that second call to `cache.attention_hook` when the cache
 has one. A `BatchLayerCache` always returns the padded gather of the batch from `update_and_fetch` (lazily: MLX
 never computes it unless something uses it) and, for the strategies below, installs its own hook that attends
 straight from the arena and ignores the gather. Anything unexpected at hook time (learned sinks, a different

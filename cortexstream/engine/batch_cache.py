@@ -29,7 +29,7 @@ from cortexstream.engine.batch_attention import (
 )
 from cortexstream.kv.arena import KVArena, as_dtype
 from cortexstream.kv.sequence_kv import SequenceKV
-from cortexstream.policies.attention_scores import install_attention_hook, original_sdpa
+from cortexstream.engine.attention_hook import install_attention_hook, original_sdpa
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ class DecodeBatch:
 
 class BatchLayerCache:
     # The batch's own arena attention (see __init__); the runner replaces it with its hook when a sequence's KV
-    # policy needs attention scores or logit biases (policies.state.batch_attention_hook), which then receives
+    # policy needs attention scores or logit biases (engine.policy_runtime.batch_attention_hook), which then receives
     # the padded gather from update_and_fetch, exactly as before the arena strategies existed.
     attention_hook: Callable[..., mx.array] | None = None
 

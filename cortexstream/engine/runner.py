@@ -20,7 +20,7 @@ from cortexstream.engine.sequence import Sequence
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_cache import ArenaKVCache
 from cortexstream.kv.sequence_kv import SequenceKV
-from cortexstream.policies.state import PolicyState, batch_attention_hook, needs_batch_hook, policy_caches
+from cortexstream.engine.policy_runtime import PolicyState, batch_attention_hook, needs_batch_hook, policy_caches
 
 
 def head_of(model: nn.Module) -> Any:

@@ -32,7 +32,7 @@ def token_nlls(
     eviction that follows the chunk ending at token i (tests use it to inspect the cache).
     """
     from cortexstream.kv.prompt_cache import make_prompt_cache
-    from cortexstream.policies.direct import apply_policy, attach_policy, policy_state_of
+    from cortexstream.engine.policy_prompt_cache import apply_policy, attach_policy, policy_state_of
 
     policy = parse_policy(kv_policy)
     evicting = policy is not None and policy.evicts

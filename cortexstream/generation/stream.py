@@ -136,7 +136,7 @@ def _direct_generate(
         check_cache_for_model(prompt_cache, model)  # a short or foreign cache would run silently wrong
     evict = None
     if kv_policy is not None or getattr(prompt_cache[0], "policy_state", None) is not None:
-        from cortexstream.policies.direct import apply_policy, attach_policy
+        from cortexstream.engine.policy_prompt_cache import apply_policy, attach_policy
 
         if attach_policy(prompt_cache, kv_policy, model) is not None:
             # Fraction budgets resolve against everything this turn can reach (see policies.base).

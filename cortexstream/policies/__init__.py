@@ -2,7 +2,8 @@
 merging policies (`merging`: `MeanPool`, the learned `Compressor` and `Sidecar`, `TokenMerging`).
 
 Attach one to a request with `kv_policy=` (an object or a string such as 'h2o:budget=0.2,sinks=4,recent=64');
-see `base` for budgets, `attention_scores` for how H2O sees attention weights, `state` for the runtime.
+see `base` for budgets and the policy protocol. Policies only select; the runtime that holds per-sequence state and
+the SDPA hook lives in the engine (`engine.policy_runtime`, `engine.attention_hook`, `engine.policy_prompt_cache`).
 """
 
 from cortexstream.policies.base import FullCache, KVPolicy

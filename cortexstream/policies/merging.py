@@ -17,7 +17,7 @@ Bookkeeping kept by the runtime, per physical slot: `mass` (how many original to
 every layer and head, since `replace` edits one range in all layers), `positions` (the newest logical position
 it covers) and `bias` (an additive attention-logit bias per layer and KV head, e.g. a bead's log-mass; 0 for raw
 tokens). A policy with `uses_logit_bias` gets its biases added to the attention logits through the SDPA hook
-(`attention_scores`), in single-sequence and batched decode alike. Keys stay post-RoPE and are never re-rotated:
+(`engine.attention_hook`), in single-sequence and batched decode alike. Keys stay post-RoPE and are never re-rotated:
 a merged slot has no position of its own, and new tokens continue from the logical length.
 """
 

@@ -30,7 +30,7 @@ its pooling weights at first order; see `network`), added to its attention logit
 takes an additive float mask broadcastable to [B, Hq, L, K], which can express a per-key bias, but mlx-lm models
 build one mask per forward pass from the first layer's cache and share it across layers, so a per-layer/per-head
 bias cannot travel through the model's mask. It can travel through the SDPA hook of
-`cortexstream.policies.attention_scores`: a cache with an `attention_hook` receives (queries, keys, values, scale,
+`cortexstream.engine.attention_hook`: a cache with an `attention_hook` receives (queries, keys, values, scale,
 mask, sinks) and calls the original SDPA with `mask + bias`, where bias is [1, Hq, 1, K] (beta of each bead at
 its slot, repeated over the GQA group, 0 elsewhere; a "causal" string mask becomes an additive array first).
 `SidecarNet.beads_with_mass` returns beta for that. A policy that cannot add the bias needs weights trained with

@@ -18,11 +18,11 @@ import numpy as np
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.kv.arena_cache import ArenaKVCache
 from cortexstream.kv.sequence_kv import SequenceKV
-from cortexstream.policies.attention_scores import (
+from cortexstream.engine.attention_hook import (
     additive_mask, attention_received, install_attention_hook, original_sdpa,
 )
 from cortexstream.policies.base import KVPolicy
-from cortexstream.policies.rerotate import KeyRotator, key_rotator, renumber
+from cortexstream.engine.rerotate import KeyRotator, key_rotator, renumber
 
 
 class PolicyState:
@@ -243,7 +243,7 @@ class PolicyState:
 
 class PolicyKVCache(ArenaKVCache):
     """An `ArenaKVCache` that carries its sequence's `PolicyState` and, when the policy needs attention scores,
-    an `attention_hook` (see `attention_scores`): same K/V, same output, plus the scores recorded."""
+    an `attention_hook` (see `engine.attention_hook`): same K/V, same output, plus the scores recorded."""
 
     attention_hook: Callable[..., mx.array] | None = None
 

@@ -18,7 +18,7 @@ from cortexstream.kv.arena_cache import ArenaKVCache
 from cortexstream.kv.sequence_kv import private_sequence
 from cortexstream.policies.base import KVPolicy
 from cortexstream.policies.parsing import parse_policy
-from cortexstream.policies.state import PolicyState, policy_caches
+from cortexstream.engine.policy_runtime import PolicyState, policy_caches
 
 
 def policy_state_of(prompt_cache: list[Any]) -> PolicyState | None:
