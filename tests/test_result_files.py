@@ -79,3 +79,34 @@ def test_bench_with_an_unwritable_out_fails_before_running():
     assert result.returncode == 1
     assert result.stderr.strip() == ("cortexstream: error: --out: /proc/nope: cannot write results there "
                                      "(No such file or directory)")
+
+
+def test_weight_writers_are_atomic(tmp_path, monkeypatch):
+    import mlx.core as mx
+
+    from cortexstream.port import save_safetensors, save_torch
+    from cortexstream.port import torch_save
+
+    st_path, pt_path = str(tmp_path / "w.safetensors"), str(tmp_path / "w.pth")
+    save_safetensors(st_path, {"a": mx.ones((2,))})
+    save_torch(pt_path, {"a": mx.ones((2,))})
+    before = {p: open(p, "rb").read() for p in (st_path, pt_path)}
+
+    def torn_safetensors(path, *args, **kwargs):
+        open(path, "wb").write(b"\x08\x00")
+        raise OSError("disk full")
+
+    calls = []
+
+    def torn_zip(*args):
+        calls.append(args)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(mx, "save_safetensors", torn_safetensors)
+    monkeypatch.setattr(torch_save, "_write_aligned", torn_zip)
+    for write, path in ((lambda: save_safetensors(st_path, {"a": mx.zeros((3,))}), st_path),
+                        (lambda: save_torch(pt_path, {"a": mx.zeros((3,))}), pt_path)):
+        with pytest.raises(OSError, match="disk full"):
+            write()
+        assert open(path, "rb").read() == before[path]
+    assert sorted(os.listdir(tmp_path)) == ["w.pth", "w.safetensors"]

@@ -27,6 +27,7 @@ INT64_MAX = 2**63 - 1
 
 # GGUF metadata value types -> fixed byte size (STRING = 8, ARRAY = 9 are variable).
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
 _MIN_KV_BYTES = 8 + 1 + 4 + 1  # key length, a 1-byte key, type, smallest value
 _MIN_TENSOR_INFO_BYTES = 8 + 1 + 4 + 8 + 4 + 8  # name length, 1-byte name, n_dims, one dim, type, offset
@@ -55,6 +56,7 @@ class GGUFLayout:
     version: int
     alignment: int
     metadata_keys: tuple[str, ...]
+    scalars: dict[str, int | float]  # the numeric metadata values (block_count, head_count, ...)
     tensors: tuple[GGUFTensorInfo, ...]
     data_offset: int
     file_size: int
@@ -120,7 +122,7 @@ def _walk(cur: _Cursor, file_size: int) -> GGUFLayout:
     n_kv = cur.take("Q", "metadata count")
     if n_kv > cur.left() // _MIN_KV_BYTES:
         raise cur.fail(f"metadata count {n_kv} cannot fit in the {cur.left()} bytes left")
-    keys, alignment = _walk_metadata(cur, n_kv)
+    keys, alignment, scalars = _walk_metadata(cur, n_kv)
     if n_tensors > cur.left() // _MIN_TENSOR_INFO_BYTES:
         raise cur.fail(f"tensor count {n_tensors} cannot fit in the {cur.left()} bytes left")
     tensors = _walk_tensor_infos(cur, n_tensors, alignment)
@@ -131,11 +133,12 @@ def _walk(cur: _Cursor, file_size: int) -> GGUFLayout:
         raise cur.fail(
             f"tensor data needs {data_size} bytes from byte {data_offset}, the file ends at {file_size} "
             "(truncated?)")
-    return GGUFLayout(version, alignment, tuple(keys), tuple(tensors), data_offset, file_size)
+    return GGUFLayout(version, alignment, tuple(keys), scalars, tuple(tensors), data_offset, file_size)
 
 
-def _walk_metadata(cur: _Cursor, n_kv: int) -> tuple[list[str], int]:
+def _walk_metadata(cur: _Cursor, n_kv: int) -> tuple[list[str], int, dict[str, int | float]]:
     keys: list[str] = []
+    scalars: dict[str, int | float] = {}
     seen: set[bytes] = set()
     alignment = DEFAULT_ALIGNMENT
     for index in range(n_kv):
@@ -153,10 +156,12 @@ def _walk_metadata(cur: _Cursor, n_kv: int) -> tuple[list[str], int]:
             alignment = cur.take("I", "general.alignment")
             if alignment == 0 or alignment & (alignment - 1):
                 raise cur.fail(f"'general.alignment' is {alignment}, must be a power of two")
+        elif value_type in _SCALAR_FORMATS:
+            scalars[key] = cur.take(_SCALAR_FORMATS[value_type], f"value of '{key}'")
         else:
             _skip_value(cur, value_type, key)
         keys.append(key)
-    return keys, alignment
+    return keys, alignment, scalars
 
 
 def _skip_value(cur: _Cursor, value_type: int, key: str) -> None:

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 import mlx.core as mx
 import numpy as np
 
+from cortexstream.atomic_files import atomic_write
 from cortexstream.errors import ModelLoadError
 from cortexstream.port.infinilm_bin import InfiniLMHeader, read_infinilm_bin, write_infinilm_bin
 from cortexstream.port.strict import check_strict, load_strict, map_state_dict, shapes_of
@@ -81,7 +82,10 @@ def load_safetensors(path: str) -> tuple[dict[str, mx.array], dict[str, str]]:
 def save_safetensors(path: str, tensors: Mapping[str, mx.array], metadata: Mapping[str, Any] | None = None) -> None:
     """Write tensors to safetensors; metadata values are stored as strings (the format only allows strings)."""
     meta = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}
-    mx.save_safetensors(path, dict(tensors), metadata=meta)
+    arrays = dict(tensors)
+    if not path.endswith(".safetensors"):
+        path += ".safetensors"  # what MLX does to such names anyway; the temporary file must match it
+    atomic_write(path, lambda tmp: mx.save_safetensors(tmp, arrays, metadata=meta))
 
 
 @dataclass

@@ -30,6 +30,7 @@ from typing import Mapping
 import mlx.core as mx
 import numpy as np
 
+from cortexstream.atomic_files import atomic_write
 from cortexstream.errors import InvalidArgumentError, ModelLoadError
 
 MAGIC = 0x4B56434D
@@ -184,6 +185,11 @@ def write_infinilm_bin(
             chunks.append(_payload(weight, dtype))
             if bias is not None:
                 chunks.append(_payload(bias, dtype))
-    with open(path, "wb") as f:
-        f.write(b"".join(chunks))
+    payload = b"".join(chunks)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(payload)
+
+    atomic_write(path, write)  # a failed export never leaves a torn .bin behind
     return header

@@ -23,6 +23,7 @@ from typing import Mapping
 import mlx.core as mx
 import numpy as np
 
+from cortexstream.atomic_files import atomic_write
 from cortexstream.errors import InvalidArgumentError
 
 ALIGNMENT = 64
@@ -133,6 +134,10 @@ def save_torch(path: str, tensors: Mapping[str, mx.array | np.ndarray], *, archi
     if not tensors:
         raise InvalidArgumentError("save_torch: no tensors to save")
     pickled, storages = _pickle_state(tensors)
+    atomic_write(path, lambda tmp: _write_zip(tmp, archive, pickled, storages))
+
+
+def _write_zip(path: str, archive: str, pickled: bytes, storages: list[bytes]) -> None:
     with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
         _write_aligned(zf, f"{archive}/data.pkl", pickled)
         _write_aligned(zf, f"{archive}/.format_version", b"1")

@@ -1,0 +1,63 @@
+"""Option checks that must run before a command takes over the terminal or loads a model: sampling values and
+the KV arena size against the memory of this machine, estimated from the model file's header alone.
+
+The TUI starts its screen at once and loads the model on a thread, so a bad `--temp` or an arena that cannot fit
+would otherwise surface inside the app (or as an out-of-memory kill) instead of as one line at the prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from cortexstream.errors import InvalidArgumentError
+
+MAX_MEMORY_FRACTION = 0.9  # an arena needing more than this share of RAM cannot leave room for the model
+
+
+def kv_bytes_per_token(source: str | None, itemsize: int) -> int | None:
+    """K+V bytes one token takes in an arena for the GGUF model `source` (None: not a GGUF, unknown)."""
+    from cortexstream.models.gguf_check import check_gguf
+    from cortexstream.models.loader import DEFAULT_MODEL, default_model_path
+
+    path = default_model_path() if source in (None, DEFAULT_MODEL) else source
+    if not path.endswith(".gguf"):
+        return None
+    layout = check_gguf(path)  # also refuses a corrupt file here, before the screen starts
+    values = layout.scalars
+    arch = next((k.split(".")[0] for k in values if k.endswith(".block_count")), None)
+    if arch is None:
+        return None
+    layers = int(values[f"{arch}.block_count"])
+    heads = int(values.get(f"{arch}.attention.head_count", 0))
+    kv_heads = int(values.get(f"{arch}.attention.head_count_kv", heads))
+    head_dim = int(values.get(f"{arch}.attention.key_length", 0)) or (
+        int(values.get(f"{arch}.embedding_length", 0)) // heads if heads else 0)
+    return 2 * layers * kv_heads * head_dim * itemsize
+
+
+def check_kv_tokens(kv_tokens: int, source: str | None, argument: str = "--kv-tokens") -> None:
+    """Refuse an arena of `kv_tokens` tokens that cannot fit in this machine's memory, giving the numbers."""
+    from cortexstream.backend import on_cpu
+    from cortexstream.kv.arena_config import device_memory_bytes
+
+    if not isinstance(kv_tokens, int) or isinstance(kv_tokens, bool) or kv_tokens < 1:
+        raise InvalidArgumentError(f"{argument}: {kv_tokens!r} must be a positive integer")
+    per_token = kv_bytes_per_token(source, 4 if on_cpu() else 2)
+    if per_token is None:
+        return
+    need, have = kv_tokens * per_token, device_memory_bytes()
+    if need > MAX_MEMORY_FRACTION * have:
+        fit = int(MAX_MEMORY_FRACTION * have // per_token)
+        raise InvalidArgumentError(
+            f"{argument}: {kv_tokens} tokens need {need / 2**30:.1f} GiB of KV arena ({per_token} bytes per token), "
+            f"this machine has {have / 2**30:.1f} GiB; at most about {fit} tokens fit")
+
+
+def check_tui_options(args: argparse.Namespace) -> None:
+    """Everything the TUI can check without the model, plus the arena size against memory."""
+    from cortexstream.engine.sampling import SamplingParams
+
+    SamplingParams(temperature=args.temp, repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens)
+    if not isinstance(args.block_size, int) or args.block_size < 1:
+        raise InvalidArgumentError(f"--block-size: {args.block_size!r} must be a positive integer")
+    check_kv_tokens(args.kv_tokens, args.model)
