@@ -3,6 +3,8 @@ the prefix cache, and the before-last-prompt-token hook gives the paper's semant
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import pytest
 
@@ -69,8 +71,8 @@ def test_hook_fuses_before_the_last_prompt_token_like_the_paper(models):
     rid = engine.add_request(PROMPT, max_tokens=6)
     fuse_on_prefill(fuser, src, (engine, rid))
     seq = seq_of(engine, rid)
-    hook, seen = seq.before_last_prompt_token, []
-    seq.before_last_prompt_token = lambda s: (seen.append(s.num_computed), hook(s))
+    hook, seen = seq.hook, []
+    seq.hook = dataclasses.replace(hook, run=lambda s: (seen.append(s.num_computed), hook.run(s)))
     got = drain(engine)[rid]
     assert seen == [len(PROMPT) - 1] and not seq.kv_from_tokens
     # Reference: the paper's recipe on prompt caches, then greedy decoding with mlx-lm caches.

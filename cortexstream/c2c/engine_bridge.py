@@ -13,10 +13,10 @@ Engine support (Sequence fields honoured by the scheduler and block manager):
   another victim, or fails the request with finish_reason "error" and the reason when no other is left), and
   the block manager never registers its blocks in the prefix cache. Shared blocks (prefix cache, forked
   prefixes) are copied on write first, so other requests never see fused KV.
-- `fuse_on_prefill(fuser, source, (engine, rid))` gives the paper's semantics through the scheduler: the hook
-  `seq.before_last_prompt_token` runs between steps once all prompt tokens but the last are in the KV, fuses
-  them, and the last prompt token and first sample are then computed on the fused cache. Fusing after
-  `run_until_prefilled` instead leaves the first sampled token unfused (it is sampled right after prefill).
+- `fuse_on_prefill(fuser, source, (engine, rid))` gives the paper's semantics through the scheduler: the
+  sequence's hook (`engine.sequence.SequenceHook`) runs between steps once all prompt tokens but the last are
+  in the KV, fuses them, and the last prompt token and first sample are then computed on the fused cache. Fusing
+  after `run_until_prefilled` instead leaves the first sampled token unfused (it is sampled right after prefill).
 - Requests whose KV policy evicted or compressed tokens are refused: their slots no longer map to positions.
 """
 
@@ -28,6 +28,7 @@ import mlx.core as mx
 
 from cortexstream.c2c.fusion import CacheFuser, LayerKV
 from cortexstream.c2c.safety import DPConfig, check_tenants
+from cortexstream.engine.sequence import SequenceHook
 from cortexstream.errors import InvalidArgumentError
 
 
@@ -165,8 +166,6 @@ def fuse_on_prefill(
     seq = _waiting_or_running(tgt_engine, tgt_id)
     if seq.num_computed >= len(seq.prompt_ids) or seq.output_ids:
         raise InvalidArgumentError(f"request '{tgt_id}' has already computed its whole prompt")
-    if seq.before_last_prompt_token is not None:
-        raise InvalidArgumentError(f"request '{tgt_id}' already has a before_last_prompt_token hook")
     src_seq = _waiting_or_running(source[0], source[1])
     check_tenants(src_seq.tenant, seq.tenant, allow_cross_tenant)  # fail early; fuse_requests checks again
 
@@ -177,4 +176,4 @@ def fuse_on_prefill(
         fuse_requests(fuser, source, target, layer_mask=layer_mask, allow_cross_tenant=allow_cross_tenant,
                       num_tokens=n, dp=dp)
 
-    seq.before_last_prompt_token = hook
+    seq.attach_hook(SequenceHook.before_last_prompt_token(seq, hook, "c2c fusion"))

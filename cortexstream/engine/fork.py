@@ -1,7 +1,7 @@
 """Parallel sampling (`n > 1`) without a second prefill: children forked from a parent sequence.
 
-The parent is queued as an ordinary request carrying a `before_last_prompt_token` hook. The scheduler calls it
-between forward passes once every prompt token but the last is in the KV. The hook then creates one child
+The parent is queued as an ordinary request carrying a `SequenceHook` before its last prompt token. The
+scheduler calls it between forward passes once every prompt token but the last is in the KV. The hook then creates one child
 sequence per extra completion. Each child takes the parent's block table by reference (`BlockAllocator.share`),
 so the prompt's blocks are counted once in the arena, and joins the running queue with exactly one pending
 token: the last prompt token. The scheduler puts that token into the next decode batch with the parent's own, so
@@ -18,7 +18,7 @@ from typing import Callable, Sequence as TypingSequence
 
 from cortexstream.engine.engine import Engine, _RequestState
 from cortexstream.engine.seeded import install_seeded_sampler
-from cortexstream.engine.sequence import Sequence, SequenceStatus
+from cortexstream.engine.sequence import Sequence, SequenceHook, SequenceStatus
 from cortexstream.engine.sampling import SamplingParams
 
 # Called on the engine thread for every child created: (child request id, child sequence).
@@ -60,9 +60,6 @@ def add_forking_request(
     parent = find_sequence(engine, parent_id)
     if parent is None or not child_ids:
         return parent
-    if parent.before_last_prompt_token is not None:
-        raise RuntimeError(f"request '{parent_id}' already has a before_last_prompt_token hook")
-
     def fork(seq: Sequence) -> None:
         for index, child_id in enumerate(child_ids, start=1):
             if skip_child(child_id):
@@ -71,7 +68,7 @@ def add_forking_request(
             if on_child is not None:
                 on_child(child_id, child)
 
-    parent.before_last_prompt_token = fork
+    parent.attach_hook(SequenceHook.before_last_prompt_token(parent, fork, "fork"))
     return parent
 
 

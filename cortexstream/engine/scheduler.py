@@ -9,8 +9,8 @@ Sequences whose KV is not a function of their tokens (`Sequence.kv_from_tokens` 
 preempted, since recompute would silently drop what was written into their KV: another sequence is preempted
 instead. When a fused sequence needs a block and only fused ones could give it up, the newest of those is failed
 with finish_reason "error" and the reason; a recomputable sequence that finds only fused ones waits instead.
-A sequence with a `before_last_prompt_token` hook gets its prompt in chunks that stop one token short; the hook
-runs at the start of the next `schedule()` (between forward passes), then the last prompt token is computed.
+A sequence with a hook (`Sequence.hook`, a `SequenceHook`) gets its prefill chunks cut at the hook's `at_token`;
+the hook runs at the start of the next `schedule()` (between forward passes), then the remaining tokens follow.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class Scheduler:
         step = ScheduledStep(finished=self._finished)
         self._finished = []
         self._admit()
-        self._run_prompt_hooks(step)
+        self._run_hooks(step)
         budget = self.config.prefill_step_size
         for seq in self.running:
             # More than one pending token is prompt (or recompute after preemption); one is a decode step.
@@ -181,20 +181,20 @@ class Scheduler:
     @staticmethod
     def _room_before_hook(seq: Sequence) -> int:
         """Tokens this sequence may prefill before its pending hook must run (unbounded without one)."""
-        if seq.before_last_prompt_token is None:
+        if seq.hook is None:
             return seq.num_pending
-        return max(1, len(seq.prompt_ids) - 1 - seq.num_computed)
+        return max(1, seq.hook.at_token - seq.num_computed)
 
-    def _run_prompt_hooks(self, step: ScheduledStep) -> None:
+    def _run_hooks(self, step: ScheduledStep) -> None:
         for seq in list(self.running):
-            hook = seq.before_last_prompt_token
-            if hook is None or seq.num_computed != len(seq.prompt_ids) - 1 or seq.output_ids:
+            hook = seq.hook
+            if hook is None or seq.num_computed != hook.at_token or seq.output_ids:
                 continue
-            seq.before_last_prompt_token = None  # once: a failing hook must not run again
+            seq.hook = None  # once: a failing hook must not run again
             try:
-                hook(seq)
+                hook.run(seq)
             except Exception as exc:  # noqa: BLE001 - any failure fails this request only, with its reason
-                self._fail(seq, step, f"before_last_prompt_token hook failed: {type(exc).__name__}: {exc}")
+                self._fail(seq, step, f"{hook.name} hook failed: {type(exc).__name__}: {exc}")
                 step.preempted.append(seq)
 
     def _fail(self, seq: Sequence, step: ScheduledStep, reason: str) -> None:

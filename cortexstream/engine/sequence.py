@@ -6,9 +6,10 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from cortexstream.engine.sampling import SamplingParams
+from cortexstream.errors import InvalidArgumentError
 from cortexstream.policies.base import FullCache, KVPolicy
 
 _ids = itertools.count()
@@ -18,6 +19,37 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SequenceHook:
+    """The engine's one per-sequence extension point: work done on a sequence from outside the model's forward
+    pass, between two engine steps. C2C fusion writes another model's fused KV into the prompt's cache
+    (`c2c.engine_bridge.fuse_on_prefill`); the server forks n > 1 replies from one prefill (`engine.fork`).
+
+    The scheduler cuts the sequence's prefill chunks so that its KV holds exactly its first `at_token` tokens,
+    then, at the start of the next `schedule()` (no forward pass in flight), calls `run(seq)` once; the tokens
+    after `at_token` are computed on whatever the hook left in the KV. With `at_token = len(prompt) - 1` the last
+    prompt token, and so the first sampled token, already read the hook's KV. If `run` raises, the request
+    finishes with finish_reason "error" and the reason (`"{name} hook failed: ..."`). A hook that writes KV
+    the model would not compute from the tokens sets `seq.kv_from_tokens = False`.
+    """
+
+    run: Callable[["Sequence"], None]
+    at_token: int
+    name: str = "sequence"
+
+    def __post_init__(self) -> None:
+        if not callable(self.run):
+            raise TypeError(f"SequenceHook.run: {self.run!r} is not callable")
+        if isinstance(self.at_token, bool) or not isinstance(self.at_token, int) or self.at_token < 0:
+            raise ValueError(f"SequenceHook.at_token: {self.at_token!r} must be an integer >= 0")
+
+    @classmethod
+    def before_last_prompt_token(cls, seq: "Sequence", run: Callable[["Sequence"], None],
+                                 name: str) -> "SequenceHook":
+        """A hook that runs when every prompt token but the last is in the KV."""
+        return cls(run, max(len(seq.prompt_ids) - 1, 0), name)
 
 
 @dataclass(eq=False)
@@ -42,13 +74,12 @@ class Sequence:
     error: str | None = None
     first_token_time: float | None = None
     owner: int = field(default_factory=lambda: next(_ids))
-    # False once something other than the model's forward over these tokens wrote the KV (C2C fusion): then the
-    # KV cannot be rebuilt from the tokens, so the scheduler never preempts the sequence by recompute and the
-    # block manager never registers its blocks in the prefix cache.
+    # The per-sequence hook (see `SequenceHook`), None once it ran.
+    hook: SequenceHook | None = None
+    # False once something other than the model's forward over these tokens wrote the KV (a hook such as C2C
+    # fusion): then the KV cannot be rebuilt from the tokens, so the scheduler never preempts the sequence by
+    # recompute and the block manager never registers its blocks in the prefix cache.
     kv_from_tokens: bool = True
-    # Called once, between engine steps, when every prompt token but the last is in the KV (the last one is then
-    # computed on whatever the hook left there, so the first sampled token sees it). Raising fails the request.
-    before_last_prompt_token: Callable[["Sequence"], None] | None = None
     # Sampled tokens whose values the engine has not read yet (0 or 1: the pipelined decode step in flight).
     # They count as tokens, so the scheduler plans the next decode step for them, but are not in output_ids.
     num_inflight: int = 0
@@ -78,6 +109,14 @@ class Sequence:
     @property
     def max_total_tokens(self) -> int:
         return len(self.prompt_ids) + self.sampling.max_tokens
+
+    def attach_hook(self, hook: SequenceHook) -> None:
+        """Give the sequence its hook; it must not have one already nor have passed `hook.at_token`."""
+        if self.hook is not None:
+            raise InvalidArgumentError(f"request '{self.request_id}' already has a {self.hook.name} hook")
+        if self.num_computed > hook.at_token or self.output_ids:
+            raise InvalidArgumentError(f"request '{self.request_id}' is already past token {hook.at_token}")
+        self.hook = hook
 
     def finish(self, reason: str, error: str | None = None) -> None:
         self.status = SequenceStatus.FINISHED
