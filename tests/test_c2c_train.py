@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from cortexstream.c2c import C2CFuser, C2CProjectorFuser
-from cortexstream.c2c.data import example_set, size, take
-from cortexstream.c2c.distill import Split
-from cortexstream.c2c.train import TrainConfig, batch_index, evaluate, loss_terms, train_fuser
+from cortexstream.training.c2c.data import example_set, size, take
+from cortexstream.training.c2c.distill import Split
+from cortexstream.training.c2c.train import TrainConfig, evaluate, loss_terms, train_fuser
+from cortexstream.training.loop import epoch_batch
 from tiny_models import tiny_model
 
 SPLIT = Split(context=12, bridge=6, target=5)
@@ -138,9 +139,9 @@ def test_resume_refuses_another_config(pair, same_data, tmp_path):
 
 
 def test_batches_cover_each_epoch_once():
-    seen = sorted(i for step in range(4) for i in batch_index(8, 2, seed=3, step=step))
+    seen = sorted(i for step in range(4) for i in epoch_batch(step, 8, 2, seed=3).tolist())
     assert seen == list(range(8))
-    assert batch_index(8, 2, 3, 5) == batch_index(8, 2, 3, 5)
+    assert epoch_batch(5, 8, 2, 3).tolist() == epoch_batch(5, 8, 2, 3).tolist()
 
 
 def test_example_sets_are_reused_only_for_the_same_description(pair, tmp_path):

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from cortexstream.c2c.porting import load_fuser
-from cortexstream.cli.train_c2c import add_arguments, execute
+from cortexstream.training.c2c.cli import add_arguments, execute
 from cortexstream.errors import InvalidArgumentError
 from tiny_models import tiny_model
 

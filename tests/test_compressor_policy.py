@@ -51,7 +51,7 @@ def test_merge_runs_each_layers_mlps_on_token_major_windows():
 
 @pytest.mark.parametrize("ext", ["safetensors", "pth", "bin"])
 def test_weights_from_files_match_the_object_and_load_once(tmp_path, ext):
-    from cortexstream.cli.train_compressor import export
+    from cortexstream.training.compression.cli import export
 
     comp = _random_compressor(seed=2)
     path = str(tmp_path / f"c.{ext}")

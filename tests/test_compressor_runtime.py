@@ -15,8 +15,8 @@ from mlx_lm.models.cache import KVCache
 
 import cortexstream
 from cortexstream.compression import CompressorConfig, KVCompressor
-from cortexstream.compression.objective import compress_prefix, layout, logits_of, student_forward
-from cortexstream.compression.train import merge_fn
+from cortexstream.training.compression.objective import compress_prefix, layout, logits_of, student_forward
+from cortexstream.training.compression.train import merge_fn
 from cortexstream.evaluation.perplexity import token_nlls
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_config import ArenaConfig

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from cortexstream.compression import CompressorConfig, KVCompressor
-from cortexstream.compression import data as data_module
-from cortexstream.compression.data import cut_segments, wiki_segments
-from cortexstream.compression.train import TrainConfig, train_compressor
+from cortexstream.training.compression import data as data_module
+from cortexstream.training.compression.data import cut_segments, wiki_segments
+from cortexstream.training.compression.train import TrainConfig, train_compressor
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.port import load_safetensors
 from tiny_models import random_token_ids
@@ -67,10 +67,10 @@ def test_bad_configs_and_segments_are_refused(sharp, tmp_path):
 
 
 def test_wiki_segments_stay_off_the_benchmark_tokens(monkeypatch, tiny):
-    import cortexstream.benchmarks.quality_data as quality_data
+    import cortexstream.evaluation.wiki_corpus as wiki_corpus
 
     _, tokenizer = tiny
-    monkeypatch.setattr(quality_data, "wiki_text", lambda: ("the cat sat on the mat. " * 40000, "synthetic"))
+    monkeypatch.setattr(wiki_corpus, "wiki_text", lambda: ("the cat sat on the mat. " * 40000, "synthetic"))
     train, val = wiki_segments(tokenizer, train_offset=65536, val_offset=32768, train=3, val=2, length=100)
     assert (train.start, train.stop, val.start, val.stop) == (65536, 65836, 32768, 32968)
     with pytest.raises(InvalidArgumentError, match="overlap the tokens that `bench quality` scores"):
@@ -105,9 +105,9 @@ def test_teacher_pool_matches_a_plain_cache_and_shifted_positions_are_consistent
     prefix reproduces the teacher exactly (KL 0), so the offsets reach RoPE consistently on both sides."""
     from mlx_lm.models.cache import KVCache
 
-    from cortexstream.compression.data import TeacherPool
-    from cortexstream.compression.objective import compression_loss
-    from cortexstream.compression.train import mean_kl
+    from cortexstream.training.compression.data import TeacherPool
+    from cortexstream.training.compression.objective import compression_loss
+    from cortexstream.training.compression.train import mean_kl
 
     model, _ = sharp
     segments = _segments(4)
@@ -124,8 +124,8 @@ def test_teacher_pool_matches_a_plain_cache_and_shifted_positions_are_consistent
 
 
 def test_teacher_pools_are_stored_and_reused(sharp, tmp_path):
-    from cortexstream.compression import data
-    from cortexstream.compression.train import _pool
+    from cortexstream.training.compression import data
+    from cortexstream.training.compression.train import _pool
 
     model, _ = sharp
     cfg = TrainConfig(**{**CFG.__dict__, "max_offset": 300})
@@ -146,9 +146,9 @@ def test_teacher_pools_are_stored_and_reused(sharp, tmp_path):
 
 
 def test_meanpool_init_reproduces_mean_pooling_exactly(sharp, tmp_path):
-    from cortexstream.compression.data import TeacherPool
-    from cortexstream.compression.objective import mean_pool
-    from cortexstream.compression.train import mean_kl, meanpool_init, merge_fn
+    from cortexstream.training.compression.data import TeacherPool
+    from cortexstream.training.compression.objective import mean_pool
+    from cortexstream.training.compression.train import mean_kl, meanpool_init, merge_fn
 
     model, _ = sharp
     pool = TeacherPool(model, _segments(4), CFG.prefix, batch_size=2, progress=False)

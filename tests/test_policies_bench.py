@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from cortexstream.benchmarks.quality import expected_but_absent
-from cortexstream.benchmarks.quality_data import passkey_prompt, strip_wiki
+from cortexstream.benchmarks.passkey import passkey_prompt
+from cortexstream.evaluation.wiki_corpus import strip_wiki
 from cortexstream.benchmarks.quality_report import markdown, write_report
 
 

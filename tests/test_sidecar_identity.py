@@ -14,7 +14,8 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
-from cortexstream.sidecar import SidecarConfig, SidecarNet, force_matching_loss
+from cortexstream.sidecar import SidecarConfig, SidecarNet
+from cortexstream.training.sidecar.loss import force_matching_loss
 
 N, D, F = 4, 8, 6
 SCALE = D ** -0.5

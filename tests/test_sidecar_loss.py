@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from cortexstream.sidecar.loss import (attend, attention_jacobian, basis_tangents, force_matching_loss,
+from cortexstream.training.sidecar.loss import (attend, attention_jacobian, basis_tangents, force_matching_loss,
                                        jacobian_products, outputs, pooling_beads, rademacher_tangents)
 
 D, N, F, B = 8, 5, 3, 4

@@ -11,7 +11,8 @@ import mlx.optimizers as optim
 import numpy as np
 import pytest
 
-from cortexstream.sidecar import SidecarConfig, SidecarNet, force_matching_loss
+from cortexstream.sidecar import SidecarConfig, SidecarNet
+from cortexstream.training.sidecar.loss import force_matching_loss
 
 
 def test_parameter_budget_at_smollm2_shape():

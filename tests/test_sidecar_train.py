@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from cortexstream.sidecar import CollectConfig, TrainConfig, TrajectoryStore, collect_trajectories, train_sidecar
+from cortexstream.training.sidecar.train import TrainConfig, train_sidecar
+from cortexstream.training.sidecar.trajectories import CollectConfig, TrajectoryStore, collect_trajectories
 from cortexstream.sidecar.porting import load_sidecar, read_sidecar_info
-from cortexstream.sidecar.train import BatchStream
+from cortexstream.training.sidecar.train import BatchStream
 from tiny_models import tiny_model
 
 NET = {"d_model": 32, "encoder_layers": 1, "num_heads": 2}

@@ -9,8 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from cortexstream.sidecar.loss import outputs
-from cortexstream.sidecar.trajectories import (CollectConfig, TrajectoryStore, collect_trajectories, pack_tokens)
+from cortexstream.training.sidecar.loss import outputs
+from cortexstream.training.sidecar.trajectories import (CollectConfig, TrajectoryStore, collect_trajectories, pack_tokens)
 from tiny_models import tiny_model
 
 T, W = 48, 8
@@ -131,7 +131,7 @@ def test_collect_on_smollm2(smollm, tmp_path):
 @pytest.mark.parametrize("kind", ["sinks", "sliding"])
 def test_layer_rows_with_sinks_and_array_masks(kind):
     """Learned sink logits and a boolean sliding-window mask: the rest pseudo-key still reproduces SDPA exactly."""
-    from cortexstream.sidecar.trajectories import layer_rows
+    from cortexstream.training.sidecar.trajectories import layer_rows
 
     rng = np.random.default_rng(4)
     t, d, scale = 40, 8, 8 ** -0.5

@@ -1,7 +1,7 @@
 """`bench c2c` (run as `python -m cortexstream.benchmarks.c2c`): C2C quality and handoff latency, measured.
 
-Parts (each a `cortexstream train c2c` run, `cortexstream/cli/train_c2c.py`, on text disjoint from `bench
-quality`'s; windows `context | bridge | target` of receiver tokens, see `cortexstream/c2c/distill.py`):
+Parts (each a `cortexstream train c2c` run, `cortexstream/training/c2c/cli.py`, on text disjoint from `bench
+quality`'s; windows `context | bridge | target` of receiver tokens, see `cortexstream/training/c2c/distill.py`):
 1. warm start from a donor cache of the same model (SmolLM2-135M sharing with itself, the seed's low-rank fuser):
    KL to the full-context receiver and continuation perplexity, without fusion, with controls (the seed's
    initialisation g = 0.5 untrained, gate closed), and after brief training;
@@ -34,7 +34,7 @@ CROSS_NOTE = ("Learning rate 1e-4: a first run at 2e-3 diverged (training KL ros
 
 
 def _train_args(**overrides: Any) -> argparse.Namespace:
-    from cortexstream.cli.train_c2c import add_arguments
+    from cortexstream.training.c2c.cli import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -47,7 +47,7 @@ def _train_args(**overrides: Any) -> argparse.Namespace:
 
 
 def _part(name: str, args: argparse.Namespace, models: tuple, controls: dict[str, Any]) -> dict[str, Any]:
-    from cortexstream.cli.train_c2c import execute
+    from cortexstream.training.c2c.cli import execute
 
     tic = time.perf_counter()
     report = execute(args, models, controls)
@@ -59,8 +59,8 @@ def _part(name: str, args: argparse.Namespace, models: tuple, controls: dict[str
 def _latency(models: tuple, fuser: Any, args: argparse.Namespace, relay: tuple[int, ...], trials: int) -> dict:
     from cortexstream.benchmarks.c2c_latency import handoff_latency
     from cortexstream.c2c.alignment import TokenAligner
-    from cortexstream.c2c.data import DEFAULT_SKIP, windows
-    from cortexstream.c2c.distill import Split
+    from cortexstream.training.c2c.data import DEFAULT_SKIP, windows
+    from cortexstream.training.c2c.distill import Split
 
     receiver, tok, sharer, sharer_tok, _ = models
     split = Split(args.context, args.bridge, args.target)
@@ -81,7 +81,7 @@ def run(out_dir: str = "bench/results", work_dir: str = "runs/bench_c2c", *, ste
     import cortexstream
     from cortexstream.c2c import C2CFuser
     from cortexstream.c2c.porting import load_fuser
-    from cortexstream.cli.train_c2c import QWEN, load_sharer, make_fuser
+    from cortexstream.training.c2c.cli import QWEN, load_sharer, make_fuser
 
     started = time.perf_counter()
     common = {"train_windows": train_windows, "eval_windows": eval_windows, "context": context, "bridge": bridge,
@@ -90,7 +90,7 @@ def run(out_dir: str = "bench/results", work_dir: str = "runs/bench_c2c", *, ste
     payload: dict[str, Any] = {"machine": machine(), "parts": {}, "latency": {}}
     same = (receiver, tok, receiver, tok, "same model (SmolLM2-135M, donor cache of the full context)")
     args = _train_args(out=os.path.join(work_dir, "same_lowrank"), sharer="same", fuser="lowrank",
-                       steps=steps_same, lr=3e-3, **common)
+                       steps=steps_same, learning_rate=3e-3, **common)
     mx.random.seed(args.seed)
     n_layers, head_dim = len(receiver.layers), receiver.args.head_dim
     seed_init = C2CFuser(n_layers=n_layers, head_dim=head_dim, rank=args.rank, gate_init=0.0)
@@ -103,7 +103,7 @@ def run(out_dir: str = "bench/results", work_dir: str = "runs/bench_c2c", *, ste
         sharer, sharer_tok, desc = load_sharer(QWEN, receiver, tok)
         pair = (receiver, tok, sharer, sharer_tok, desc)
         args = _train_args(out=os.path.join(work_dir, "qwen_projector"), sharer=QWEN, fuser="projector",
-                           steps=steps_cross, lr=CROSS_LR, **common)
+                           steps=steps_cross, learning_rate=CROSS_LR, **common)
         mx.random.seed(args.seed + 1)
         forced = make_fuser(args, receiver, sharer)
         for p in forced.projectors:
@@ -139,12 +139,13 @@ def markdown(payload: dict[str, Any]) -> str:
            f"Total wall time {payload['wall_s']:.0f} s (2 shared CPU cores, `nice -n 10`).", ""]
     for key, part in payload["parts"].items():
         s = part["settings"]
+        lr = s.get("learning_rate", s.get("lr"))  # results written before the shared trainer flags say "lr"
         out += [f"## {'Warm start, same model' if key == 'same' else 'Cross-model'}: {part['sharer']}", "",
                 f"Receiver SmolLM2-135M-Instruct. Windows: context {s['context']} (sharer only) | bridge "
                 f"{s['bridge']} (fused) | target {s['target']} (scored) receiver tokens; {s['train_windows']} "
                 f"training windows {part['data']['train_tokens']}, {s['eval_windows']} held-out windows "
                 f"{part['data']['eval_tokens']} of {part['data']['source']}. Fuser {part['fuser']}, {part['steps']} "
-                f"steps of batch {s['batch_size']}, lr {s['lr']}, align weight {s['align_weight']} ({s['align']}). "
+                f"steps of batch {s['batch_size']}, lr {lr}, align weight {s['align_weight']} ({s['align']}). "
                 f"Wall {part['wall_s']:.0f} s.", "", *([CROSS_NOTE, ""] if key == "cross" else []),
                 *_quality_table(part), ""]
     for key, lat in payload["latency"].items():

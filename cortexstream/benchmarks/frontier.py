@@ -1,6 +1,6 @@
 """`cortexstream bench frontier`: perplexity against measured KV cache size for every policy family.
 
-Each cell scores the same held-out text (`quality_data.wiki_text`, the first `context` tokens) teacher-forced in
+Each cell scores the same held-out text (`wiki_corpus.wiki_text`, the first `context` tokens) teacher-forced in
 chunks of `chunk` tokens with the policy evicting or merging after every chunk, and records the cache size it
 really had: the mean and max physical slots after each chunk's policy step (not a nominal budget). Families:
 Full, StreamingLLM and H2O at budget fractions, and the merging policies (MeanPool, the learned Compressor,
@@ -22,9 +22,9 @@ import numpy as np
 from cortexstream.atomic_files import read_json_file, write_json_atomic
 from cortexstream.benchmarks.common import machine
 from cortexstream.benchmarks.frontier_report import write_frontier_report
-from cortexstream.benchmarks.quality_data import wiki_text
 from cortexstream.errors import CortexStreamError
 from cortexstream.evaluation.perplexity import token_nlls
+from cortexstream.evaluation.wiki_corpus import wiki_text
 from cortexstream.policies import parse_policy
 from cortexstream.policies.merging import MergingPolicy
 

@@ -7,9 +7,9 @@ informative, and a policy that merges or evicts by similarity gets no free ride.
     TASK + heap[:cut] + " The vault code for <name> is <code>. " + heap[cut:] + "\\nWhat is the vault code for
     <name>? The vault code for <name> is"
 
-The heap comes from `quality_data.wiki_text()` tokens [HEAP_START, ...): after the ~20k tokens that
+The heap comes from `wiki_corpus.wiki_text()` tokens [HEAP_START, ...): after the ~20k tokens that
 `bench quality` scores perplexity on and before token 65536 where the sidecar's training text starts
-(`cortexstream.sidecar.data`), so neither overlaps it. Scored per trial: exact match of the first number in a
+(`cortexstream.training.text`), so neither overlaps it. Scored per trial: exact match of the first number in a
 greedy answer, and the teacher-forced NLL per token of " <code>" (a graded signal when a small model's greedy
 answers are mostly wrong). As in passkey, the heap before the needle is computed once per (context, policy)
 and forked per trial (depths ascending); the policy edits the cache after every `chunk` prompt tokens and every
@@ -126,7 +126,7 @@ def needle_cell(model: Any, tokenizer: Any, heap: Sequence[int], context: int, p
 
 def heap_tokens(tokenizer: Any, context: int) -> tuple[list[int], str]:
     """Heap text for contexts up to `context`: wiki_text tokens from HEAP_START (see module docstring)."""
-    from cortexstream.benchmarks.quality_data import wiki_text
+    from cortexstream.evaluation.wiki_corpus import wiki_text
 
     text, source = wiki_text()
     ids = list(tokenizer.encode(text))

@@ -1,7 +1,7 @@
 """`cortexstream bench quality`: what KV eviction costs in quality (SmolLM2-135M by default).
 
 Three parts, each with the policy evicting while the text is processed (`engine.policy_prompt_cache` on a private arena):
-- perplexity of real English text (`quality_data.wiki_text`) at each context, for the full cache, StreamingLLM
+- perplexity of real English text (`wiki_corpus.wiki_text`) at each context, for the full cache, StreamingLLM
   (4 sinks) and H2O (4 sinks, recent = half the rest) at each budget fraction of the context. Scored
   teacher-forced in chunks of `ppl_chunk` tokens with eviction after every chunk, so a token sees at most
   budget + chunk - 1 keys (the "+ one prefill chunk" allowance); the full cache needs no eviction, so it is
@@ -27,9 +27,10 @@ import numpy as np
 
 from cortexstream.atomic_files import read_json_file, write_json_atomic
 from cortexstream.benchmarks.common import machine
-from cortexstream.benchmarks.quality_data import passkey_prompt, wiki_text
+from cortexstream.benchmarks.passkey import passkey_prompt
 from cortexstream.benchmarks.quality_report import write_report
 from cortexstream.evaluation.perplexity import token_nlls
+from cortexstream.evaluation.wiki_corpus import wiki_text
 from cortexstream.kv.prompt_cache import make_prompt_cache
 from cortexstream.policies import H2O, KVPolicy, StreamingLLM, parse_policy
 from cortexstream.engine.policy_prompt_cache import apply_policy, attach_policy, fork_cache

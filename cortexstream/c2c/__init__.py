@@ -8,8 +8,9 @@ allow_cross_tenant=False, dp=None)`, in place on the receiver's cache; `fused_la
   of different head counts, head dims and depths (last-aligned layers; alignment.py for tokens too).
 Serving paths: pipeline.py (prompt caches, the paper's recipe) and engine_bridge.py (running engine requests).
 Safety (tenants, redaction, DP) in safety.py; checkpoints (thu-nics layout, seed state dicts, safetensors) in
-porting.py. Training (distillation to the full-context receiver): distill.py (task, loss), data.py (held-out
-example sets), train.py (loop, checkpoints, exact resume); CLI `cortexstream train c2c`. README.md states the
+porting.py. Training (distillation to the full-context receiver) lives apart in `cortexstream.training.c2c`:
+distill.py (task, loss), data.py (held-out example sets), train.py (on the shared loop); CLI `cortexstream train
+c2c`. README.md states the
 guarantees and their limits.
 """
 

@@ -1,4 +1,4 @@
-"""`cortexstream train <kind>`: one module per trainable component, `cortexstream/cli/train_<kind>.py`.
+"""`cortexstream train <kind>`: one CLI module per trainable component, `cortexstream/training/<package>/cli.py`.
 
 Each module defines `add_parser(subparsers) -> None` (its own arguments) and `run(args) -> int`. Modules are
 found by name, so adding a trainer touches no shared file.
@@ -9,11 +9,16 @@ from __future__ import annotations
 import argparse
 import importlib
 
-TRAINERS = ("compressor", "sidecar", "c2c")
+# command name -> its package under cortexstream/training/
+TRAINERS = {"compressor": "compression", "sidecar": "sidecar", "c2c": "c2c"}
+
+
+def _module_name(kind: str) -> str:
+    return f"cortexstream.training.{TRAINERS[kind]}.cli"
 
 
 def _module(kind: str):  # noqa: ANN202 - a module object
-    return importlib.import_module(f"cortexstream.cli.train_{kind}")
+    return importlib.import_module(_module_name(kind))
 
 
 def add_train_parsers(commands: argparse._SubParsersAction) -> None:
@@ -23,7 +28,7 @@ def add_train_parsers(commands: argparse._SubParsersAction) -> None:
         try:
             module = _module(kind)
         except ModuleNotFoundError as exc:
-            if exc.name != f"cortexstream.cli.train_{kind}":
+            if exc.name != _module_name(kind):
                 raise
             continue
         module.add_parser(kinds)

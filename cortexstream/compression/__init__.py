@@ -1,8 +1,8 @@
 """KV-cache compression: learned token-merging compressors (FastCache style) used by KV policies.
 
-`compressor` (the MLPs, porting, export), `shipped` (weights in the package, by model shape), `objective` /
-`data` / `train` (training in MLX against the full-cache model: `cortexstream train compressor`). The KV policy
-that uses them is `cortexstream.policies.Compressor`.
+`compressor` (the MLPs, porting, export) and `shipped` (weights in the package, by model shape): what the KV
+policy `cortexstream.policies.Compressor` loads. Training (objective, data, loop; `cortexstream train
+compressor`) lives apart in `cortexstream.training.compression` and is never imported from here.
 """
 
 from cortexstream.compression.compressor import (

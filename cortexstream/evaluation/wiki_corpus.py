@@ -1,4 +1,4 @@
-"""Data for `bench quality`: real English text (Wikipedia articles from gensim's test data) and passkey prompts.
+"""Real English text (Wikipedia articles from gensim's test data) that benchmarks score and trainers learn from.
 
 The text is the English Wikipedia dump excerpt that ships inside the gensim wheel's test data
 (`enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2`, 2016 articles such as "Anarchism").
@@ -21,11 +21,6 @@ import xml.etree.ElementTree as ET
 GENSIM_VERSION = "4.4.0"
 WIKI_MEMBER = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "cortexstream", "quality")
-
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-        "I will quiz you about the important information there.\n")
-QUESTION = "\nWhat is the pass key? The pass key is"
 
 
 def _strip_templates(text: str) -> str:
@@ -106,17 +101,3 @@ def wiki_text() -> tuple[str, str]:
         from pydoc_data.topics import topics
 
         return "\n\n".join(topics[k] for k in sorted(topics)), f"pydoc_data topics (gensim text unavailable: {exc})"
-
-
-def passkey_prompt(tokenizer: object, total_tokens: int, depth: float, passkey: str) -> tuple[list[int], int]:
-    """Token ids of a haystack of about `total_tokens` with the passkey sentence at `depth` (0..1) of the filler,
-    and the index where the needle starts (everything before it does not depend on the passkey)."""
-    encode = tokenizer.encode  # type: ignore[attr-defined]
-    task, question = encode(TASK), encode(QUESTION)
-    needle = encode(f" The pass key is {passkey}. Remember it. {passkey} is the pass key. ")
-    filler_unit = encode(FILLER)
-    room = total_tokens - len(task) - len(question) - len(needle)
-    filler = (filler_unit * (room // len(filler_unit) + 1))[:room]
-    cut = int(round(depth * room))
-    prefix = task + filler[:cut]
-    return prefix + needle + filler[cut:] + question, len(prefix)

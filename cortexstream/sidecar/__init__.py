@@ -7,13 +7,13 @@ queries the way the whole window did (value and Jacobian of the attention output
   default d_model 64 x 2 layers, 0.71M at 128 x 3) and
   `SidecarNet.beads(keys [H, W, N, D], values, layer) -> (k_bead [H, W, D], v_bead)` for policies
   (`layer=None`: all layers at once, [L, H, W, N, D]).
-- `trajectories`: `collect_trajectories` (frozen model, real text -> chunked row files), `TrajectoryStore`.
-- `loss`: `force_matching_loss` (Jacobian by MLX autodiff, Hutchinson or exact) and its definition.
-- `train`: `train_sidecar` (AdamW, progress bar, safetensors checkpoints + JSON state, exact resume).
 - `porting`: `save_sidecar` / `load_sidecar` (our safetensors) and `load_torch_sidecar` (a PyTorch state dict).
-- `data`: training text disjoint from what `bench quality` evaluates; `heldout`: exact held-out losses vs mean
-  pooling and export of shippable weights; `shipped`: the weights in `weights/` (found by their stored config)
-  and a per-process cache of loaded networks; `compare`: a quick perplexity/needle comparison of policies.
+- `shipped`: the weights in `weights/` (found by their stored config) and a per-process cache of loaded networks.
+- Training lives apart, in `cortexstream.training.sidecar`: `trajectories` (`collect_trajectories`, frozen model,
+  real text -> chunked row files; `TrajectoryStore`), `loss` (`force_matching_loss`, Jacobian by MLX autodiff,
+  Hutchinson or exact), `train` (`train_sidecar` on the shared loop of `cortexstream.training.loop`), `heldout`
+  (exact held-out losses vs mean pooling, export of shippable weights), `compare` (a quick perplexity/needle
+  comparison of policies); its text (disjoint from what `bench quality` evaluates) is `cortexstream.training.text`.
 - The KV policy is `cortexstream.policies.Sidecar`; the CLI is `cortexstream train sidecar`.
 
 Bead position (RoPE). Cached keys are post-RoPE and are never re-rotated (mlx-lm rotates a key once, when it is
@@ -46,14 +46,7 @@ its window alone, but the per-window loss does not see the errors of a hundred m
 softmax; training on queries against many beads at once would.
 """
 
-from cortexstream.sidecar.loss import attention_jacobian, force_matching_loss, pooling_beads
 from cortexstream.sidecar.network import SidecarConfig, SidecarNet
 from cortexstream.sidecar.porting import load_sidecar, load_torch_sidecar, save_sidecar
-from cortexstream.sidecar.train import TrainConfig, train_sidecar
-from cortexstream.sidecar.trajectories import CollectConfig, TrajectoryStore, collect_trajectories, pack_tokens
 
-__all__ = [
-    "CollectConfig", "SidecarConfig", "SidecarNet", "TrainConfig", "TrajectoryStore", "attention_jacobian",
-    "collect_trajectories", "force_matching_loss", "load_sidecar", "load_torch_sidecar", "pack_tokens",
-    "pooling_beads", "save_sidecar", "train_sidecar",
-]
+__all__ = ["SidecarConfig", "SidecarNet", "load_sidecar", "load_torch_sidecar", "save_sidecar"]

@@ -1,7 +1,7 @@
 """Training text for the sidecar, kept disjoint from what `cortexstream bench quality` evaluates on.
 
-Held-out rule. `bench quality` scores perplexity on the first ~20k tokens of `quality_data.wiki_text()` and
-builds passkey prompts from `quality_data.FILLER`. Trajectories therefore come from the same Wikipedia dump but
+Held-out rule. `bench quality` scores perplexity on the first ~20k tokens of `wiki_corpus.wiki_text()` and
+builds passkey prompts from `benchmarks.passkey.FILLER`. Trajectories therefore come from the same Wikipedia dump but
 only from token `skip` on (default 65536, more than three times the evaluated span), and the held-out evaluation
 rows of `train sidecar` from a separate stretch after the training tokens, so neither training nor model
 selection sees evaluated text. The filler sentences never appear in the dump. Other sources: "pydoc" (the
@@ -22,7 +22,7 @@ DEFAULT_SKIP = 65536  # tokens of wiki_text never used for training (bench quali
 def source_text(source: str) -> tuple[str, str]:
     """(text, description) for "wiki", "pydoc" or a text file path."""
     if source == "wiki":
-        from cortexstream.benchmarks.quality_data import wiki_text
+        from cortexstream.evaluation.wiki_corpus import wiki_text
 
         return wiki_text()
     if source == "pydoc":

@@ -22,8 +22,10 @@ import shutil
 from typing import Any
 
 from cortexstream.errors import InvalidArgumentError
+from cortexstream.training.flags import TrainerDefaults, add_trainer_flags, check_trainer_flags, loop_config_kwargs
 
 QWEN = "qwen2.5-coder-0.5b"
+DEFAULTS = TrainerDefaults(steps=150, batch_size=4, learning_rate=1e-3, checkpoint_every=25, warmup_cap=10)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -53,21 +55,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", type=int, default=32, help="continuation tokens scored")
     p.add_argument("--train-windows", type=int, default=64)
     p.add_argument("--eval-windows", type=int, default=16, help="held-out windows after the training ones")
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--align-weight", type=float, default=0.1, help="weight of hidden-state alignment")
     p.add_argument("--align", choices=("mse", "cos"), default="mse")
-    p.add_argument("--checkpoint-every", type=int, default=25)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-resume", action="store_true", help="start training over")
     p.add_argument("--export", default=None, help="also copy the trained fuser to this .safetensors file")
-    p.add_argument("--no-progress", action="store_true")
+    add_trainer_flags(p, DEFAULTS)
 
 
 def _check(args: argparse.Namespace) -> None:
+    check_trainer_flags(args)
     for name in ("rank", "hidden_dim", "intermediate_dim", "context", "bridge", "target", "train_windows",
-                 "eval_windows", "steps", "batch_size", "checkpoint_every"):
+                 "eval_windows"):
         if getattr(args, name) < 1:
             raise InvalidArgumentError(f"--{name.replace('_', '-')}: {getattr(args, name)} must be >= 1")
     if args.bridge < 2:
@@ -118,9 +115,9 @@ def execute(args: argparse.Namespace, models: tuple[Any, Any, Any, Any, str] | N
     import mlx.core as mx
 
     from cortexstream.c2c.alignment import TokenAligner
-    from cortexstream.c2c.data import DEFAULT_SKIP, example_set, windows
-    from cortexstream.c2c.distill import Split
-    from cortexstream.c2c.train import TrainConfig, evaluate, oracle_ppl, train_fuser
+    from cortexstream.training.c2c.data import DEFAULT_SKIP, example_set, windows
+    from cortexstream.training.c2c.distill import Split
+    from cortexstream.training.c2c.train import TrainConfig, evaluate, oracle_ppl, train_fuser
 
     if models is None:
         import cortexstream
@@ -149,11 +146,9 @@ def execute(args: argparse.Namespace, models: tuple[Any, Any, Any, Any, str] | N
     report["untrained"] = evaluate(fuser, receiver, held)
     report["oracle_ppl"] = oracle_ppl(receiver, held)
     report["controls"] = {name: evaluate(extra, receiver, held) for name, extra in (controls or {}).items()}
-    config = TrainConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr,
-                         align_weight=args.align_weight, align=args.align, checkpoint_every=args.checkpoint_every,
-                         seed=args.seed, warmup=min(10, max(1, args.steps // 10)))
-    fuser, state = train_fuser(fuser, receiver, train, out, config=config, resume=not args.no_resume,
-                               progress=progress)
+    config = TrainConfig(**loop_config_kwargs(args), align_weight=args.align_weight, align=args.align)
+    fuser, state = train_fuser(fuser, receiver, train, out, config=config, resume=args.resume, progress=progress,
+                               stop_at=args.stop_at)
     report["trained"] = evaluate(fuser, receiver, held)
     report["train_fit"] = evaluate(fuser, receiver, train)
     report["train_no_fusion"] = evaluate(None, receiver, train)

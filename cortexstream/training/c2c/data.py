@@ -1,7 +1,7 @@
 """Training and held-out examples for C2C distillation, from text disjoint from what `bench quality` evaluates.
 
-Held-out rule (same as the sidecar's, `cortexstream.sidecar.data`): `bench quality` scores the first ~20k tokens
-of `quality_data.wiki_text()`, so windows come from token `skip` on (default 65536). Training windows are
+Held-out rule (same as the sidecar's, `cortexstream.training.text`): `bench quality` scores the first ~20k tokens
+of `wiki_corpus.wiki_text()`, so windows come from token `skip` on (default 65536). Training windows are
 `[skip, skip + n_train * L)`, evaluation windows the stretch right after, so no evaluated window was trained on.
 Tokens are counted in the receiver's tokenization; a sharer with another tokenizer gets them mapped one-to-one
 (`TokenAligner`, the paper's recipe).
@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
-from cortexstream.c2c.distill import Split, make_example, stack
+from cortexstream.training.c2c.distill import Split, make_example, stack
 from cortexstream.errors import InvalidArgumentError
 
 DEFAULT_SKIP = 65536
@@ -28,7 +28,7 @@ _META = "cortexstream.c2c.examples"
 def windows(tokenizer: Any, source: str, split: Split, *, skip: int, n_train: int, n_eval: int
             ) -> tuple[list[list[int]], list[list[int]], dict[str, Any]]:
     """(train windows, eval windows, description) of `split.length` receiver tokens each."""
-    from cortexstream.sidecar.data import token_sequences
+    from cortexstream.training.text import token_sequences
 
     seqs, description, total = token_sequences(tokenizer, source, skip=skip, sequence_length=split.length,
                                                count=n_train + n_eval)

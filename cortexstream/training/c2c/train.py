@@ -10,7 +10,8 @@ temperature (`update_temperature(step)`) and the learning rate (a schedule of th
 A checkpoint is the fuser (`fuser.safetensors`, the `porting.save_fuser` format), the optimizer state
 (`optimizer.safetensors`) and `state.json`, each written to a temporary file and renamed, `state.json` last, so a
 run killed mid-write resumes from the previous complete checkpoint. Resuming with another config or another fuser
-shape is refused: it would silently change what the steps compute.
+shape is refused: it would silently change what the steps compute. The steps themselves run in the shared loop
+(`cortexstream.training.loop`).
 """
 
 from __future__ import annotations
@@ -21,18 +22,18 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_unflatten
 
-from cortexstream.c2c.data import size, take
-from cortexstream.c2c.distill import distill_terms, fused_forward
 from cortexstream.c2c.fusion import CacheFuser
 from cortexstream.c2c.porting import _describe, save_fuser
 from cortexstream.c2c.projector import C2CProjectorFuser
 from cortexstream.errors import InvalidArgumentError
-from cortexstream.checkpoints import save_checkpoint
+from cortexstream.training.c2c.data import size, take
+from cortexstream.training.c2c.distill import distill_terms, fused_forward
+from cortexstream.training.checkpoints import save_checkpoint
+from cortexstream.training.loop import (LoopSettings, epoch_batch, load_optimizer_state, load_resumable, lr_schedule,
+                                        run_steps)
 
 ALIGN = ("mse", "cos")
 
@@ -61,21 +62,6 @@ class TrainConfig:
                 raise InvalidArgumentError(f"{name}: {getattr(self, name)} must be >= 1")
         if self.learning_rate <= 0 or self.align_weight < 0:
             raise InvalidArgumentError("learning_rate must be > 0 and align_weight >= 0")
-
-
-def _schedule(cfg: TrainConfig) -> Any:
-    warmup = max(1, min(cfg.warmup, cfg.steps - 1))
-    decay = optim.cosine_decay(cfg.learning_rate, max(1, cfg.steps - warmup), cfg.learning_rate * 0.1)
-    return optim.join_schedules([optim.linear_schedule(cfg.learning_rate * 0.01, cfg.learning_rate, warmup), decay],
-                                [warmup])
-
-
-def batch_index(n: int, batch_size: int, seed: int, step: int) -> list[int]:
-    """Rows of step `step`: consecutive slices of a per-epoch permutation (wrapping into the next epoch)."""
-    per_epoch = max(1, n // batch_size)
-    epoch, start = divmod(step, per_epoch)
-    order = np.random.default_rng([seed, epoch]).permutation(n)
-    return order[start * batch_size : start * batch_size + min(batch_size, n)].tolist()
 
 
 def _step_seed(seed: int, step: int) -> int:
@@ -108,28 +94,19 @@ def train_fuser(fuser: CacheFuser, receiver: Any, data: dict[str, Any], out_dir:
                 stop_at: int | None = None) -> tuple[CacheFuser, dict[str, Any]]:
     """Train `fuser` (in place) on a stacked example set; returns (fuser, state). `stop_at` ends this run early
     (checkpointed) so a later call with resume=True continues to `config.steps`."""
-    from tqdm import tqdm
-
     cfg = config
     n = size(data)
     if n < 1:
         raise InvalidArgumentError("train_fuser: empty example set")
     os.makedirs(out_dir, exist_ok=True)
-    state_path = os.path.join(out_dir, "state.json")
-    opt = optim.AdamW(learning_rate=_schedule(cfg), weight_decay=cfg.weight_decay)
+    opt = optim.AdamW(learning_rate=lr_schedule(cfg.learning_rate, cfg.steps, cfg.warmup),
+                      weight_decay=cfg.weight_decay)
     state: dict[str, Any] = {"step": 0, "train": asdict(cfg), "fuser": _shape_of(fuser), "history": []}
-    if resume and os.path.exists(state_path):
-        with open(state_path, encoding="utf-8") as fh:
-            saved = json.load(fh)
-        ignore = {"checkpoint_every": None}
-        if {**saved["train"], **ignore} != {**asdict(cfg), **ignore}:
-            raise InvalidArgumentError(f"{state_path}: saved config {saved['train']} differs from {asdict(cfg)}; "
-                                       "use another --out or --no-resume")
-        if saved["fuser"] != state["fuser"]:
-            raise InvalidArgumentError(f"{state_path}: saved fuser shape differs from this fuser's")
+    saved = load_resumable(out_dir, asdict(cfg), {"fuser": state["fuser"]}) if resume else None
+    if saved is not None:
         fuser.load_weights(list(mx.load(os.path.join(out_dir, "fuser.safetensors")).items()), strict=True)
-        opt.state = tree_unflatten(list(mx.load(os.path.join(out_dir, "optimizer.safetensors")).items()))
-        state = {**saved, "train": asdict(cfg)}
+        load_optimizer_state(out_dir, opt)
+        state = saved
     fuser.train()
     projector = isinstance(fuser, C2CProjectorFuser)
 
@@ -137,28 +114,21 @@ def train_fuser(fuser: CacheFuser, receiver: Any, data: dict[str, Any], out_dir:
         terms = loss_terms(f, receiver, batch, key)
         return terms["kl"] + cfg.align_weight * terms[cfg.align], terms["kl"], terms[cfg.align]
 
-    value_and_grad = nn.value_and_grad(fuser, loss_fn)
-    end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
-    bar = tqdm(total=end, initial=state["step"], desc="c2c", unit="step", disable=not progress)
-    while state["step"] < end:
-        step = state["step"]
+    def before_step(step: int) -> None:
         mx.random.seed(_step_seed(cfg.seed, step))  # dropout draws from the global generator
         if projector:
             for p in fuser.projectors:
                 p.update_temperature(step)
-        batch = take(data, batch_index(n, cfg.batch_size, cfg.seed, step))
-        (loss, kl, align), grads = value_and_grad(fuser, batch, mx.random.key(_step_seed(cfg.seed + 1, step)))
-        if cfg.grad_clip:
-            grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
-        opt.update(fuser, grads)
-        mx.eval(fuser.parameters(), opt.state, loss, kl, align)
-        state["step"] = step + 1
-        state["history"] = (state["history"] + [[step, loss.item(), kl.item(), align.item()]])[-500:]
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.4f}", kl=f"{kl.item():.4f}")
-        if state["step"] % cfg.checkpoint_every == 0 or state["step"] == end:
-            _save(out_dir, fuser, opt, state)
-    bar.close()
+
+    def inputs(step: int) -> tuple[dict[str, Any], mx.array]:
+        return (take(data, epoch_batch(step, n, cfg.batch_size, cfg.seed).tolist()),
+                mx.random.key(_step_seed(cfg.seed + 1, step)))
+
+    end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
+    settings = LoopSettings(end=end, checkpoint_every=cfg.checkpoint_every, grad_clip=cfg.grad_clip, desc="c2c",
+                            terms=("loss", "kl", cfg.align), progress=progress, history=500)
+    run_steps(fuser, loss_fn, opt, state, settings, inputs=inputs, before_step=before_step,
+              save=lambda s: _save(out_dir, fuser, opt, s))
     fuser.eval()
     return fuser, state
 
@@ -197,4 +167,4 @@ def oracle_ppl(receiver: Any, data: dict[str, Any], batch_size: int = 8) -> floa
     return float(np.exp(total / n))
 
 
-__all__ = ["TrainConfig", "batch_index", "evaluate", "loss_terms", "oracle_ppl", "train_fuser"]
+__all__ = ["TrainConfig", "evaluate", "loss_terms", "oracle_ppl", "train_fuser"]

@@ -13,11 +13,14 @@ import json
 import os
 
 from cortexstream.errors import InvalidArgumentError
+from cortexstream.training.flags import TrainerDefaults, add_trainer_flags, check_trainer_flags, loop_config_kwargs
 
-# argparse dests that are TrainConfig fields (the rest choose data, outputs and the model)
-_TRAIN_ARGS = ("factor", "prefix", "queries", "sinks", "recent", "steps", "batch_size", "learning_rate",
-               "weight_decay", "warmup", "mse_weight", "log_mass_bias", "dropout",
-               "max_offset", "init", "grad_clip", "checkpoint_every", "seed")
+# argparse dests that are TrainConfig fields beside the shared loop flags (the rest choose data, outputs, model)
+_TRAIN_ARGS = ("factor", "prefix", "queries", "sinks", "recent", "mse_weight", "log_mass_bias", "dropout",
+               "max_offset", "init")
+# A compressor run refuses a used --out unless --resume is given (see `cortexstream.training.flags`).
+DEFAULTS = TrainerDefaults(steps=100, batch_size=4, learning_rate=3e-6, warmup=5, checkpoint_every=20,
+                           resume=False)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -29,11 +32,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--queries", type=int, default=32, help="scored tokens after the prefix")
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--recent", type=int, default=16, help="raw tokens before the queries while training")
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--learning-rate", "--lr", dest="learning_rate", type=float, default=3e-6)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--mse-weight", type=float, default=0.0, help="weight of the hidden-state MSE term")
     p.add_argument("--log-mass-bias", action="store_true",
                    help="train with log(factor) added to merged slots' attention logits (not in the reference)")
@@ -42,21 +40,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="initial weights: random (the reference) or exactly mean pooling")
     p.add_argument("--max-offset", type=int, default=3072,
                    help="run each teacher batch at a random position offset in [0, N] (RoPE coverage)")
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--checkpoint-every", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--segments", type=int, default=64, help="training segments (teacher pool size)")
     p.add_argument("--val-segments", type=int, default=8, help="held-out segments (0: none)")
     p.add_argument("--train-offset", type=int, default=65536, help="first training token of wiki_text()")
     p.add_argument("--val-offset", type=int, default=32768, help="first held-out token of wiki_text()")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
-    p.add_argument("--stop-at", type=int, default=None, help="end this invocation after that step")
     p.add_argument("--export", action="append", default=[],
                    help="also write the trained weights to PATH (.safetensors, .pth or .bin; repeatable)")
     p.add_argument("--export-dtype", default="float16", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--pool-cache", default=None,
                    help="folder to store/reuse teacher pools (shared by runs of other factors on the same data)")
-    p.add_argument("--no-progress", action="store_true")
+    add_trainer_flags(p, DEFAULTS)
 
 
 def export(compressor: object, path: str, dtype: str = "float16", metadata: dict[str, str] | None = None) -> None:
@@ -79,10 +72,11 @@ def export(compressor: object, path: str, dtype: str = "float16", metadata: dict
 
 def run(args: argparse.Namespace) -> int:
     import cortexstream
-    from cortexstream.compression.data import wiki_segments
-    from cortexstream.compression.train import TrainConfig, checkpoint_metadata, train_compressor
+    from cortexstream.training.compression.data import wiki_segments
+    from cortexstream.training.compression.train import TrainConfig, checkpoint_metadata, train_compressor
 
-    config = TrainConfig(**{k: v for k, v in vars(args).items() if k in _TRAIN_ARGS})
+    check_trainer_flags(args)
+    config = TrainConfig(**loop_config_kwargs(args), **{k: v for k, v in vars(args).items() if k in _TRAIN_ARGS})
     for path in args.export:  # fail before hours of training, not after
         if os.path.splitext(path)[1].lower() not in (".safetensors", ".pth", ".pt", ".bin"):
             raise InvalidArgumentError(f"--export {path}: unknown extension (.safetensors, .pth, .pt or .bin)")

@@ -28,7 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from cortexstream.compression.compressor import head_dim_of
-from cortexstream.compression.objective import PrefixCache, logits_of
+from cortexstream.training.compression.objective import PrefixCache, logits_of
 from cortexstream.errors import InvalidArgumentError
 
 # `bench quality` scores the first ~20k tokens of wiki_text() (perplexity at 2k/4k and more); keep out of them.
@@ -60,8 +60,8 @@ def cut_segments(ids: Sequence[int], offset: int, count: int, length: int, sourc
 
 def wiki_segments(tokenizer: Any, *, train_offset: int, val_offset: int, train: int, val: int,
                   length: int) -> tuple[Segments, Segments]:
-    """Training and validation segments from `cortexstream.benchmarks.quality_data.wiki_text()`."""
-    from cortexstream.benchmarks.quality_data import wiki_text
+    """Training and validation segments from `cortexstream.evaluation.wiki_corpus.wiki_text()`."""
+    from cortexstream.evaluation.wiki_corpus import wiki_text
 
     if min(train_offset, val_offset) < BENCHMARK_TOKENS:
         raise InvalidArgumentError(f"training data: offsets below {BENCHMARK_TOKENS} overlap the tokens that "

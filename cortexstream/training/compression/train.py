@@ -9,7 +9,8 @@ epoch permutation `default_rng([seed, epoch])` over the (deterministic) teacher 
 from (seed, step), and the learning rate is a schedule of the optimizer's own step counter. A checkpoint is the
 weights (`compressor.safetensors`), the full optimizer state (`optimizer.safetensors`) and `state.json`, each
 written to a temporary file and renamed, `state.json` last. Resuming with a different TrainConfig (other than
-`checkpoint_every`) or other data is refused, since it would silently change the run.
+`checkpoint_every`) or other data is refused, since it would silently change the run. The steps themselves run in
+the shared loop (`cortexstream.training.loop`).
 """
 
 from __future__ import annotations
@@ -22,17 +23,16 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_unflatten
-from tqdm import tqdm
 
 from cortexstream.compression.compressor import CompressorConfig, KVCompressor, head_dim_of
-from cortexstream.compression.data import Segments, TeacherPool
-from cortexstream.compression.objective import MergeFn, compression_loss, mean_pool
 from cortexstream.errors import InvalidArgumentError
-from cortexstream.checkpoints import save_checkpoint
+from cortexstream.training.checkpoints import save_checkpoint
+from cortexstream.training.compression.data import Segments, TeacherPool
+from cortexstream.training.compression.objective import MergeFn, compression_loss, mean_pool
+from cortexstream.training.loop import (LoopSettings, epoch_batch, load_optimizer_state, load_resumable, lr_schedule,
+                                        run_steps)
 
 
 @dataclass(frozen=True)
@@ -98,21 +98,6 @@ def meanpool_init(comp: KVCompressor, pool: TeacherPool) -> None:
     mx.eval(comp.parameters())
 
 
-def _schedule(cfg: TrainConfig) -> Any:
-    warmup = max(1, min(cfg.warmup, cfg.steps - 1))
-    decay = optim.cosine_decay(cfg.learning_rate, max(1, cfg.steps - warmup), cfg.learning_rate * 0.1)
-    return optim.join_schedules([optim.linear_schedule(cfg.learning_rate * 0.01, cfg.learning_rate, warmup), decay],
-                                [warmup])
-
-
-def batch_indices(step: int, pool_size: int, batch_size: int, seed: int) -> np.ndarray:
-    """Segments of step `step`: consecutive slices of a per-epoch permutation (a function of seed and step)."""
-    per_epoch = max(1, pool_size // batch_size)
-    epoch, slot = divmod(step, per_epoch)
-    order = np.random.default_rng([seed, epoch]).permutation(pool_size)
-    return order[slot * batch_size: slot * batch_size + batch_size]
-
-
 def merge_fn(compressor: KVCompressor) -> MergeFn:
     return lambda layer, keys, values: compressor.merge_windows(keys, values, layer)
 
@@ -148,7 +133,8 @@ def checkpoint_metadata(state: dict[str, Any]) -> dict[str, str]:
 
 
 def _save(out_dir: str, comp: KVCompressor, opt: optim.Optimizer, state: dict[str, Any]) -> None:
-    save_checkpoint(out_dir, "compressor.safetensors", lambda p: comp.save(p, metadata=checkpoint_metadata(state)), opt, state)
+    metadata = checkpoint_metadata(state)
+    save_checkpoint(out_dir, "compressor.safetensors", lambda p: comp.save(p, metadata=metadata), opt, state)
 
 
 def train_compressor(model: Any, train: Segments, out_dir: str, config: TrainConfig = TrainConfig(), *,
@@ -167,26 +153,21 @@ def train_compressor(model: Any, train: Segments, out_dir: str, config: TrainCon
         raise InvalidArgumentError(f"train: segments of {train.tokens.shape[1]} tokens, config needs "
                                    f"prefix + queries = {cfg.prefix + cfg.queries}")
     os.makedirs(out_dir, exist_ok=True)
-    state_path = os.path.join(out_dir, "state.json")
     comp_cfg = CompressorConfig(len(model.model.layers), head_dim_of(model), cfg.factor, image=False,
                                 dropout=cfg.dropout)
     data = {"train": train.source, "val": val.source if val is not None else None}
     mx.random.seed(cfg.seed)
     comp = KVCompressor(comp_cfg)
-    opt = optim.AdamW(learning_rate=_schedule(cfg), weight_decay=cfg.weight_decay)
+    opt = optim.AdamW(learning_rate=lr_schedule(cfg.learning_rate, cfg.steps, cfg.warmup),
+                      weight_decay=cfg.weight_decay)
     state: dict[str, Any] = {"step": 0, "train": asdict(cfg), "compressor": asdict(comp_cfg), "data": data,
                              "model": model_name, "history": [], "evals": [], "baselines": None}
-    if resume and os.path.exists(state_path):
-        with open(state_path, encoding="utf-8") as fh:
-            saved = json.load(fh)
-        ignore = {"checkpoint_every": None}
-        if {**saved["train"], **ignore} != {**asdict(cfg), **ignore} or saved["data"] != data:
-            raise InvalidArgumentError(f"{state_path}: saved run ({saved['train']}, data {saved['data']}) differs "
-                                       f"from this one ({asdict(cfg)}, data {data}); use another --out")
+    saved = load_resumable(out_dir, asdict(cfg), {"data": data}, hint="use another --out") if resume else None
+    if saved is not None:
         comp = KVCompressor.from_file(os.path.join(out_dir, "compressor.safetensors"))
         comp = KVCompressor(comp_cfg).update(comp.parameters())  # keep this run's dropout setting
-        opt.state = tree_unflatten(list(mx.load(os.path.join(out_dir, "optimizer.safetensors")).items()))
-        state = {**saved, "train": asdict(cfg)}
+        load_optimizer_state(out_dir, opt)
+        state = saved
     pools = {"train": _pool(model, train, cfg, cfg.seed, "teacher", pool_cache, model_name, progress)}
     if val is not None:
         pools["val"] = _pool(model, val, cfg, cfg.seed + 1, "teacher (val)", pool_cache, model_name, progress)
@@ -200,31 +181,24 @@ def train_compressor(model: Any, train: Segments, out_dir: str, config: TrainCon
         return compression_loss(model, batch, merge_fn(c), sinks=cfg.sinks, recent=cfg.recent, factor=cfg.factor,
                                 mse_weight=cfg.mse_weight, log_mass_bias=cfg.log_mass_bias)
 
-    value_and_grad = nn.value_and_grad(comp, loss_fn)
+    def before_step(step: int) -> None:
+        mx.random.seed((cfg.seed * 1_000_003 + step) % (2**31))  # dropout masks: a function of (seed, step)
+
+    def inputs(step: int) -> tuple[dict[str, Any]]:
+        return (pools["train"].batch(epoch_batch(step, len(pools["train"]), cfg.batch_size, cfg.seed)),)
+
+    def evaluate(state: dict[str, Any]) -> None:
+        if "val" in pools:
+            comp.eval()
+            state["evals"].append(_evaluate(model, comp, {"val": pools["val"]}, cfg, state["step"]))
+            comp.train()
+
     end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
     comp.train()
-    bar = tqdm(total=end, initial=state["step"], desc=f"compressor x{cfg.factor}", unit="step",
-               disable=not progress)
-    while state["step"] < end:
-        step = state["step"]
-        mx.random.seed((cfg.seed * 1_000_003 + step) % (2**31))  # dropout masks: a function of (seed, step)
-        batch = pools["train"].batch(batch_indices(step, len(pools["train"]), cfg.batch_size, cfg.seed))
-        (loss, kl, mse), grads = value_and_grad(comp, batch)
-        if cfg.grad_clip:
-            grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
-        opt.update(comp, grads)
-        mx.eval(comp.parameters(), opt.state, loss, kl, mse)
-        state["step"] = step + 1
-        state["history"] = (state["history"] + [[step, loss.item(), kl.item(), mse.item()]])[-200:]
-        bar.update(1)
-        bar.set_postfix(kl=f"{kl.item():.4f}", mse=f"{mse.item():.4f}")
-        if state["step"] % cfg.checkpoint_every == 0 or state["step"] == end:
-            if "val" in pools:
-                comp.eval()
-                state["evals"].append(_evaluate(model, comp, {"val": pools["val"]}, cfg, state["step"]))
-                comp.train()
-            _save(out_dir, comp, opt, state)
-    bar.close()
+    settings = LoopSettings(end=end, checkpoint_every=cfg.checkpoint_every, grad_clip=cfg.grad_clip,
+                            desc=f"compressor x{cfg.factor}", terms=("loss", "kl", "mse"), progress=progress)
+    run_steps(comp, loss_fn, opt, state, settings, inputs=inputs, before_step=before_step, evaluate=evaluate,
+              save=lambda s: _save(out_dir, comp, opt, s))
     comp.eval()
     if state["step"] == cfg.steps and "final" not in state:
         state["final"] = _evaluate(model, comp, pools, cfg, state["step"])
@@ -271,4 +245,4 @@ def _evaluate(model: Any, comp: KVCompressor, pools: dict[str, TeacherPool], cfg
                              for split, pool in pools.items()}}
 
 
-__all__ = ["TrainConfig", "baselines", "batch_indices", "checkpoint_metadata", "mean_kl", "train_compressor"]
+__all__ = ["TrainConfig", "baselines", "checkpoint_metadata", "mean_kl", "train_compressor"]

@@ -9,7 +9,7 @@ Layout of `--out DIR`:
 
 `--export FILE` also writes the final network with its metadata (model shape, data source, held-out losses), the
 form shipped in `cortexstream/sidecar/weights/`. Text comes from tokens `--skip` on of the source, disjoint from
-what `bench quality` evaluates (see `cortexstream.sidecar.data`).
+what `bench quality` evaluates (see `cortexstream.training.text`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ from dataclasses import asdict
 from typing import Any
 
 from cortexstream.errors import InvalidArgumentError
+from cortexstream.training.flags import TrainerDefaults, add_trainer_flags, check_trainer_flags, loop_config_kwargs
+
+DEFAULTS = TrainerDefaults(steps=1000, batch_size=128, learning_rate=1e-3, weight_decay=0.01, warmup_cap=100,
+                           checkpoint_every=100)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -35,26 +39,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-sequences", type=int, default=1, help="held-out sequences after the training ones")
     p.add_argument("--queries", type=int, default=8, help="future queries stored per window")
     p.add_argument("--rows-per-chunk", type=int, default=4096)
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--probes", type=int, default=8, help="Hutchinson probes per query (0: exact Jacobians)")
     p.add_argument("--lam", type=float, default=1.0, help="weight of the consistency term")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--encoder-layers", type=int, default=2)
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--no-log-mass", action="store_true", help="beads without a logit bias (not recommended)")
-    p.add_argument("--checkpoint-every", type=int, default=100)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-rows", type=int, default=1024)
-    p.add_argument("--no-resume", action="store_true", help="start training over")
     p.add_argument("--export", default=None, help="also write the final weights with metadata to this file")
-    p.add_argument("--no-progress", action="store_true")
+    add_trainer_flags(p, DEFAULTS)
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("window", "seq_len", "sequences", "eval_sequences", "queries", "rows_per_chunk", "steps",
-                 "batch_size", "d_model", "encoder_layers", "num_heads", "checkpoint_every", "eval_rows"):
+    check_trainer_flags(args)
+    for name in ("window", "seq_len", "sequences", "eval_sequences", "queries", "rows_per_chunk", "d_model",
+                 "encoder_layers", "num_heads", "eval_rows"):
         value = getattr(args, name)
         if value < (0 if name == "eval_sequences" else 1):
             raise InvalidArgumentError(f"--{name.replace('_', '-')}: {value} must be positive")
@@ -81,7 +80,7 @@ def _collect(model: Any, seqs: list[list[int]], directory: str, config: Any, dat
     """Collect unless a complete, identical collection is there. Returns True if it collected."""
     import shutil
 
-    from cortexstream.sidecar.trajectories import collect_trajectories
+    from cortexstream.training.sidecar.trajectories import collect_trajectories
 
     collect = {**asdict(config), "layers": config.layers}
     if _complete(directory, json.loads(json.dumps(collect)), len(seqs), data):
@@ -102,10 +101,10 @@ def _collect(model: Any, seqs: list[list[int]], directory: str, config: Any, dat
 def run(args: argparse.Namespace) -> int:
     _check(args)
     from cortexstream.models.loader import load
-    from cortexstream.sidecar.data import DEFAULT_SKIP, token_sequences
-    from cortexstream.sidecar.heldout import export_weights, heldout_losses
-    from cortexstream.sidecar.train import TrainConfig, train_sidecar
-    from cortexstream.sidecar.trajectories import CollectConfig, TrajectoryStore
+    from cortexstream.training.text import DEFAULT_SKIP, token_sequences
+    from cortexstream.training.sidecar.heldout import export_weights, heldout_losses
+    from cortexstream.training.sidecar.train import TrainConfig, train_sidecar
+    from cortexstream.training.sidecar.trajectories import CollectConfig, TrajectoryStore
 
     out = args.out or os.path.join("runs", f"sidecar_w{args.window}")
     skip = DEFAULT_SKIP if args.skip is None else args.skip
@@ -121,20 +120,18 @@ def run(args: argparse.Namespace) -> int:
                             seed=args.seed)
     traj_dir, eval_dir = os.path.join(out, "trajectories"), os.path.join(out, "eval_trajectories")
     fresh = _collect(model, seqs[:args.sequences], traj_dir, collect, train_data, progress)
-    if fresh and not args.no_resume and os.path.exists(os.path.join(out, "state.json")):
+    if fresh and args.resume and os.path.exists(os.path.join(out, "state.json")):
         # resuming would continue a run on rows it never trained on (its data order would silently change)
         raise InvalidArgumentError(f"--out {out}: holds a checkpoint trained on other trajectories; "
                                    "use --no-resume or another --out")
     if args.eval_sequences:
         _collect(model, seqs[args.sequences:], eval_dir, CollectConfig(**{**asdict(collect), "seed": args.seed + 1}),
                  eval_data, progress)
-    config = TrainConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr, lam=args.lam,
-                         probes=args.probes or None, checkpoint_every=args.checkpoint_every, seed=args.seed,
-                         warmup=min(100, max(1, args.steps // 10)))
+    config = TrainConfig(**loop_config_kwargs(args), lam=args.lam, probes=args.probes or None)
     network = {"d_model": args.d_model, "encoder_layers": args.encoder_layers, "num_heads": args.num_heads,
                "log_mass": not args.no_log_mass}
-    net, state = train_sidecar(traj_dir, out, network=network, config=config, resume=not args.no_resume,
-                               progress=progress)
+    net, state = train_sidecar(traj_dir, out, network=network, config=config, resume=args.resume,
+                               progress=progress, stop_at=args.stop_at)
     last = state["history"][-1] if state["history"] else None
     if last:
         print(f"trained to step {state['step']}: loss {last[1]:.4f} (force {last[2]:.4f}, consistency {last[3]:.4f})")

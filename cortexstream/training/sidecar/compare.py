@@ -1,10 +1,10 @@
 """A quick sidecar-vs-baselines comparison: perplexity at one context and needle retrieval, with the physical
 cache size each policy really used. The full frontier (several contexts, passkey) is `cortexstream bench quality`.
 
-    python -m cortexstream.sidecar.compare --tokens 2048 --out sidecar_compare.json \\
+    python -m cortexstream.training.sidecar.compare --tokens 2048 --out sidecar_compare.json \\
         --policies full sidecar:window=16 h2o:budget=207,sinks=4 ...
 
-Perplexity is scored on the first `tokens` tokens of `quality_data.wiki_text()` (the same text as `bench
+Perplexity is scored on the first `tokens` tokens of `wiki_corpus.wiki_text()` (the same text as `bench
 quality`; the sidecar never trained on it, see `sidecar.data`), teacher-forced in chunks of `chunk` with the
 policy applied after each chunk. `mean_physical` is the mean over chunks of the cache's physical size after the
 policy ran; `final_physical` the size after the last chunk. Results are written after every row.
@@ -40,7 +40,7 @@ def compare(model: Any, tokenizer: Any, policies: list[str], *, tokens: int = 20
             needle_context: int = 0, needle_trials: int = 5, out: str | None = None,
             log: Callable[[str], None] = print) -> dict[str, Any]:
     from cortexstream.benchmarks.needle import run_needle
-    from cortexstream.benchmarks.quality_data import wiki_text
+    from cortexstream.evaluation.wiki_corpus import wiki_text
     from cortexstream.policies import parse_policy
 
     for spec in policies:

@@ -15,10 +15,10 @@ from typing import Any, Mapping
 import mlx.core as mx
 import numpy as np
 
-from cortexstream.sidecar.loss import force_matching_loss, pooling_beads
+from cortexstream.training.sidecar.loss import force_matching_loss, pooling_beads
 from cortexstream.sidecar.network import SidecarNet
 from cortexstream.sidecar.porting import load_sidecar, read_sidecar_info, save_sidecar
-from cortexstream.sidecar.trajectories import ROW_FIELDS, TrajectoryStore
+from cortexstream.training.sidecar.trajectories import ROW_FIELDS, TrajectoryStore
 
 _FIELDS = ("window_keys", "window_values", "queries", "rest_keys", "rest_values", "rest_bias", "group")
 

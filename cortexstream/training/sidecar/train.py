@@ -7,27 +7,26 @@ hash of seed and step) and the learning rate (a schedule of the optimizer's own 
 the weights (`sidecar.safetensors`), the full optimizer state (`optimizer.safetensors`: step, moments) and
 `state.json` (step, configs, recent losses), each written to a temporary file and renamed, `state.json` last, so
 a run killed mid-write resumes from the previous complete checkpoint. Resuming with a different TrainConfig
-(other than `checkpoint_every`) would silently change the data order or schedule, so it is refused.
+(other than `checkpoint_every`) would silently change the data order or schedule, so it is refused. The steps
+themselves run in the shared loop (`cortexstream.training.loop`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 import mlx.core as mx
-import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_unflatten
 
-from cortexstream.sidecar.loss import force_matching_loss
 from cortexstream.sidecar.network import SidecarConfig, SidecarNet
 from cortexstream.sidecar.porting import load_sidecar, save_sidecar
-from cortexstream.sidecar.trajectories import TrajectoryStore
-from cortexstream.checkpoints import save_checkpoint
+from cortexstream.training.checkpoints import save_checkpoint
+from cortexstream.training.loop import LoopSettings, load_optimizer_state, load_resumable, lr_schedule, run_steps
+from cortexstream.training.sidecar.loss import force_matching_loss
+from cortexstream.training.sidecar.trajectories import TrajectoryStore
 
 _BATCH_FIELDS = ("window_keys", "window_values", "queries", "rest_keys", "rest_values", "rest_bias", "group")
 
@@ -99,14 +98,8 @@ def _probe_key(seed: int, step: int) -> mx.array:
 
 
 def _save(out_dir: str, net: SidecarNet, opt: optim.Optimizer, state: dict[str, Any]) -> None:
-    save_checkpoint(out_dir, "sidecar.safetensors", lambda p: save_sidecar(net, p, {"step": state["step"], "train": state["train"]}), opt, state)
-
-
-def _schedule(cfg: TrainConfig) -> Any:
-    warmup = max(1, min(cfg.warmup, cfg.steps - 1))
-    decay = optim.cosine_decay(cfg.learning_rate, max(1, cfg.steps - warmup), cfg.learning_rate * 0.1)
-    return optim.join_schedules([optim.linear_schedule(cfg.learning_rate * 0.01, cfg.learning_rate, warmup), decay],
-                                [warmup])
+    metadata = {"step": state["step"], "train": state["train"]}
+    save_checkpoint(out_dir, "sidecar.safetensors", lambda p: save_sidecar(net, p, metadata), opt, state)
 
 
 def train_sidecar(trajectories: str | TrajectoryStore, out_dir: str, *,
@@ -119,8 +112,6 @@ def train_sidecar(trajectories: str | TrajectoryStore, out_dir: str, *,
     heads come from the collection). stop_at: end this run after that step (checkpointed), e.g. to split a long
     run; a later call with resume=True continues to `config.steps`.
     """
-    from tqdm import tqdm
-
     store = trajectories if isinstance(trajectories, TrajectoryStore) else TrajectoryStore(trajectories)
     meta = store.meta
     implied = {"head_dim": meta["head_dim"], "value_dim": 0 if meta["value_dim"] == meta["head_dim"] else
@@ -128,23 +119,17 @@ def train_sidecar(trajectories: str | TrajectoryStore, out_dir: str, *,
                "num_kv_heads": meta["num_kv_heads"]}
     given = network.to_dict() if isinstance(network, SidecarConfig) else dict(network or {})
     os.makedirs(out_dir, exist_ok=True)
-    state_path = os.path.join(out_dir, "state.json")
     mx.random.seed(config.seed)
     net = SidecarNet(SidecarConfig.from_dict({**implied, **given}))
-    opt = optim.AdamW(learning_rate=_schedule(config), weight_decay=config.weight_decay)
+    opt = optim.AdamW(learning_rate=lr_schedule(config.learning_rate, config.steps, config.warmup),
+                      weight_decay=config.weight_decay)
     state: dict[str, Any] = {"step": 0, "train": asdict(config), "network": net.config.to_dict(), "history": []}
-    if resume and os.path.exists(state_path):
-        with open(state_path, encoding="utf-8") as fh:
-            saved = json.load(fh)
-        ignore = {"checkpoint_every": None}
-        if {**saved["train"], **ignore} != {**asdict(config), **ignore}:
-            raise ValueError(f"{state_path}: saved TrainConfig {saved['train']} differs from {asdict(config)}")
-        if saved["network"] != net.config.to_dict():
-            raise ValueError(f"{state_path}: saved network {saved['network']} differs from {net.config.to_dict()}")
+    saved = load_resumable(out_dir, asdict(config), {"network": net.config.to_dict()}) if resume else None
+    if saved is not None:
         net = load_sidecar(os.path.join(out_dir, "sidecar.safetensors"))
         net.train()
-        opt.state = tree_unflatten(list(mx.load(os.path.join(out_dir, "optimizer.safetensors")).items()))
-        state = {**saved, "train": asdict(config)}
+        load_optimizer_state(out_dir, opt)
+        state = saved
     scale, cfg = store.scale, config
     stream = BatchStream(store, cfg.batch_size, cfg.seed, cfg.mix_chunks)
 
@@ -153,23 +138,11 @@ def train_sidecar(trajectories: str | TrajectoryStore, out_dir: str, *,
         loss, parts = force_matching_loss(batch, k_b, v_b, log_mass, scale, lam=cfg.lam, probes=cfg.probes, key=key)
         return loss, parts["force"], parts["consistency"]
 
-    value_and_grad = nn.value_and_grad(net, loss_fn)
     end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
-    bar = tqdm(total=end, initial=state["step"], desc="sidecar", unit="step", disable=not progress)
-    while state["step"] < end:
-        step = state["step"]
-        (loss, force, cons), grads = value_and_grad(net, stream.batch(step), _probe_key(cfg.seed, step))
-        if cfg.grad_clip:
-            grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
-        opt.update(net, grads)
-        mx.eval(net.parameters(), opt.state, loss, force, cons)
-        state["step"] = step + 1
-        state["history"] = (state["history"] + [[step, loss.item(), force.item(), cons.item()]])[-200:]
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.4f}", force=f"{force.item():.3f}", cons=f"{cons.item():.3f}")
-        if state["step"] % cfg.checkpoint_every == 0 or state["step"] == end:
-            _save(out_dir, net, opt, state)
-    bar.close()
+    settings = LoopSettings(end=end, checkpoint_every=cfg.checkpoint_every, grad_clip=cfg.grad_clip, desc="sidecar",
+                            terms=("loss", "force", "cons"), progress=progress)
+    run_steps(net, loss_fn, opt, state, settings, save=lambda s: _save(out_dir, net, opt, s),
+              inputs=lambda step: (stream.batch(step), _probe_key(cfg.seed, step)))
     net.eval()
     return net, state
 

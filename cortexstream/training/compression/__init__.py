@@ -1,0 +1,1 @@
+"""Training a FastCache-style KV compressor: objective, teacher data, trainer, `cortexstream train compressor`."""
