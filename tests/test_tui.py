@@ -291,7 +291,7 @@ def test_policy_selection_and_help_and_quit(tiny):
             assert isinstance(app.screen, HelpScreen)
             await pilot.press("q")
             assert not isinstance(app.screen, HelpScreen) and app.is_running
-            thread = app.bridge.threaded._thread
+            thread = app.bridge.client.threaded._thread
             await pilot.press("ctrl+c")
             await pilot.pause()
             assert not thread.is_alive() and not app.is_running

@@ -2,12 +2,14 @@
 
 Three kinds of threads meet here and none of them touches a widget:
 
-* the engine thread (`ThreadedEngine`): steps the engine; after each step `_on_step` gathers the outputs'
-  text and, at most every `stats_interval` seconds (and at once when a reply ends or the engine goes idle),
-  posts it as `ReplyDelta` messages and a `StatsUpdate`;
-* one dispatcher thread: runs UI commands (submit, clear) through `ThreadedEngine.call`, which blocks until the
-  engine thread is between steps. Blocking there instead of on the UI thread keeps the UI responsive during a
-  long prefill step, and one queue keeps the commands in the order the user gave them;
+* the engine thread (a `ThreadedClient` in push mode, see `cortexstream.engine.client`): steps the engine;
+  after each step `_on_step` gathers the outputs' text and, at most every `stats_interval` seconds (and at
+  once when a reply ends or the engine goes idle), posts it as `ReplyDelta` messages and a `StatsUpdate`;
+* one dispatcher thread: runs UI commands (submit, clear) through the client's `call`, which blocks until the
+  engine thread is between steps. A submit adds the request and notes its sequence's owner id (which tags the
+  blocks the block map colours) in the same turn, before any step can produce its first output. Blocking
+  there instead of on the UI thread keeps the UI responsive during a long prefill step, and one queue keeps
+  the commands in the order the user gave them;
 * the loader thread (`launch`): loads the model after the UI is on screen, so the app starts at once.
 
 The dispatcher and loader are daemon threads: a command stuck behind a stopped engine never blocks exit.
@@ -27,8 +29,8 @@ from textual.message import Message
 
 from apps.tui.messages import ConversationCleared, EngineError, EngineReady, ReplyDelta, RequestFailed, StatsUpdate
 from apps.tui.snapshot import SnapshotBuilder
+from cortexstream.engine.client import ThreadedClient
 from cortexstream.engine.engine import Engine, RequestOutput
-from cortexstream.engine.threaded import ThreadedEngine
 from cortexstream.errors import CortexStreamError
 
 Post = Callable[[Message], Any]
@@ -67,13 +69,13 @@ class EngineBridge:
         self._last_stats = self._last_flush = 0.0
         self._replies: dict[str, _Reply] = {}  # engine thread only: text not posted yet, per request
         self._reported_error: BaseException | None = None
-        self.threaded = ThreadedEngine(engine, on_step=self._on_step)
+        self.client = ThreadedClient(engine, on_step=self._on_step, start=False)
         self._jobs: queue.Queue = queue.Queue()
         self._dispatcher = threading.Thread(target=self._run_jobs, name="cortexstream-tui-bridge", daemon=True)
 
     # --- lifecycle (UI thread) --------------------------------------------------------------------------------
     def start(self) -> "EngineBridge":
-        self.threaded.start()
+        self.client.start()
         self._dispatcher.start()
         self.refresh()
         return self
@@ -81,7 +83,7 @@ class EngineBridge:
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the engine thread (waits for the step in flight). Running replies just end."""
         self._jobs.put(_STOP)
-        self.threaded.stop(timeout)
+        self.client.close(timeout)
 
     # --- commands (UI thread; none of them blocks) ------------------------------------------------------------
     def submit(self, conv_id: int, request_id: str, prompt: Any, **kwargs: Any) -> None:
@@ -96,7 +98,7 @@ class EngineBridge:
 
     def abort(self, request_id: str) -> None:
         """Stop a reply; its final ReplyDelta has finish_reason 'aborted'."""
-        self.threaded.abort(request_id)
+        self.client.abort(request_id)
 
     def clear(self, conv_id: int, request_id: str | None = None) -> None:
         """Abort the conversation's reply and free every block it holds, prefix-cached ones included."""
@@ -119,7 +121,7 @@ class EngineBridge:
 
     def take_failure(self) -> str | None:
         """A failed engine step not reported yet (ThreadedEngine then aborts everything without outputs)."""
-        error = self.threaded.error
+        error = self.client.error
         if error is None or error is self._reported_error:
             return None
         self._reported_error = error
@@ -133,7 +135,7 @@ class EngineBridge:
                 return
             fn, conv_id, request_id = job
             try:
-                self.threaded.call(fn)
+                self.client.call(fn)
             except Exception as exc:  # noqa: BLE001 - shown in the UI, never raised into it
                 if request_id is not None:
                     self._post(RequestFailed(conv_id, request_id, describe(exc)))

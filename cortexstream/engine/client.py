@@ -124,10 +124,11 @@ class InProcessClient:
 
 
 class ThreadedClient:
-    """The engine on its own thread (wraps `ThreadedEngine`, whose API stays as it is). Starts at once."""
+    """The engine on its own thread (wraps `ThreadedEngine`, whose API stays as it is). Starts at once unless
+    `start=False` (then call `start()`)."""
 
     def __init__(self, engine: Engine | ThreadedEngine,
-                 on_step: Callable[[Engine, list[RequestOutput]], None] | None = None) -> None:
+                 on_step: Callable[[Engine, list[RequestOutput]], None] | None = None, *, start: bool = True) -> None:
         if isinstance(engine, ThreadedEngine):
             if on_step is not None:
                 raise InvalidArgumentError("on_step: pass it to the ThreadedEngine, which is already built")
@@ -136,8 +137,14 @@ class ThreadedClient:
             self.threaded = ThreadedEngine(engine, on_step=on_step)
         self._push = self.threaded.on_step is not None
         self._streams: dict[str, RequestStream] = {}
+        if start:
+            self.start()
+
+    def start(self) -> "ThreadedClient":
+        """Start the engine thread (once; a client built with start=True already runs)."""
         if not self.threaded._thread.is_alive():
             self.threaded.start()
+        return self
 
     @property
     def error(self) -> BaseException | None:
