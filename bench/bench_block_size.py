@@ -75,6 +75,7 @@ def measure(ctx: int, warmup: int, steps: int) -> list[dict]:
 def engine_decode(cases: list[tuple[int, int]], repeats: int, progress: Progress) -> list[dict]:
     """Decode tok/s of the engine (`num_decode_tokens / decode_time`) per block size, for (prompt, new) tokens."""
     from cortexstream.benchmarks.common import prompt_token_lists
+    from cortexstream.engine.client import InProcessClient
     from cortexstream.engine.engine import Engine
     from cortexstream.models.loader import load
 
@@ -87,10 +88,11 @@ def engine_decode(cases: list[tuple[int, int]], repeats: int, progress: Progress
         def run(block_size: int) -> float:
             engine = Engine(model, tokenizer, kv_tokens=BATCH * (prompt_tokens + new_tokens + 128),
                             max_num_seqs=BATCH, prefix_caching=False, block_size=block_size)
+            client = InProcessClient(engine)
             for prompt in prompts:
-                engine.add_request(prompt, max_tokens=new_tokens)
-            while engine.has_unfinished:
-                engine.step()
+                client.submit(prompt, max_tokens=new_tokens)
+            client.run()
+            client.close()
             progress.advance(task)
             return engine.num_decode_tokens / engine.decode_time
 
