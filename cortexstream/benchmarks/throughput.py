@@ -1,177 +1,238 @@
-"""`cortexstream bench throughput`: this engine vs mlx_lm.batch_generate vs sequential mlx_lm generate_step.
+"""`cortexstream bench throughput`: what a user feels, CortexStream vs mlx-lm (issue #17).
 
-Same loaded model, dtype and prompts (real text from the Python docs) for all three, greedy decoding, at each
-concurrency level. Definitions (the same for every system):
-- aggregate tok/s: all generated tokens / wall time from submitting the batch to the last token;
-- decode tok/s: tokens produced by decode steps / time spent in decode steps (mlx-lm's own BatchStats definition;
-  for the sequential baseline, the sum over requests of their decode phases);
-- TTFT: time from submitting the batch (every request arrives at t=0) to a request's first token. mlx_lm's
-  batch_generate does not expose per-request first-token times; its TTFT is reported as its total prefill time.
+Parts (`--parts`):
+- matrix: wall time of the whole `batch_generate` call vs `mlx_lm.batch_generate` (same model object, same
+  token-id prompts, greedy, alternating order, best and median of `rounds`) over kinds x concurrency x prompt
+  tokens; per-cell peak memory, TTFT, identical outputs; a heat map of the ratio per cell.
+- itl: inter-token latency of 8 running streams while a 2,048-token prompt is admitted (throughput_itl.py).
+- single: `cortexstream.generate` vs `mlx_lm.generate`, whole-call wall time, 32- and 2,048-token prompts.
+Targets are reported, never enforced.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import time
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-import mlx.core as mx
+from cortexstream.benchmarks.throughput_prompts import KINDS
 
-from cortexstream.benchmarks.common import machine, percentile, prompt_token_lists, write_results
-
-
-def _engine_run(model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    from cortexstream.engine.engine import Engine
-
-    engine = Engine(model, tokenizer, kv_tokens=len(prompts) * (len(prompts[0]) + max_tokens + 32),
-                    max_num_seqs=len(prompts), prefix_caching=False)
-    mx.reset_peak_memory()
-    start = time.perf_counter()
-    ids = [engine.add_request(p, max_tokens=max_tokens) for p in prompts]
-    first: dict[str, float] = {}
-    tokens = 0
-    while engine.has_unfinished:
-        for out in engine.step():
-            if out.token is not None:
-                tokens += 1
-                first.setdefault(out.request_id, time.perf_counter() - start)
-    wall = time.perf_counter() - start
-    ttfts = [first[i] for i in ids if i in first]
-    return _metrics(tokens, wall, engine.num_decode_tokens, engine.decode_time, ttfts)
+PARTS = ("matrix", "itl", "single")
 
 
-def _mlx_lm_batch_run(model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    from mlx_lm import batch_generate
-
-    mx.reset_peak_memory()
-    start = time.perf_counter()
-    response = batch_generate(model, tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True)
-    wall = time.perf_counter() - start
-    stats = response.stats
-    tokens = sum(len(t) for t in response.token_ids)
-    return _metrics(tokens, wall, stats.generation_tokens, stats.generation_time,
-                    [stats.prompt_time] * len(prompts))
-
-
-def _mlx_lm_sequential_run(model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    from mlx_lm.generate import generate_step
-
-    eos = set(tokenizer.eos_token_ids)
-    mx.reset_peak_memory()
-    start = time.perf_counter()
-    tokens = decode_tokens = 0
-    decode_time = 0.0
-    ttfts = []
-    for prompt in prompts:
-        count = 0
-        for (token, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=max_tokens), range(max_tokens)):
-            count += 1
-            if count == 1:
-                first = time.perf_counter()
-                ttfts.append(first - start)
-            if int(token) in eos:
-                break
-        decode_time += time.perf_counter() - first
-        tokens += count
-        decode_tokens += count - 1
-    wall = time.perf_counter() - start
-    return _metrics(tokens, wall, decode_tokens, decode_time, ttfts)
+@dataclass(frozen=True)
+class Settings:
+    concurrency: tuple[int, ...] = (1, 8, 32)
+    prompt_tokens: tuple[int, ...] = (128, 1024)
+    kinds: tuple[str, ...] = KINDS
+    max_tokens: int = 64
+    rounds: int = 3
+    parts: tuple[str, ...] = PARTS
+    max_minutes: float | None = None
+    itl_streams: int = 8
+    itl_stream_prompt_tokens: int = 128
+    admit_tokens: int = 2048
+    single_prompt_tokens: tuple[int, ...] = (32, 2048)
+    seed: int = 0
+    quick: bool = False
 
 
-def _metrics(tokens: int, wall: float, decode_tokens: int, decode_time: float, ttfts: list[float]) -> dict[str, Any]:
-    return {
-        "generated_tokens": tokens,
-        "wall_s": wall,
-        "aggregate_tps": tokens / wall,
-        "decode_tps": decode_tokens / decode_time if decode_time > 0 else float("nan"),
-        "ttft_p50_s": percentile(ttfts, 50),
-        "ttft_p95_s": percentile(ttfts, 95),
-        "peak_memory_gb": mx.get_peak_memory() / 1e9,
-    }
+# --quick: 4 cells, still 3 rounds (alternating order needs more than one), the ITL and single parts unchanged.
+QUICK = {"concurrency": (1, 8), "prompt_tokens": (128,), "kinds": ("equal", "shared")}
 
 
-SYSTEMS = {
-    "cortexstream": _engine_run,
-    "mlx_lm.batch_generate": _mlx_lm_batch_run,
-    "mlx_lm.generate_step (sequential)": _mlx_lm_sequential_run,
-}
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of `cortexstream bench throughput` (and `python -m cortexstream.benchmarks.throughput`)."""
+    p.add_argument("--quick", action="store_true",
+                   help="4 cells (concurrency 1,8 x 128 tokens x equal,shared), 3 rounds; writes throughput_quick.*")
+    p.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,8,32)")
+    p.add_argument("--prompt-tokens", default=None, help="comma-separated prompt lengths (default 128,1024)")
+    p.add_argument("--kinds", default=None, help="comma-separated: equal,ragged,shared (default all)")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
+    p.add_argument("--rounds", "--repeats", type=int, default=3, help="alternating rounds per cell")
+    p.add_argument("--parts", default=",".join(PARTS), help="comma-separated: matrix,itl,single")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="start nothing new after this many minutes; what is skipped is listed in the results")
+    p.add_argument("--itl-streams", type=int, default=8, help="running streams in the ITL part")
+    p.add_argument("--admit-tokens", type=int, default=2048, help="length of the prompt admitted in the ITL part")
+    p.add_argument("--single-prompt-tokens", default="32,2048", help="prompt lengths of the single-stream part")
+    p.add_argument("--model", default=None, help="GGUF file, model directory or hub repo id (default: smollm2-135m)")
+    p.add_argument("--out", default="bench/results", help="output folder")
 
 
-def run(model_source: str | None, concurrency: list[int], prompt_tokens: int, max_tokens: int,
-        out_dir: str, repeats: int = 1) -> dict[str, Any]:
-    from rich.progress import Progress
+def _ints(flag: str, text: str, minimum: int = 1) -> tuple[int, ...]:
+    values = tuple(int(x) for x in text.split(",") if x.strip())
+    if not values or any(v < minimum for v in values):
+        raise ValueError(f"{flag}: '{text}' must be integers >= {minimum} separated by commas")
+    return values
 
-    from cortexstream.models.loader import load, model_info
 
-    model, tokenizer = load(model_source)
+def _names(flag: str, text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [n for n in names if n not in allowed]
+    if not names or unknown:
+        raise ValueError(f"{flag}: '{text}' must name some of {','.join(allowed)}")
+    return names
+
+
+def settings_from_args(a: argparse.Namespace) -> Settings:
+    base = replace(Settings(), **QUICK, quick=True) if a.quick else Settings()
+    if a.rounds < 1 or a.max_tokens < 1:
+        raise ValueError("--rounds and --max-tokens must be >= 1")
+    return replace(
+        base,
+        concurrency=_ints("--concurrency", a.concurrency) if a.concurrency else base.concurrency,
+        prompt_tokens=_ints("--prompt-tokens", a.prompt_tokens, 4) if a.prompt_tokens else base.prompt_tokens,
+        kinds=_names("--kinds", a.kinds, KINDS) if a.kinds else base.kinds,
+        max_tokens=a.max_tokens, rounds=a.rounds, parts=_names("--parts", a.parts, PARTS),
+        max_minutes=a.max_minutes, itl_streams=_ints("--itl-streams", str(a.itl_streams))[0],
+        admit_tokens=_ints("--admit-tokens", str(a.admit_tokens))[0],
+        single_prompt_tokens=_ints("--single-prompt-tokens", a.single_prompt_tokens),
+    )
+
+
+def model_description(model: Any, source: str | None) -> dict[str, Any]:
+    """The model by name, never by a local path (results are committed and shared)."""
+    from cortexstream.models.loader import DEFAULT_GGUF_FILE, DEFAULT_GGUF_PACKAGE, model_info
+
     info = model_info(model)
-    all_prompts = prompt_token_lists(tokenizer, max(concurrency), prompt_tokens)
-    warm = all_prompts[:2]
-    for system in SYSTEMS.values():  # compile kernels and fill allocator caches once per system
-        system(model, tokenizer, [p[:32] for p in warm], 4)
-    results: list[dict[str, Any]] = []
-    with Progress() as progress:
-        task = progress.add_task("throughput", total=len(concurrency) * len(SYSTEMS) * repeats)
-        for c in concurrency:
-            prompts = all_prompts[:c]
-            for name, system in SYSTEMS.items():
-                best = None
-                for _ in range(repeats):
-                    m = system(model, tokenizer, prompts, max_tokens)
-                    if best is None or m["aggregate_tps"] > best["aggregate_tps"]:
-                        best = m
-                    progress.advance(task)
-                results.append({"concurrency": c, "system": name, **best})
-    payload = {
-        "benchmark": "throughput",
+    described = info.as_dict() if info else {"source": source or "unknown"}
+    src = str(described.get("source", ""))
+    if os.path.isabs(src) or os.path.exists(src):
+        name = os.path.basename(src.rstrip("/"))
+        if name == DEFAULT_GGUF_FILE:
+            name += f" (from the {DEFAULT_GGUF_PACKAGE.replace('_', '-')} package)"
+        described["source"] = name
+    return described
+
+
+def _units(s: Settings) -> list[tuple[str, Any]]:
+    from cortexstream.benchmarks.throughput_matrix import planned_cells
+
+    units: list[tuple[str, Any]] = []
+    if "itl" in s.parts:
+        units.append(("itl", None))
+    if "single" in s.parts:
+        units += [("single", n) for n in s.single_prompt_tokens]
+    if "matrix" in s.parts:
+        units += [("matrix", cell) for cell in planned_cells(s.kinds, s.concurrency, s.prompt_tokens)]
+    return units
+
+
+def _label(part: str, what: Any) -> str:
+    if part == "matrix":
+        kind, c, n = what
+        return f"{kind} c={c} prompt={n}"
+    return "itl under admission" if part == "itl" else f"single prompt={what}"
+
+
+def run(model_source: str | None, out_dir: str, settings: Settings, model: Any = None, tokenizer: Any = None,
+        progress: bool = True) -> dict[str, Any]:
+    """Run the selected parts and write `<out>/throughput[_quick].{json,md,png}`; returns the payload."""
+    from cortexstream.atomic_files import check_output_dir
+    from cortexstream.backend import ensure_buffer_cache
+    from cortexstream.benchmarks.common import machine
+    from cortexstream.benchmarks.throughput_prompts import text_windows
+    from cortexstream.benchmarks.throughput_matrix import warm_up
+    from cortexstream.benchmarks.throughput_report import write_report
+    from cortexstream.benchmarks.throughput_single import warm_up_single
+
+    check_output_dir(out_dir)  # fail in a second, not after a 30-minute run
+    if model is None:
+        from cortexstream.models.loader import load
+
+        model, tokenizer = load(model_source)
+    # The engine raises MLX's process-wide buffer-cache limit when it is built; set it once up front so mlx-lm
+    # runs under the same limit in every round, not only in rounds after a CortexStream call.
+    ensure_buffer_cache()
+    started = time.perf_counter()
+    warm_up(model, tokenizer, text_windows(tokenizer, 2, 32))
+    if "single" in settings.parts:
+        warm_up_single(model, tokenizer)
+    payload: dict[str, Any] = {
+        "benchmark": "throughput_quick" if settings.quick else "throughput",
         "machine": machine(),
-        "model": info.as_dict() if info else model_source,
-        "prompt_tokens": prompt_tokens,
-        "max_tokens": max_tokens,
-        "repeats": repeats,
-        "results": results,
-        "ratios": _ratios(results),
+        "model": model_description(model, model_source),
+        "settings": asdict(settings),
+        "matrix": [], "itl": None, "single": [], "skipped": [],
     }
-    write_results(out_dir, "throughput", payload, _markdown(payload))
+    units = _units(settings)
+    bar = _Progress(progress, len(units))
+    try:
+        _run_units(model, tokenizer, settings, units, payload, bar, started)
+    finally:
+        bar.close()
+    payload["elapsed_minutes"] = (time.perf_counter() - started) / 60
+    write_report(payload, out_dir)
     return payload
 
 
-def _ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    rows = []
-    for c in sorted({r["concurrency"] for r in results}):
-        by = {r["system"]: r for r in results if r["concurrency"] == c}
-        ours = by["cortexstream"]
-        rows.append({
-            "concurrency": c,
-            "aggregate_vs_sequential": ours["aggregate_tps"] / by["mlx_lm.generate_step (sequential)"]["aggregate_tps"],
-            "aggregate_vs_batch_generate": ours["aggregate_tps"] / by["mlx_lm.batch_generate"]["aggregate_tps"],
-            "decode_vs_batch_generate": ours["decode_tps"] / by["mlx_lm.batch_generate"]["decode_tps"],
-        })
-    return rows
+def _run_units(model: Any, tokenizer: Any, settings: Settings, units: list[tuple[str, Any]],
+               payload: dict[str, Any], bar: "_Progress", started: float) -> None:
+    from cortexstream.benchmarks.throughput_itl import measure_itl
+    from cortexstream.benchmarks.throughput_matrix import measure_cell
+    from cortexstream.benchmarks.throughput_single import measure_single
+
+    for part, what in units:
+        label = _label(part, what)
+        minutes = (time.perf_counter() - started) / 60
+        if settings.max_minutes is not None and minutes >= settings.max_minutes:
+            payload["skipped"].append(label)
+            bar.advance(label + " (skipped)")
+            continue
+        bar.describe(label)
+        if part == "matrix":
+            kind, c, n = what
+            payload["matrix"].append(measure_cell(model, tokenizer, kind, c, n, settings.max_tokens,
+                                                  settings.rounds, settings.seed))
+        elif part == "itl":
+            payload["itl"] = measure_itl(model, tokenizer, settings.itl_streams, settings.itl_stream_prompt_tokens,
+                                         settings.admit_tokens, settings.rounds)
+        else:
+            payload["single"].append(measure_single(model, tokenizer, what, settings.max_tokens, settings.rounds))
+        bar.advance(label)
 
 
-def _markdown(payload: dict[str, Any]) -> str:
-    m = payload["machine"]
-    lines = [
-        "# Throughput: CortexStream engine vs mlx-lm",
-        "",
-        f"Model: {payload['model'].get('source', payload['model']) if isinstance(payload['model'], dict) else payload['model']}"
-        f" ({payload['model'].get('weights', '') if isinstance(payload['model'], dict) else ''}); "
-        f"{payload['prompt_tokens']}-token real-text prompts, up to {payload['max_tokens']} greedy tokens each; "
-        f"best of {payload['repeats']}.",
-        f"Machine: {m['platform']}, {m['cpu_count']} cores, {m['device']}, BLAS: {m['blas']}, mlx {m['mlx']}.",
-        "",
-        "| concurrency | system | aggregate tok/s | decode tok/s | TTFT p50 (s) | TTFT p95 (s) | peak mem (GB) |",
-        "|---:|---|---:|---:|---:|---:|---:|",
-    ]
-    for r in payload["results"]:
-        lines.append(
-            f"| {r['concurrency']} | {r['system']} | {r['aggregate_tps']:.1f} | {r['decode_tps']:.1f} | "
-            f"{r['ttft_p50_s']:.2f} | {r['ttft_p95_s']:.2f} | {r['peak_memory_gb']:.2f} |"
-        )
-    lines += ["", "| concurrency | aggregate vs sequential mlx_lm | aggregate vs batch_generate | decode vs batch_generate |",
-              "|---:|---:|---:|---:|"]
-    for r in payload["ratios"]:
-        lines.append(f"| {r['concurrency']} | {r['aggregate_vs_sequential']:.2f}x | "
-                     f"{r['aggregate_vs_batch_generate']:.2f}x | {r['decode_vs_batch_generate']:.2f}x |")
-    lines += ["", "Targets: concurrency 1 >= 1.0x mlx_lm; concurrency 8 decode >= 1.25x mlx_lm.batch_generate.", ""]
-    return "\n".join(lines)
+class _Progress:
+    """A rich progress bar over the benchmark's units (cells, ITL, single prompts), or nothing."""
+
+    def __init__(self, enabled: bool, total: int) -> None:
+        self._bar = None
+        if enabled:
+            from rich.progress import Progress
+
+            self._bar = Progress(transient=False)
+            self._bar.start()
+            self._task = self._bar.add_task("throughput", total=total)
+
+    def describe(self, label: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, description=label)
+
+    def advance(self, label: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1, description=label)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def run_from_args(a: argparse.Namespace) -> int:
+    settings = settings_from_args(a)
+    payload = run(a.model, a.out, settings)
+    with open(os.path.join(a.out, f"{payload['benchmark']}.md"), encoding="utf-8") as f:
+        print(f.read())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cortexstream.benchmarks.throughput", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run_from_args(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

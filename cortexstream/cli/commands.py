@@ -190,10 +190,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.bench_kind == "throughput":
         from cortexstream.benchmarks import throughput
 
-        levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
-        if not levels or any(c < 1 for c in levels):
-            raise ValueError(f"--concurrency: '{args.concurrency}' must be positive integers separated by commas")
-        payload = throughput.run(args.model, levels, args.prompt_tokens, args.max_tokens, args.out, args.repeats)
+        return throughput.run_from_args(args)
     elif args.bench_kind == "quality":
         return _run_bench_quality(args)
     elif args.bench_kind == "frontier":

@@ -119,11 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks (results as JSON + Markdown)")
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
-    throughput = kinds.add_parser("throughput", help="engine vs mlx_lm.batch_generate vs sequential generate_step")
-    throughput.add_argument("--concurrency", default="1,4,8,16", help="comma-separated levels")
-    throughput.add_argument("--prompt-tokens", type=int, default=128)
-    throughput.add_argument("--max-tokens", type=int, default=128)
-    throughput.add_argument("--repeats", type=int, default=1)
+    from cortexstream.benchmarks.throughput import add_arguments as add_throughput_arguments
+
+    throughput = kinds.add_parser("throughput", help="whole-call wall time, TTFT, ITL, memory vs mlx-lm (+ heat map)")
+    add_throughput_arguments(throughput)
     single = kinds.add_parser("single", help="one request: prefill/decode tok/s vs mlx_lm.generate_step")
     single.add_argument("--prompt-tokens", type=int, default=512)
     single.add_argument("--max-tokens", type=int, default=128)
@@ -148,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(commands)
     add_convert_parser(commands)
-    for sub in (throughput, single):
+    for sub in (single,):
         sub.add_argument("--model", default=None)
         sub.add_argument("--out", default="bench/results", help="output folder")
     return parser

@@ -1,0 +1,71 @@
+"""`bench throughput` end to end at its smallest on the tiny random model: JSON, Markdown and heat map structure."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from cortexstream.benchmarks import throughput
+from cortexstream.benchmarks.throughput_prompts import build_prompts
+
+
+def test_prompt_kinds(tiny):
+    _, tokenizer = tiny
+    equal = build_prompts(tokenizer, "equal", 4, 40)
+    assert [len(p) for p in equal.prompts] == [40] * 4 and len({tuple(p) for p in equal.prompts}) == 4
+    ragged = build_prompts(tokenizer, "ragged", 4, 40, seed=3)
+    assert all(10 <= len(p) <= 40 for p in ragged.prompts)
+    assert ragged.prompts == build_prompts(tokenizer, "ragged", 4, 40, seed=3).prompts  # seeded
+    shared = build_prompts(tokenizer, "shared", 4, 40)
+    assert shared.shared_prefix_tokens == 30 and all(len(p) == 40 for p in shared.prompts)
+    assert len({tuple(p[:30]) for p in shared.prompts}) == 1 and len({tuple(p[30:]) for p in shared.prompts}) == 4
+
+
+def test_quick_and_flag_parsing():
+    parser = argparse.ArgumentParser()
+    throughput.add_arguments(parser)
+    quick = throughput.settings_from_args(parser.parse_args(["--quick"]))
+    cells = len(quick.concurrency) * len(quick.prompt_tokens) * len(quick.kinds)
+    assert cells == 4 and quick.rounds == 3 and quick.quick
+    full = throughput.settings_from_args(parser.parse_args([]))
+    assert len(full.concurrency) * len(full.prompt_tokens) * len(full.kinds) == 18 and full.max_tokens == 64
+    with pytest.raises(ValueError, match="--kinds"):
+        throughput.settings_from_args(parser.parse_args(["--kinds", "equal,odd"]))
+
+
+def test_smallest_run_writes_json_md_png(tiny, tmp_path):
+    model, tokenizer = tiny
+    settings = throughput.Settings(concurrency=(2,), prompt_tokens=(16,), max_tokens=3, rounds=2,
+                                   itl_streams=2, itl_stream_prompt_tokens=16, admit_tokens=32,
+                                   single_prompt_tokens=(8,))
+    throughput.run(None, str(tmp_path), settings, model=model, tokenizer=tokenizer, progress=False)
+    data = json.loads((tmp_path / "throughput.json").read_text())
+    assert [(c["kind"], c["concurrency"], c["prompt_tokens"]) for c in data["matrix"]] == [
+        ("equal", 2, 16), ("ragged", 2, 16), ("shared", 2, 16)]
+    for cell in data["matrix"]:
+        for system in ("cortexstream", "mlx_lm"):
+            assert len(cell[system]["wall_s"]) == 2 and cell[system]["peak_memory_gb"] > 0
+        assert cell["ratio_median"] > 0 and cell["outputs"] == 2 and 0 <= cell["identical_outputs"] <= 2
+        assert cell["ratio_target"] == 1.0 and isinstance(cell["meets_memory_target"], bool)
+        assert cell["cortexstream"]["ttft_p99_s"] >= cell["cortexstream"]["ttft_p50_s"] > 0
+    itl = data["itl"]
+    assert itl["window"]["count"] > 0 and itl["steady"]["count"] > 0 and itl["window_p99_over_steady_median"] > 0
+    assert [r["prompt_tokens"] for r in data["single"]] == [8] and data["skipped"] == []
+    assert "/" not in data["model"]["source"]  # a name, never a local path
+    md = (tmp_path / "throughput.md").read_text()
+    for heading in ("## Targets", "## Matrix", "### Latency and diagnostics", "## Inter-token latency",
+                    "## Single stream", "Columns."):
+        assert heading in md
+    assert data["heatmap"] == "throughput.png" and (tmp_path / "throughput.png").stat().st_size > 0
+
+
+def test_max_minutes_lists_skipped_cells(tiny, tmp_path):
+    model, tokenizer = tiny
+    settings = throughput.Settings(concurrency=(1,), prompt_tokens=(8,), kinds=("equal",), max_tokens=2,
+                                   rounds=1, parts=("matrix",), max_minutes=0.0)
+    throughput.run(None, str(tmp_path), settings, model=model, tokenizer=tokenizer, progress=False)
+    data = json.loads((tmp_path / "throughput.json").read_text())
+    assert data["matrix"] == [] and data["skipped"] == ["equal c=1 prompt=8"]
+    assert "Not measured" in (tmp_path / "throughput.md").read_text()
