@@ -271,8 +271,9 @@ def test_a_requested_strided_strategy_falls_back_when_the_layout_does_not_allow_
 
 
 def test_engine_uses_the_strided_view_while_its_tables_are_evenly_spaced(tiny, monkeypatch):
-    """Equal prompts admitted together get consecutive, equally long block runs: the first decode steps go through
-    the strided view; once the sequences grow into interleaved blocks, block-wise. Tokens equal unbatched."""
+    """Equal prompts admitted together get consecutive, equally long block runs reserved for prompt + max_tokens:
+    every decode step goes through the strided view (without the reservation, the tables would interleave once
+    the sequences grow, and attention would go block-wise). Tokens equal unbatched."""
     rng = np.random.default_rng(7)
     prompts = [[int(x) for x in rng.integers(3, 250, size=13)] for _ in range(4)]
     expected = engine_tokens(tiny, prompts, 8, batched=False)
@@ -282,7 +283,7 @@ def test_engine_uses_the_strided_view_while_its_tables_are_evenly_spaced(tiny, m
         original = getattr(batch_cache, name)
         monkeypatch.setattr(batch_cache, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
     assert engine_tokens(tiny, prompts, 8, batched=True) == expected
-    assert "strided_attention" in calls and "block_matmul_attention" in calls
+    assert "strided_attention" in calls and "block_matmul_attention" not in calls
 
 
 def test_new_tokens_are_written_through_a_stepped_slice_when_their_slots_are_evenly_spaced():

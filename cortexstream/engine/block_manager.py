@@ -16,6 +16,11 @@ from cortexstream.engine.sequence import Sequence
 from cortexstream.kv.allocator import BlockAllocator
 
 
+# Blocks a sequence that outgrew its reservation takes at once (a run of 8 x 16 tokens), so decode growth keeps
+# the table one contiguous run where the arena allows; unused ones go back on finish or on demand.
+_RUN_AHEAD_BLOCKS = 8
+
+
 @dataclass(frozen=True)
 class _CachedBlock:
     block: int
@@ -30,6 +35,13 @@ class BlockManager:
         self._by_hash: dict[int, _CachedBlock] = {}
         self._lru: OrderedDict[int, int] = OrderedDict()  # block -> hash, oldest first
         self.num_prefix_hits = 0
+        # Prompt blocks that an admitted sequence is about to compute: hash -> owner. A waiting sequence whose
+        # next block is among them waits for it instead of computing the same KV a second time.
+        self._pending: dict[int, int] = {}
+        self._pending_by_owner: dict[int, list[int]] = {}
+        # Sequences holding blocks reserved ahead of their length (owner -> sequence): given back on demand.
+        self._holders: dict[int, Sequence] = {}
+        self.reserve_ahead = True
 
     # --- sizes ------------------------------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -66,6 +78,40 @@ class BlockManager:
             parent = h
         return blocks, hashes
 
+    def _chain(self, seq: Sequence, start: int, stop: int, parent: int) -> list[int]:
+        """Hashes of the sequence's full blocks [start, stop), continuing the chain from `parent`."""
+        bs, ids, hashes = self.block_size, seq.all_ids, []
+        for i in range(start, stop):
+            parent = hash((parent, tuple(ids[i * bs : (i + 1) * bs])))
+            hashes.append(parent)
+        return hashes
+
+    def waits_for_shared_prefix(self, seq: Sequence) -> bool:
+        """True when the next prompt block `seq` would compute is being computed by an admitted sequence: it
+        should wait for that block to reach the prefix cache (one prefill of a shared prefix, not one each)."""
+        if not self._pending or not self.prefix_caching:
+            return False
+        hits, hashes = self._match(seq)
+        if (len(hits) + 1) * self.block_size > len(seq.prompt_ids):
+            return False
+        parent = hashes[-1] if hashes else self._root(seq.tenant)
+        owner = self._pending.get(self._chain(seq, len(hits), len(hits) + 1, parent)[0])
+        return owner is not None and owner != seq.owner
+
+    def _add_pending(self, seq: Sequence, num_hits: int) -> None:
+        parent = seq.block_hashes[-1] if seq.block_hashes else self._root(seq.tenant)
+        hashes = [h for h in self._chain(seq, num_hits, len(seq.prompt_ids) // self.block_size, parent)
+                  if h not in self._by_hash and h not in self._pending]
+        for h in hashes:
+            self._pending[h] = seq.owner
+        if hashes:
+            self._pending_by_owner[seq.owner] = hashes
+
+    def _drop_pending(self, seq: Sequence) -> None:
+        for h in self._pending_by_owner.pop(seq.owner, ()):
+            if self._pending.get(h) == seq.owner:
+                del self._pending[h]
+
     def register_full_blocks(self, seq: Sequence) -> None:
         """Add the sequence's newly completed blocks to the prefix cache (only while KV matches tokens 1:1)."""
         if not self.prefix_caching or not seq.kv_from_tokens or seq.num_physical != seq.num_computed:
@@ -79,6 +125,8 @@ class BlockManager:
             h = hash((parent, tokens))
             seq.block_hashes.append(h)
             parent = h
+            if self._pending.get(h) == seq.owner:
+                del self._pending[h]
             block = seq.block_table[i]
             if h in self._by_hash or block in self._lru:
                 continue
@@ -99,10 +147,57 @@ class BlockManager:
         return freed
 
     def _allocate(self, n: int, owner: int, protect: set[int] = frozenset()) -> list[int]:
+        self._make_free(n, protect)
+        return self.allocator.allocate(n, owner=owner)
+
+    def _make_free(self, n: int, protect: set[int] = frozenset()) -> None:
+        """Try to have `n` free blocks: reclaim unused prefix-cache blocks, then give back reserved tails."""
         short = n - self.allocator.num_free_blocks
         if short > 0:
-            self._reclaim(short, protect)
-        return self.allocator.allocate(n, owner=owner)
+            short -= self._reclaim(short, protect)
+        if short > 0:
+            self._trim_reserves(short)
+
+    # --- blocks reserved ahead (runs, so tables stay contiguous; given back on demand) ------------------------
+    def _surplus(self, seq: Sequence) -> int:
+        """Blocks at the end of the table that no token, pending or next, needs yet."""
+        keep = self.blocks_for(max(seq.num_tokens, seq.num_physical) + 1)
+        return max(0, len(seq.block_table) - keep)
+
+    def num_trimmable(self) -> int:
+        return sum(self._surplus(seq) for seq in self._holders.values())
+
+    def _trim_reserves(self, num_blocks: int) -> int:
+        freed = 0
+        for seq in sorted(self._holders.values(), key=lambda s: s.arrival_time, reverse=True):
+            if freed >= num_blocks:
+                break
+            surplus = min(self._surplus(seq), num_blocks - freed)
+            if surplus:
+                tail = seq.block_table[len(seq.block_table) - surplus:]
+                del seq.block_table[len(seq.block_table) - surplus:]
+                freed += self.allocator.free(tail)
+        return freed
+
+    def _reserve_run(self, seq: Sequence, need: int, grow_in_place: bool) -> list[int] | None:
+        """`need` blocks plus blocks ahead as one contiguous run: at admission all the sequence can reach by
+        max_tokens, when growing `_RUN_AHEAD_BLOCKS` more right after its last block. None when no run is free
+        (the caller then takes blocks wherever they are)."""
+        if not self.reserve_ahead or seq.kv_policy.evicts:
+            return None
+        reachable = self.blocks_for(seq.max_total_tokens) - len(seq.block_table)
+        want = max(need, min(reachable, need + _RUN_AHEAD_BLOCKS) if grow_in_place else reachable)
+        for n in dict.fromkeys((want, need)):
+            if grow_in_place:
+                run = self.allocator.extend_contiguous([seq.block_table[-1]], n, owner=seq.owner)
+            elif self.allocator.can_allocate(n, contiguous=True):
+                run = self.allocator.allocate(n, owner=seq.owner, contiguous=True)
+            else:
+                run = None
+            if run is not None:
+                self._holders[seq.owner] = seq
+                return run
+        return None
 
     # --- admission and growth ---------------------------------------------------------------------------------
     def _admission_need(self, seq: Sequence, hits: list[int]) -> int:
@@ -115,14 +210,24 @@ class BlockManager:
         """Whether `seq` fits now: free blocks plus reclaimable cached ones (not counting its own hits)."""
         hits, _ = self._match(seq)
         hit_set = set(hits)
+        need = self._admission_need(seq, hits)
+        if need <= self.allocator.num_free_blocks:
+            return True
         reclaimable = sum(1 for b in self._lru if b not in hit_set and self.allocator.ref_count(b) == 1)
-        return self._admission_need(seq, hits) <= self.allocator.num_free_blocks + reclaimable
+        return need <= self.allocator.num_free_blocks + reclaimable + self.num_trimmable()
 
     def admit(self, seq: Sequence) -> None:
         """Give `seq` its prefix-cache hits plus fresh blocks for the rest. OutOfBlocksError changes nothing."""
         hits, hashes = self._match(seq)
         need = self.blocks_for(seq.num_tokens) - len(hits)
-        fresh = self._allocate(need, seq.owner, protect=set(hits)) if need > 0 else []
+        seq.block_table[:] = hits  # so that the reservation counts what the hits already cover
+        try:
+            fresh = self._reserve_run(seq, need, grow_in_place=False) if need > 0 else []
+            if fresh is None:
+                fresh = self._allocate(need, seq.owner, protect=set(hits))
+        except Exception:
+            seq.block_table.clear()
+            raise
         self.allocator.share(hits)
         for block in hits:
             self._lru.move_to_end(block)
@@ -131,6 +236,8 @@ class BlockManager:
         cached = min(len(hits) * self.block_size, seq.num_tokens - 1)
         seq.num_computed = seq.num_physical = seq.num_cached_prefix = cached
         self.num_prefix_hits += len(hits)
+        if self.prefix_caching and seq.kv_from_tokens and seq.hook is None:
+            self._add_pending(seq, len(hits))
 
     def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Room for `num_new_tokens` more physical tokens, including a free block for each shared block the
@@ -144,8 +251,12 @@ class BlockManager:
         grow = max(0, last + 1 - len(seq.block_table))
         if grow + shared == 0:
             return True
+        run = self._reserve_run(seq, grow, grow_in_place=True) if grow and seq.block_table and not shared else None
+        if run is not None:
+            seq.block_table.extend(run)
+            return True
         if self.allocator.num_free_blocks < grow + shared:
-            self._reclaim(grow + shared - self.allocator.num_free_blocks)
+            self._make_free(grow + shared)
         if self.allocator.num_free_blocks < grow + shared:
             return False
         if grow:
@@ -154,6 +265,8 @@ class BlockManager:
 
     def release(self, seq: Sequence) -> int:
         """Drop the sequence's references; blocks also held by the prefix cache stay cached."""
+        self._drop_pending(seq)
+        self._holders.pop(seq.owner, None)
         freed = self.allocator.free(seq.block_table) if seq.block_table else 0
         seq.block_table.clear()
         seq.block_hashes = []

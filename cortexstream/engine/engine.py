@@ -26,8 +26,8 @@ from cortexstream.engine.runner import ModelRunner
 from cortexstream.engine.scheduler import Scheduler, SchedulerConfig
 from cortexstream.engine.sequence import Sequence
 from cortexstream.errors import InvalidArgumentError
-from cortexstream.engine.prompt import prompt_to_tokens
 from cortexstream.engine.single_thread import single_threaded
+from cortexstream.engine.prompt import prompt_to_tokens
 from cortexstream.engine.sampling import SamplingParams, sampling_from_kwargs
 from cortexstream.engine.text_stream import TextStream
 from cortexstream.kv.arena import KVArena
@@ -77,9 +77,11 @@ class Engine:
         block_size: int = 16,
         max_num_seqs: int = 16,
         prefill_step_size: int = 512,
+        prefill_tokens_while_decoding: int | None = 128,
         prefix_caching: bool = True,
         kv_policy: Any = None,
         pipeline: bool = True,
+        batch_prefill: bool = True,
     ) -> None:
         if arena is None:
             if kv_tokens is None and kv_bytes is None:
@@ -93,7 +95,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.arena = arena
         self.block_manager = BlockManager(arena.allocator, arena.config.block_size, prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, SchedulerConfig(max_num_seqs, prefill_step_size))
+        self.scheduler = Scheduler(self.block_manager, SchedulerConfig(max_num_seqs, prefill_step_size,
+                                                                       prefill_tokens_while_decoding))
         self.runner = ModelRunner(model, arena)
         self._states: dict[str, _RequestState] = {}
         self._eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
@@ -104,6 +107,8 @@ class Engine:
         self.decode_time = 0.0
         self.num_decode_tokens = 0
         self.pipeline = pipeline
+        # Several sequences' prefill chunks in one forward pass (False: one per pass, bit-for-bit as before).
+        self.batch_prefill = batch_prefill
         # request id -> (sequence, lazy sampled token [1], lazy logprobs [V]) of the decode step in flight
         self._inflight: dict[str, tuple[Sequence, mx.array, mx.array]] = {}
 
@@ -167,11 +172,15 @@ class Engine:
             self.runner.drop(seq)
         sampled: list[tuple[Sequence, mx.array]] = []
         tic = time.perf_counter()
-        for seq, chunk in step.prefill:
-            logits = self.runner.prefill(seq, chunk)
-            self.num_prompt_tokens_computed += chunk
-            if logits is not None:
-                sampled.append((seq, logits))
+        for group in step.prefill_groups() if self.batch_prefill else [[item] for item in step.prefill]:
+            for (seq, chunk), logits in zip(group, self.runner.prefill_batch(group)):
+                self.num_prompt_tokens_computed += chunk
+                if seq.hook is None and not seq.kv_policy.evicts:
+                    # Full prompt blocks enter the prefix cache as soon as they are computed, so a request
+                    # waiting on the same prefix starts from them (see BlockManager.waits_for_shared_prefix).
+                    self.block_manager.register_full_blocks(seq)
+                if logits is not None:
+                    sampled.append((seq, logits))
         if sampled:
             draws = [self._sample(self._states[seq.request_id], logits) for seq, logits in sampled]
             mx.eval([token for token, _ in draws])
@@ -190,7 +199,14 @@ class Engine:
         scheduler = self.scheduler
         if not self.pipeline or scheduler.waiting or any(s.num_pending > 1 for s in scheduler.running):
             return False
-        return self.arena.allocator.num_free_blocks >= 2 * len(scheduler.running) + 2
+        # A sequence with room reserved for its next two tokens needs no block, unless it writes a shared one.
+        allocator, bs = self.arena.allocator, self.arena.config.block_size
+        need = 2
+        for seq in scheduler.running:
+            table = seq.block_table
+            if len(table) * bs < seq.num_tokens + 2 or allocator.ref_count(table[seq.num_physical // bs]) > 1:
+                need += 2
+        return allocator.num_free_blocks >= need
 
     def _decode(self, seqs: list[Sequence]) -> list[RequestOutput]:
         """Launch one decode step on the (possibly still lazy) pending tokens, then read the previous step's."""

@@ -16,6 +16,7 @@ import mlx.nn as nn
 import numpy as np
 
 from cortexstream.engine.batch_cache import DecodeBatch
+from cortexstream.engine.prefill_batch import PrefillBatch
 from cortexstream.engine.sequence import Sequence
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_cache import ArenaKVCache
@@ -124,6 +125,26 @@ class ModelRunner:
         # this graph (holding views of the layer buffers) is pending would make MLX copy every layer buffer.
         mx.eval([a for a in (out,) if a is not None], self.arena.keys, self.arena.values)
         return out
+
+    def prefill_batch(self, items: list[tuple[Sequence, int]]) -> list[mx.array | None]:
+        """One forward pass over several sequences' next prefill chunks (none with an evicting policy): each
+        gets its KV computed, and the logits `[1, V]` of its last token when its prompt is done, else None."""
+        if len(items) == 1:
+            return [self.prefill(*items[0])]
+        kvs = [self.kv(seq) for seq, _ in items]
+        chunks = [seq.all_ids[seq.num_computed : seq.num_computed + n] for seq, n in items]
+        for kv, (_, n) in zip(kvs, items):
+            kv.make_writable(kv.num_tokens, kv.num_tokens + n)
+        batch = PrefillBatch(self.arena, kvs, chunks)
+        logits = last_token_logits(self.model, batch.tokens, batch.caches())[:, 0, :]
+        batch.commit()
+        for (seq, n), kv in zip(items, kvs):
+            seq.num_computed += n
+            seq.num_physical = kv.num_tokens
+        done = [seq.num_pending == 0 for seq, _ in items]
+        # As in `prefill`: evaluate before any other forward pass writes the arena.
+        mx.eval(logits if any(done) else [], self.arena.keys, self.arena.values)
+        return [logits[i : i + 1] if finished else None for i, finished in enumerate(done)]
 
     def decode(self, seqs: list[Sequence], tokens: mx.array | None = None) -> mx.array:
         """One forward for all `seqs` (each with exactly one pending token); returns logits [B, V].

@@ -27,12 +27,24 @@ from cortexstream.engine.sequence import Sequence, SequenceStatus
 class SchedulerConfig:
     max_num_seqs: int = 16
     prefill_step_size: int = 512  # prompt tokens computed per step, over all prefilling sequences
+    # The same budget while other sequences are decoding (None: prefill_step_size). A smaller one bounds how
+    # much a prompt being admitted delays the next token of running streams.
+    prefill_tokens_while_decoding: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise InvalidArgumentError(f"max_num_seqs: {self.max_num_seqs!r} must be an integer >= 1")
         if not isinstance(self.prefill_step_size, int) or self.prefill_step_size < 1:
             raise InvalidArgumentError(f"prefill_step_size: {self.prefill_step_size!r} must be an integer >= 1")
+        mixed = self.prefill_tokens_while_decoding
+        if mixed is not None and (not isinstance(mixed, int) or isinstance(mixed, bool) or mixed < 1):
+            raise InvalidArgumentError(f"prefill_tokens_while_decoding: {mixed!r} must be None or an integer >= 1")
+
+    def prefill_budget(self, decoding: bool) -> int:
+        """Prompt tokens one step may compute, given whether some sequence decodes in the same step."""
+        if decoding and self.prefill_tokens_while_decoding is not None:
+            return min(self.prefill_step_size, self.prefill_tokens_while_decoding)
+        return self.prefill_step_size
 
 
 @dataclass
@@ -45,6 +57,21 @@ class ScheduledStep:
     @property
     def is_empty(self) -> bool:
         return not (self.prefill or self.decode or self.finished)
+
+    def prefill_groups(self, max_padding: float = 1.25) -> list[list[tuple[Sequence, int]]]:
+        """The prefill chunks grouped into batched forward passes: chunks of similar length together (a group's
+        padded size stays within `max_padding` x its real tokens); a sequence whose policy evicts alone, since
+        its policy acts between its own forward passes."""
+        alone = [[item] for item in self.prefill if item[0].kv_policy.evicts]
+        groups: list[list[tuple[Sequence, int]]] = []
+        for item in sorted((i for i in self.prefill if not i[0].kv_policy.evicts), key=lambda i: -i[1]):
+            group = groups[-1] if groups else None
+            if group is not None and (len(group) + 1) * group[0][1] <= max_padding * (
+                    sum(n for _, n in group) + item[1]):
+                group.append(item)
+            else:
+                groups.append([item])
+        return alone + groups
 
 
 class Scheduler:
@@ -106,7 +133,7 @@ class Scheduler:
         self._finished = []
         self._admit()
         self._run_hooks(step)
-        budget = self.config.prefill_step_size
+        budget = self.config.prefill_budget(decoding=any(s.num_pending == 1 for s in self.running))
         for seq in self.running:
             # More than one pending token is prompt (or recompute after preemption); one is a decode step.
             if seq.num_pending > 1:
@@ -140,8 +167,12 @@ class Scheduler:
         return step
 
     def _admit(self) -> None:
+        deferred: list[Sequence] = []  # waiting for a shared prefix another sequence is computing now
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if not self._evicts(seq) and self.blocks.waits_for_shared_prefix(seq):
+                deferred.append(self.waiting.popleft())
+                continue
             if self._evicts(seq):
                 if not self._admit_bounded(seq):
                     break
@@ -153,6 +184,7 @@ class Scheduler:
                 self.blocks.admit(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+        self.waiting.extendleft(reversed(deferred))  # first in line again, in their order
 
     @staticmethod
     def _evicts(seq: Sequence) -> bool:

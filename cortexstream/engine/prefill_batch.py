@@ -1,0 +1,127 @@
+"""mlx-lm cache protocol for one forward pass over several sequences' prefill chunks (batched prefill).
+
+The chunks are left-padded to the longest, `[B, L]`, so every row's last real token sits at position L - 1 and
+one head call on the last position gives each sequence's next-token logits. RoPE gets per-row offsets (`offset`
+is an array): row i's first real token, at padded index L - len_i, must land on its logical position.
+
+Each layer's `update_and_fetch` writes only the real tokens into the rows' arena slots (one scatter per buffer)
+and returns, per row, its earlier KV (gathered from the arena, right-aligned) followed by the chunk's own keys:
+`[B, H, hist_max + L, D]`. A boolean mask hides the left padding of both parts and keeps the chunk causal. When
+no row has earlier KV (fresh prompts, the common case) nothing is gathered: attention runs on the new keys.
+
+Padded query rows compute garbage that is never read; each may attend to itself so that no softmax row is
+empty (an all-masked row would give NaN, and NaN values multiplied by a zero weight in the next layer are NaN).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from cortexstream.kv.arena import KVArena, as_dtype
+from cortexstream.kv.sequence_kv import SequenceKV
+
+
+class PrefillBatch:
+    """Addressing shared by all layers for one batched prefill forward; `commit()` advances the counters."""
+
+    def __init__(self, arena: KVArena, sequences: list[SequenceKV], chunks: list[list[int]]) -> None:
+        if not sequences or len(sequences) != len(chunks) or any(not c for c in chunks):
+            raise ValueError("PrefillBatch needs one non-empty chunk per sequence")
+        self.arena = arena
+        self.sequences = sequences
+        self.chunk_lengths = [len(c) for c in chunks]
+        batch, width = len(chunks), max(self.chunk_lengths)
+        self.width = width
+        history = [s.num_tokens for s in sequences]
+        self.history_width = max(history)
+        tokens = np.zeros((batch, width), dtype=np.uint32)  # padding id 0: any valid embedding row will do
+        pads = [width - n for n in self.chunk_lengths]
+        for i, chunk in enumerate(chunks):
+            tokens[i, pads[i]:] = chunk
+        self.tokens = mx.array(tokens)
+        self.offsets = mx.array(np.array([s.offsets[0] - pad for s, pad in zip(sequences, pads)], dtype=np.int32))
+        # Where the real tokens go: their flat index in the [B * L] chunk and their arena slot.
+        source = np.concatenate([i * width + np.arange(pads[i], width) for i in range(batch)])
+        slots = np.concatenate([arena.slot_indices(s.blocks, h, h + n)
+                                for s, h, n in zip(sequences, history, self.chunk_lengths)])
+        self.source = None if len(source) == batch * width else mx.array(source.astype(np.int32))
+        self.slots = mx.array(slots.astype(np.int32))
+        self.history_slots = self._history_slots(history) if self.history_width else None
+        self.mask = self._mask(history, pads)
+
+    def _history_slots(self, history: list[int]) -> mx.array:
+        """[B, hist_max] arena slots of each row's earlier KV, right-aligned (padding reads slot 0, masked)."""
+        index = np.zeros((len(history), self.history_width), dtype=np.int32)
+        for i, (seq, n) in enumerate(zip(self.sequences, history)):
+            if n:
+                index[i, self.history_width - n:] = self.arena.slot_indices(seq.blocks, 0, n)
+        return mx.array(index)
+
+    def _mask(self, history: list[int], pads: list[int]) -> Any:
+        if self.history_width == 0 and not any(pads):
+            return "causal"  # equal fresh chunks: SDPA's own causal path
+        width = self.width
+        query = np.arange(width)[:, None]
+        key = np.arange(width)[None, :]
+        causal = key <= query
+        rows = []
+        for n, pad in zip(history, pads):
+            chunk_part = (causal & (key >= pad)) | (key == query)
+            history_part = np.broadcast_to(np.arange(self.history_width)[None, :] >= self.history_width - n,
+                                           (width, self.history_width))
+            rows.append(np.concatenate([history_part, chunk_part], axis=1))
+        return mx.array(np.stack(rows)[:, None])
+
+    def caches(self) -> list["PrefillLayerCache"]:
+        return [PrefillLayerCache(self, layer) for layer in range(self.arena.config.num_layers)]
+
+    def commit(self) -> None:
+        """Advance every sequence's counters once the forward pass has been built."""
+        for seq, n in zip(self.sequences, self.chunk_lengths):
+            for layer in range(len(seq.lengths)):
+                seq.lengths[layer] += n
+                seq.offsets[layer] += n
+
+
+class PrefillLayerCache:
+    def __init__(self, batch: PrefillBatch, layer: int) -> None:
+        self.batch = batch
+        self.layer = layer
+
+    @property
+    def offset(self) -> mx.array:
+        return self.batch.offsets
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        if n != self.batch.width:
+            raise ValueError(f"PrefillBatch caches expect chunks of width {self.batch.width}, got {n}")
+        if window_size is not None:
+            raise ValueError("PrefillBatch does not support sliding-window attention")
+        mask = self.batch.mask
+        if isinstance(mask, str) and return_array:
+            width = self.batch.width
+            return mx.array(np.tril(np.ones((width, width), dtype=bool)))
+        return mask
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        batch, arena = self.batch, self.batch.arena
+        keys_buf, values_buf = arena.keys[self.layer], arena.values[self.layer]
+        keys_buf[:, :, batch.slots, :] = as_dtype(self._real_tokens(keys), keys_buf.dtype)
+        values_buf[:, :, batch.slots, :] = as_dtype(self._real_tokens(values), values_buf.dtype)
+        if batch.history_slots is None:
+            return keys, values
+        return (mx.concatenate([self._history(keys_buf, keys.dtype), keys], axis=2),
+                mx.concatenate([self._history(values_buf, values.dtype), values], axis=2))
+
+    def _real_tokens(self, array: mx.array) -> mx.array:
+        """[B, H, L, D] -> [H, real tokens, D] in slot order (rows in order, padding dropped)."""
+        size, heads, width, dim = array.shape
+        flat = array.transpose(1, 0, 2, 3).reshape(heads, size * width, dim)
+        return flat if self.batch.source is None else flat[:, self.batch.source]
+
+    def _history(self, buffer: mx.array, dtype: mx.Dtype) -> mx.array:
+        gathered = buffer[0][:, self.batch.history_slots]  # [H, B, hist_max, D]
+        return as_dtype(gathered.transpose(1, 0, 2, 3), dtype)
