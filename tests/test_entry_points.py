@@ -218,3 +218,16 @@ def test_two_threads_on_one_engine_get_a_clear_error(tiny):
     engine.scheduler.schedule = original
     while engine.has_unfinished:  # the engine still works from one thread afterwards
         engine.step()
+
+
+def test_cli_never_prints_an_empty_error(monkeypatch, capsys):
+    from cortexstream.cli import commands
+    from cortexstream.cli.main import main
+
+    def out_of_memory(args):
+        raise MemoryError()
+
+    monkeypatch.setattr(commands, "run_info", out_of_memory)
+    assert main(["info"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "cortexstream: error: MemoryError: out of memory: the request needs more than this machine can allocate"

@@ -190,7 +190,9 @@ def main(argv: list[str] | None = None) -> int:
             from cortexstream.errors import CortexStreamError
 
             kind = "" if isinstance(exc, CortexStreamError) else f"{type(exc).__name__}: "
-            print(f"cortexstream: error: {kind}{exc}", file=sys.stderr)
+            detail = str(exc) or ("out of memory: the request needs more than this machine can allocate"
+                                  if isinstance(exc, MemoryError) else "(no message)")
+            print(f"cortexstream: error: {kind}{detail}", file=sys.stderr)
         return 1
 
 
