@@ -125,3 +125,18 @@ def test_cache_made_for_another_model_is_refused(tiny):
 def test_make_prompt_cache_checks_its_model_argument():
     with pytest.raises(InvalidArgumentError, match="model: expected an mlx-lm model"):
         make_prompt_cache("x")
+
+
+def test_a_private_cache_that_cannot_fit_in_memory_is_refused_with_the_numbers(tiny):
+    model, _ = tiny
+    with pytest.raises(InvalidArgumentError, match=r"max_tokens: 1000000000000 tokens need .* GiB of KV arena "
+                                                   r"\(512 bytes per token\), this machine has .* tokens fit"):
+        make_prompt_cache(model, max_tokens=10**12)
+
+
+def test_memory_check_rule(monkeypatch):
+    from cortexstream.kv.memory_check import check_kv_fits
+
+    check_kv_fits(900, 1, "n", memory_bytes=1000)  # exactly the 90 % share fits
+    with pytest.raises(InvalidArgumentError, match="n: 901 tokens need"):
+        check_kv_fits(901, 1, "n", memory_bytes=1000)

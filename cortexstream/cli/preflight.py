@@ -11,9 +11,6 @@ import argparse
 
 from cortexstream.errors import InvalidArgumentError
 
-MAX_MEMORY_FRACTION = 0.9  # an arena needing more than this share of RAM cannot leave room for the model
-
-
 def kv_bytes_per_token(source: str | None, itemsize: int) -> int | None:
     """K+V bytes one token takes in an arena for the GGUF model `source` (None: not a GGUF, unknown)."""
     from cortexstream.models.gguf_check import check_gguf
@@ -39,18 +36,14 @@ def check_kv_tokens(kv_tokens: int, source: str | None, argument: str = "--kv-to
     """Refuse an arena of `kv_tokens` tokens that cannot fit in this machine's memory, giving the numbers."""
     from cortexstream.backend import on_cpu
     from cortexstream.kv.arena_config import device_memory_bytes
+    from cortexstream.kv.memory_check import check_kv_fits
 
     if not isinstance(kv_tokens, int) or isinstance(kv_tokens, bool) or kv_tokens < 1:
         raise InvalidArgumentError(f"{argument}: {kv_tokens!r} must be a positive integer")
     per_token = kv_bytes_per_token(source, 4 if on_cpu() else 2)
     if per_token is None:
         return
-    need, have = kv_tokens * per_token, device_memory_bytes()
-    if need > MAX_MEMORY_FRACTION * have:
-        fit = int(MAX_MEMORY_FRACTION * have // per_token)
-        raise InvalidArgumentError(
-            f"{argument}: {kv_tokens} tokens need {need / 2**30:.1f} GiB of KV arena ({per_token} bytes per token), "
-            f"this machine has {have / 2**30:.1f} GiB; at most about {fit} tokens fit")
+    check_kv_fits(kv_tokens, per_token, argument, device_memory_bytes())
 
 
 def check_tui_options(args: argparse.Namespace) -> None:

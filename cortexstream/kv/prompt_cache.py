@@ -12,6 +12,7 @@ from cortexstream.errors import InvalidArgumentError, ModelLoadError
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_cache import ArenaKVCache
 from cortexstream.kv.arena_config import ArenaConfig, model_kv_shape
+from cortexstream.kv.memory_check import check_kv_fits
 from cortexstream.kv.prompt_cache_check import FORMAT, METADATA_KEY, check_prompt_cache_file, check_user_metadata
 from cortexstream.kv.sequence_kv import SequenceKV, private_sequence
 from cortexstream.models.safetensors_check import check_safetensors
@@ -36,6 +37,8 @@ def make_prompt_cache(
         raise InvalidArgumentError(f"model: expected an mlx-lm model with `layers`, got {type(model).__name__}")
     if arena is None:
         layers, kv_heads, head_dim, dtype = model_kv_shape(model)
+        itemsize = 4 if dtype == "float32" else 2
+        check_kv_fits(max_tokens or DEFAULT_PRIVATE_TOKENS, 2 * layers * kv_heads * head_dim * itemsize, "max_tokens")
         seq = private_sequence(layers, kv_heads, head_dim, head_dim, max_tokens or DEFAULT_PRIVATE_TOKENS, dtype)
     else:
         layers, kv_heads, head_dim, _ = model_kv_shape(model)
