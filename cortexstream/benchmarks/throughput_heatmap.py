@@ -43,7 +43,7 @@ def write_heatmap(payload: dict[str, Any], path: str) -> bool:
     spread = max(0.5, float(np.max(np.abs(measured - 1.0)))) if measured.size else 0.5
     norm = TwoSlopeNorm(vmin=1.0 - spread, vcenter=1.0, vmax=1.0 + spread)
     cmap = matplotlib.colormaps["RdYlGn"].with_extremes(bad="#d0d0d0")
-    fig, ax = plt.subplots(figsize=(1.6 * len(columns) + 2.5, 1.1 * len(kinds) + 2.2))
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.6 * len(columns) + 2.5), 1.1 * len(kinds) + 2.2))
     image = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, norm=norm, aspect="auto")
     for i, kind in enumerate(kinds):
         for j, (c, n) in enumerate(columns):
@@ -57,9 +57,9 @@ def write_heatmap(payload: dict[str, Any], path: str) -> bool:
     ax.set_xticks(range(len(columns)), [f"c={c}\n{n} tok" for c, n in columns], fontsize=8)
     ax.set_yticks(range(len(kinds)), kinds)
     s = payload["settings"]
-    ax.set_title("Whole-call wall time, mlx_lm.batch_generate / cortexstream.batch_generate\n"
-                 f"median of {s['rounds']} alternating rounds, {s['max_tokens']} new tokens "
-                 "(>1: CortexStream faster; * target 1.25x)", fontsize=9)
+    ax.set_title("Wall time ratio mlx_lm.batch_generate / cortexstream.batch_generate (>1: CortexStream faster)\n"
+                 f"median of {s['rounds']} alternating rounds, {s['max_tokens']} new tokens; * = target 1.25x, "
+                 "else 1.0x", fontsize=9)
     fig.colorbar(image, ax=ax, label="ratio (median)")
     fig.tight_layout()
     try:
