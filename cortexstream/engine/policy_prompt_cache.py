@@ -13,16 +13,19 @@ from typing import Any
 
 import mlx.core as mx
 
+from cortexstream.engine.policy_runtime import PolicyKVCache, PolicyState, policy_caches
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.kv.arena_cache import ArenaKVCache
 from cortexstream.kv.sequence_kv import private_sequence
 from cortexstream.policies.base import KVPolicy
 from cortexstream.policies.parsing import parse_policy
-from cortexstream.engine.policy_runtime import PolicyState, policy_caches
 
 
 def policy_state_of(prompt_cache: list[Any]) -> PolicyState | None:
-    return getattr(prompt_cache[0], "policy_state", None) if prompt_cache else None
+    """The policy state a prompt cache carries (its layers are `PolicyKVCache`s), else None."""
+    if prompt_cache and isinstance(prompt_cache[0], PolicyKVCache):
+        return prompt_cache[0].policy_state
+    return None
 
 
 def attach_policy(prompt_cache: list[Any], kv_policy: "KVPolicy | str | None", model: Any = None) -> PolicyState | None:

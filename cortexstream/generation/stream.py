@@ -10,6 +10,7 @@ from typing import Any, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
+from cortexstream.engine.policy_prompt_cache import policy_state_of
 from cortexstream.engine.prompt import prompt_to_tokens
 from cortexstream.engine.sampling import SamplingParams, sampling_from_kwargs
 from cortexstream.engine.text_stream import TextStream
@@ -135,7 +136,7 @@ def _direct_generate(
 
         check_cache_for_model(prompt_cache, model)  # a short or foreign cache would run silently wrong
     evict = None
-    if kv_policy is not None or getattr(prompt_cache[0], "policy_state", None) is not None:
+    if kv_policy is not None or policy_state_of(prompt_cache) is not None:
         from cortexstream.engine.policy_prompt_cache import apply_policy, attach_policy
 
         if attach_policy(prompt_cache, kv_policy, model) is not None:

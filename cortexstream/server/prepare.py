@@ -70,10 +70,10 @@ def _sampling(request: Any, max_tokens: int) -> SamplingParams:
 
 
 def _policy(spec: str | None, default: Any) -> Any:
-    if spec is None:
-        return default
     from cortexstream.policies import parse_policy
 
+    if spec is None:
+        return parse_policy(default)  # the server's default policy, or FullCache()
     try:
         return parse_policy(spec)
     except (CortexStreamError, ValueError, TypeError, KeyError) as exc:
@@ -83,9 +83,8 @@ def _policy(spec: str | None, default: Any) -> Any:
 def _fit(prompt_len: int, requested: int | None, default: int, n: int, policy: Any, arena: ArenaLimits) -> int:
     """max_tokens for the request: the requested value if it fits, the default shrunk to fit otherwise."""
     def blocks(max_tokens: int) -> int:
-        bound = getattr(policy, "max_physical_tokens", None)
-        if bound is not None and getattr(policy, "evicts", False):
-            limit = bound(prompt_len + max_tokens, 512)
+        if policy.evicts:
+            limit = policy.max_physical_tokens(prompt_len + max_tokens, 512)
             if limit:
                 return n * arena.blocks_for(min(prompt_len + max_tokens, limit))
         # n completions share the prompt's blocks; each has its own for its tokens (+1 copied on write).
@@ -112,7 +111,7 @@ def _job(prefix: str, tokens: list[int], sampling: SamplingParams, n: int, polic
          top_logprobs: int | None) -> PreparedRequest:
     base = f"{prefix}-{uuid.uuid4().hex}"
     ids = [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
-    fork = not getattr(policy, "evicts", False)
+    fork = not policy.evicts
     job = EngineJob(ids, tokens, sampling, kv_policy=policy, tenant=tenant, top_logprobs=top_logprobs, fork=fork)
     return PreparedRequest(job, base, len(tokens))
 
