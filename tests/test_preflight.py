@@ -18,7 +18,7 @@ from cortexstream.errors import InvalidArgumentError
     (["--kv-tokens", "99999999999"], "--kv-tokens: 99999999999 tokens need"),
 ])
 def test_bad_tui_options_fail_in_one_line_before_the_screen(tiny_gguf, capsys, monkeypatch, argv, fragment):
-    import apps.tui.app as app
+    import cortexstream.tui.app as app
 
     monkeypatch.setattr(app, "main", lambda args: pytest.fail("the TUI started"))
     assert main(["tui", "--model", tiny_gguf, *argv]) == 1

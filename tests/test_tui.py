@@ -14,11 +14,11 @@ import numpy as np
 from textual.pilot import Pilot
 from textual.widgets import Input
 
-from apps.tui.app import CortexStreamApp
-from apps.tui.config import TuiConfig
-from apps.tui.messages import ReplyDelta, StatsUpdate
-from apps.tui.widgets.block_map import BlockMap, cached_color, conv_color, render_cells
-from apps.tui.widgets.help import HelpScreen
+from cortexstream.tui.app import CortexStreamApp
+from cortexstream.tui.config import TuiConfig
+from cortexstream.tui.messages import ReplyDelta, StatsUpdate
+from cortexstream.tui.widgets.block_map import BlockMap, cached_color, conv_color, render_cells
+from cortexstream.tui.widgets.help import HelpScreen
 from cortexstream.engine.engine import Engine
 
 SIZE = (120, 36)
@@ -304,7 +304,7 @@ def test_main_without_a_valid_policy_fails_before_the_screen(tiny_gguf):
 
     import pytest
 
-    from apps.tui.app import main
+    from cortexstream.tui.app import main
     from cortexstream.errors import InvalidArgumentError
 
     args = argparse.Namespace(model=tiny_gguf, dtype=None, keep_quantized=False, kv_tokens=256, block_size=16,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from apps.tui.messages import (
+from cortexstream.tui.messages import (
     FLAG_CACHED,
     FLAG_TRIMMED,
     FREE,
@@ -14,8 +14,8 @@ from apps.tui.messages import (
     ReplyDelta,
     StatsUpdate,
 )
-from apps.tui.snapshot import SnapshotBuilder
-from apps.tui.widgets.block_map import FILL, GLYPH, render_cells, scale
+from cortexstream.tui.snapshot import SnapshotBuilder
+from cortexstream.tui.widgets.block_map import FILL, GLYPH, render_cells, scale
 from cortexstream.engine.engine import Engine
 
 

@@ -17,9 +17,9 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, Header, Input, Static, TabbedContent, TabPane
 
-from apps.tui.config import TuiConfig
-from apps.tui.engine_bridge import EngineBridge, describe, launch
-from apps.tui.messages import (
+from cortexstream.tui.config import TuiConfig
+from cortexstream.tui.engine_bridge import EngineBridge, describe, launch
+from cortexstream.tui.messages import (
     ConversationCleared,
     EngineError,
     EngineReady,
@@ -28,10 +28,10 @@ from apps.tui.messages import (
     RequestFailed,
     StatsUpdate,
 )
-from apps.tui.widgets.block_map import BlockLegend, BlockMap, conv_color
-from apps.tui.widgets.chat import ChatPane, Conversation, available_policies
-from apps.tui.widgets.help import HelpScreen
-from apps.tui.widgets.stats import StatsPanel
+from cortexstream.tui.widgets.block_map import BlockLegend, BlockMap, conv_color
+from cortexstream.tui.widgets.chat import ChatPane, Conversation, available_policies
+from cortexstream.tui.widgets.help import HelpScreen
+from cortexstream.tui.widgets.stats import StatsPanel
 from cortexstream.engine.engine import Engine
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.policies import parse_policy

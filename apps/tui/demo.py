@@ -1,6 +1,6 @@
 """Regenerate the README screenshot: drive the real app headless on the default model, save it mid-stream.
 
-    python -m apps.tui.demo docs/tui.svg [--png docs/tui.png]
+    python -m cortexstream.tui.demo docs/tui.svg [--png docs/tui.png]
 
 Scripted like a user would do it: a two-turn chat (its first turn's blocks stay in the prefix cache), then three
 conversations streaming at once (two share the system prompt's block, the third runs StreamingLLM). Run it with
@@ -19,8 +19,8 @@ from typing import Callable
 from textual.pilot import Pilot
 from textual.widgets import Input
 
-from apps.tui.app import CortexStreamApp
-from apps.tui.config import TuiConfig
+from cortexstream.tui.app import CortexStreamApp
+from cortexstream.tui.config import TuiConfig
 
 
 async def _until(pilot: Pilot, condition: Callable[[], bool], timeout: float = 600.0) -> None:

@@ -27,8 +27,9 @@ from typing import Any, Callable
 
 from textual.message import Message
 
-from apps.tui.messages import ConversationCleared, EngineError, EngineReady, ReplyDelta, RequestFailed, StatsUpdate
-from apps.tui.snapshot import SnapshotBuilder
+from cortexstream.tui.messages import (ConversationCleared, EngineError, EngineReady, ReplyDelta, RequestFailed,
+                                      StatsUpdate)
+from cortexstream.tui.snapshot import SnapshotBuilder
 from cortexstream.engine.client import ThreadedClient
 from cortexstream.engine.engine import Engine, RequestOutput
 from cortexstream.errors import CortexStreamError

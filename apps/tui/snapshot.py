@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from apps.tui.messages import (
+from cortexstream.tui.messages import (
     FLAG_CACHED,
     FLAG_TRIMMED,
     FREE,

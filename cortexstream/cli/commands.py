@@ -262,6 +262,6 @@ def run_tui(args: argparse.Namespace) -> int:
     from cortexstream.cli.preflight import check_tui_options
 
     check_tui_options(args)  # before the screen is taken over
-    from apps.tui.app import main as tui_main
+    from cortexstream.tui.app import main as tui_main
 
     return tui_main(args)

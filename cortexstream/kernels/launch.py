@@ -8,6 +8,7 @@ launch with the body compiled as C++. So everything except the Metal compiler an
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -22,10 +23,21 @@ METAL_DIR_ENV = "CORTEXSTREAM_METAL_DIR"
 TemplateValue = int | bool | mx.Dtype
 
 
+# The repository's top-level `metal/` folder installs as this data package (pyproject.toml maps it at build
+# time), so a wheel and an editable checkout find the sources the same way and nothing climbs the tree.
+METAL_PACKAGE = "cortexstream.kernels.metal"
+
+
 def metal_dir() -> Path:
-    """Folder of the kernel body sources: $CORTEXSTREAM_METAL_DIR, else `metal/` at the repository root."""
+    """Folder of the kernel body sources: $CORTEXSTREAM_METAL_DIR, else the installed `cortexstream.kernels.metal`."""
     override = os.environ.get(METAL_DIR_ENV)
-    return Path(override) if override else Path(__file__).resolve().parents[2] / "metal"
+    if override:
+        return Path(override)
+    spec = importlib.util.find_spec(METAL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"the Metal kernel sources ({METAL_PACKAGE}) are not installed: install the package "
+                                f"(`pip install .` or `pip install -e .`) or set {METAL_DIR_ENV}")
+    return Path(spec.origin).parent
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from textual.color import Color
 from textual.widget import Widget
 from textual.widgets import Static
 
-from apps.tui.messages import FLAG_CACHED, FLAG_TRIMMED, FREE, OTHER, SHARED, EngineSnapshot
+from cortexstream.tui.messages import FLAG_CACHED, FLAG_TRIMMED, FREE, OTHER, SHARED, EngineSnapshot
 
 PALETTE = ("#4ea1ff", "#ff9f43", "#2ed573", "#ff6b81", "#b388ff", "#00d2d3", "#feca57", "#ff7f50")
 FREE_STYLE = "#5c5c5c"

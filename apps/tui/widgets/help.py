@@ -10,7 +10,7 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from apps.tui.widgets.block_map import FREE_STYLE, GLYPH, SHARED_STYLE
+from cortexstream.tui.widgets.block_map import FREE_STYLE, GLYPH, SHARED_STYLE
 
 KEYS = (
     ("Enter", "send the message (the whole conversation is the prompt)"),

@@ -15,8 +15,8 @@ from rich.table import Table
 from rich.text import Text
 from textual.widgets import Static
 
-from apps.tui.messages import EngineSnapshot
-from apps.tui.widgets.block_map import GLYPH, conv_color
+from cortexstream.tui.messages import EngineSnapshot
+from cortexstream.tui.widgets.block_map import GLYPH, conv_color
 
 MIB = 1024 * 1024
 

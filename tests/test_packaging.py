@@ -1,0 +1,87 @@
+"""An installed copy is the checkout: the wheel carries the Metal sources, the TUI and the shipped weights under
+`cortexstream/`, installs nothing as a top-level `apps`, and its package list matches the source tree.
+
+The wheel is built from a copy of the sources in a temporary folder (so no `build/` lands in the checkout) with
+the setuptools of this environment; the full install into a fresh venv and a `cortexstream generate` from
+outside the tree is a manual check (it needs the dependencies' wheels), reported with the change.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+ROOT = Path(__file__).resolve().parents[1]
+# pyproject.toml's build-time mapping of folders outside cortexstream/ into the package
+MAPPED = {"cortexstream.tui": ROOT / "apps" / "tui", "cortexstream.kernels.metal": ROOT / "metal"}
+
+
+def _pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+
+
+def _packages_in_tree() -> set[str]:
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "cortexstream").rglob("__init__.py")}
+    for name, folder in MAPPED.items():
+        found |= {".".join([name, *p.parent.relative_to(folder).parts]) for p in folder.rglob("__init__.py")}
+    return {name for name in found if "__pycache__" not in name}
+
+
+def test_the_package_list_covers_every_package_folder():
+    setuptools = _pyproject()["tool"]["setuptools"]
+    assert set(setuptools["packages"]) == _packages_in_tree()
+    assert {k: (ROOT / v).resolve() for k, v in setuptools["package-dir"].items()} == MAPPED
+
+
+def test_the_editable_install_finds_the_tui_and_the_metal_sources():
+    from cortexstream.kernels.launch import metal_dir
+    from cortexstream.tui.app import CortexStreamApp
+
+    assert Path(CortexStreamApp.CSS_PATH).is_file()
+    assert {p.name for p in metal_dir().glob("*.metal")} == {p.name for p in (ROOT / "metal").glob("*.metal")}
+
+
+@pytest.fixture(scope="module")
+def wheel_files(tmp_path_factory) -> set[str]:
+    try:
+        import setuptools
+    except ImportError:
+        pytest.skip("setuptools is not installed in this environment (needed to build the wheel offline)")
+    if int(setuptools.__version__.split(".")[0]) < 68:
+        pytest.skip(f"setuptools {setuptools.__version__} is older than pyproject.toml's build requirement (>= 68)")
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for name in ("cortexstream", "apps", "metal"):
+        shutil.copytree(ROOT / name, src / name, ignore=ignore)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(out)], check=True, capture_output=True, timeout=600)
+    (wheel,) = out.glob("cortexstream-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        return set(zf.namelist())
+
+
+def test_the_wheel_carries_metal_sources_tui_and_weights(wheel_files):
+    for source in (ROOT / "metal").glob("*.metal"):
+        assert f"cortexstream/kernels/metal/{source.name}" in wheel_files
+    for module in (ROOT / "apps" / "tui").rglob("*.py"):
+        assert f"cortexstream/tui/{module.relative_to(ROOT / 'apps' / 'tui').as_posix()}" in wheel_files
+    assert "cortexstream/tui/app.tcss" in wheel_files
+    for folder in ("compression", "sidecar"):
+        for weights in (ROOT / "cortexstream" / folder / "weights").glob("*.safetensors"):
+            assert f"cortexstream/{folder}/weights/{weights.name}" in wheel_files
+    assert "cortexstream/compression/weights/manifest.json" in wheel_files
+    assert "cortexstream/kernels/cpp_shim/metal_shim.h" in wheel_files
+
+
+def test_the_wheel_installs_nothing_outside_cortexstream(wheel_files):
+    tops = {name.split("/")[0] for name in wheel_files}
+    assert {top for top in tops if not top.endswith(".dist-info")} == {"cortexstream"}
