@@ -63,32 +63,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _ints(flag: str, text: str, minimum: int = 1) -> tuple[int, ...]:
-    values = tuple(int(x) for x in text.split(",") if x.strip())
+    from cortexstream.errors import InvalidArgumentError
+
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        values = ()
     if not values or any(v < minimum for v in values):
-        raise ValueError(f"{flag}: '{text}' must be integers >= {minimum} separated by commas")
+        raise InvalidArgumentError(f"{flag}: '{text}' must be integers >= {minimum} separated by commas")
     return values
+
+
+def _positive(flag: str, value: int) -> int:
+    if value < 1:
+        from cortexstream.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"{flag}: {value} must be an integer >= 1")
+    return value
 
 
 def _names(flag: str, text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
     names = tuple(x.strip() for x in text.split(",") if x.strip())
     unknown = [n for n in names if n not in allowed]
     if not names or unknown:
-        raise ValueError(f"{flag}: '{text}' must name some of {','.join(allowed)}")
+        from cortexstream.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"{flag}: '{text}' must name some of {','.join(allowed)}")
     return names
 
 
 def settings_from_args(a: argparse.Namespace) -> Settings:
     base = replace(Settings(), **QUICK, quick=True) if a.quick else Settings()
-    if a.rounds < 1 or a.max_tokens < 1:
-        raise ValueError("--rounds and --max-tokens must be >= 1")
     return replace(
         base,
         concurrency=_ints("--concurrency", a.concurrency) if a.concurrency else base.concurrency,
         prompt_tokens=_ints("--prompt-tokens", a.prompt_tokens, 4) if a.prompt_tokens else base.prompt_tokens,
         kinds=_names("--kinds", a.kinds, KINDS) if a.kinds else base.kinds,
-        max_tokens=a.max_tokens, rounds=a.rounds, parts=_names("--parts", a.parts, PARTS),
-        max_minutes=a.max_minutes, itl_streams=_ints("--itl-streams", str(a.itl_streams))[0],
-        admit_tokens=_ints("--admit-tokens", str(a.admit_tokens))[0],
+        max_tokens=_positive("--max-tokens", a.max_tokens), rounds=_positive("--rounds", a.rounds),
+        parts=_names("--parts", a.parts, PARTS), max_minutes=a.max_minutes,
+        itl_streams=_positive("--itl-streams", a.itl_streams), admit_tokens=_positive("--admit-tokens", a.admit_tokens),
         single_prompt_tokens=_ints("--single-prompt-tokens", a.single_prompt_tokens),
     )
 
