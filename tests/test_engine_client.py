@@ -92,3 +92,16 @@ def test_threaded_push_mode_hands_outputs_to_on_step(tiny):
             client.stream(rid)
     finally:
         client.close()
+
+
+def test_in_process_run_steps_to_completion_and_hands_out_every_output(tiny):
+    model, tokenizer = tiny
+    expected = [alone(model, tokenizer, p, 6) for p in prompts(3)]
+    client = InProcessClient(Engine(model, tokenizer, kv_tokens=1024, block_size=4))
+    ids = [client.submit(p, max_tokens=6) for p in prompts(3)]
+    outputs = client.run()
+    got = [[o.token for o in outputs if o.request_id == rid and o.token is not None] for rid in ids]
+    assert got == expected
+    assert client.stats()["running"] == 0 and not client.engine.has_unfinished
+    with pytest.raises(InvalidArgumentError):
+        client.stream(ids[0])  # run() handed the outputs out itself

@@ -19,8 +19,9 @@ releases the client (stops a thread, aborts what is left).
 
 Two implementations:
 
-* `InProcessClient(engine)`: no thread; the engine steps in the caller's thread while it reads a stream (or
-  calls `run()`). For scripts, tests and benchmarks that time the engine itself.
+* `InProcessClient(engine)`: no thread; the engine steps in the caller's thread while it reads a stream, or
+  `run()` steps until everything finished and returns all outputs. For scripts, tests and benchmarks that time
+  the engine itself.
 * `ThreadedClient(engine)`: the engine on its own thread (`ThreadedEngine`); every call is safe from any thread
   and `stream` blocks only its reader. For servers and UIs. With `on_step=` the outputs of every step go to that
   callback on the engine thread instead (push mode, as the TUI wants), and `stream` is not available.
@@ -102,10 +103,12 @@ class InProcessClient:
         return outputs
 
     def run(self) -> list[RequestOutput]:
-        """Step until every request finished; returns all outputs in order (they are also kept for `stream`)."""
+        """Step until every request finished; returns all outputs in order. They are handed out here only: the
+        requests' streams end (keeping every output for an unread stream would hold each step's logits)."""
         outputs: list[RequestOutput] = []
+        self._pending.clear()
         while self.engine.has_unfinished:
-            outputs.extend(self._step())
+            outputs.extend(self.engine.step())
         return outputs
 
     def abort(self, request_id: str) -> None:
