@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import mlx.core as mx
@@ -47,16 +47,22 @@ def batch_generate(
     kv_tokens: int | None = None,
     max_num_seqs: int | None = None,
     prefill_step_size: int = 512,
+    context_overflow: str = "warn",
     **sampling_kwargs: Any,
 ) -> BatchResponse:
     """Generate for every prompt concurrently; texts come back in prompt order.
 
     `kv_policy`: one policy (object or string) for every prompt, or a list with one per prompt (None: full cache).
+    Each request's max_tokens is cut to the model's context; a prompt longer than the context is warned about
+    (`context_overflow="warn"`) or refused (`"error"`).
 
     Stats: `prompt_*` covers the time until the last request got its first token, `generation_*` the decode
     tokens after that point. A request that cannot fit is reported in `errors` with its reason, never dropped.
     """
     from cortexstream.engine.engine import Engine
+    from cortexstream.engine.prompt import prompt_to_tokens
+    from cortexstream.engine.sizing import fit_to_context, private_arena_tokens
+    from cortexstream.policies.parsing import parse_policy
 
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise InvalidArgumentError(f"prompts: expected a list of prompts, got {type(prompts).__name__} "
@@ -70,17 +76,29 @@ def batch_generate(
     policies = list(kv_policy) if isinstance(kv_policy, (list, tuple)) else [kv_policy] * len(prompts)
     if len(policies) != len(prompts):
         raise InvalidArgumentError(f"kv_policy: {len(policies)} policies for {len(prompts)} prompts")
+    prompt_ids = []
+    for i, prompt in enumerate(prompts):
+        try:
+            prompt_ids.append(prompt_to_tokens(tokenizer, prompt))
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"prompts[{i}]: {exc}") from None
+    samplings = [replace(s, max_tokens=fit_to_context(model, len(t), s.max_tokens, context_overflow))
+                 for t, s in zip(prompt_ids, samplings)]
     if engine is None:
+        # A private engine costs what this job needs: an arena for every request's prompt + max_tokens at once
+        # (within the memory available), filled prompt-first: nothing waits for a stream to stay smooth.
+        jobs = [(len(t), s.max_tokens, parse_policy(k)) for t, s, k in zip(prompt_ids, samplings, policies)]
         engine = Engine(
             model, tokenizer,
-            kv_tokens=kv_tokens or max(16384, sum(len(p) if isinstance(p, list) else 512 for p in prompts)
-                                       + sum(limits)),
+            kv_tokens=kv_tokens or private_arena_tokens(model, jobs, block_size=16,
+                                                        prefill_step_size=prefill_step_size),
             max_num_seqs=max_num_seqs or len(prompts),
             prefill_step_size=prefill_step_size,
+            prefill_tokens_while_decoding=None,
         )
     mx.reset_peak_memory()
     start = time.perf_counter()
-    ids = [engine.add_request(p, s, kv_policy=k) for p, s, k in zip(prompts, samplings, policies)]
+    ids = [engine.add_request(t, s, kv_policy=k) for t, s, k in zip(prompt_ids, samplings, policies)]
     index = {rid: i for i, rid in enumerate(ids)}
     texts = [""] * len(ids)
     tokens: list[list[int]] = [[] for _ in ids]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 import mlx.core as mx
@@ -48,6 +48,7 @@ def stream_generate(
     prefill_step_size: int = 512,
     kv_policy: Any = None,
     engine: Any = None,
+    context_overflow: str = "warn",
     **sampling_kwargs: Any,
 ) -> Iterator[GenerationResponse]:
     """Yield a `GenerationResponse` per generated token; the last one carries `finish_reason`
@@ -72,23 +73,27 @@ def stream_generate(
         yield from _direct_generate(model, tokenizer, tokens, sampling, sampler, prompt_cache, prefill_step_size,
                                     kv_policy)
         return
-    yield from _engine_generate(model, tokenizer, tokens, sampling, kv_policy, engine, prefill_step_size)
+    yield from _engine_generate(model, tokenizer, tokens, sampling, kv_policy, engine, prefill_step_size,
+                                context_overflow)
 
 
 def _engine_generate(
     model: nn.Module, tokenizer: Any, tokens: list[int], sampling: SamplingParams, kv_policy: Any, engine: Any,
-    prefill_step_size: int,
+    prefill_step_size: int, context_overflow: str,
 ) -> Iterator[GenerationResponse]:
     from cortexstream.engine.engine import Engine
+    from cortexstream.engine.sizing import fit_to_context, private_arena_tokens
 
+    sampling = replace(sampling, max_tokens=fit_to_context(model, len(tokens), sampling.max_tokens,
+                                                           context_overflow))
     if engine is None:
         from cortexstream.policies.parsing import parse_policy
 
         kv_policy = parse_policy(kv_policy)
-        total = len(tokens) + sampling.max_tokens
-        bound = kv_policy.max_physical_tokens(total, prefill_step_size) if kv_policy is not None else None
-        engine = Engine(model, tokenizer, kv_tokens=min(total, bound or total) + 1, max_num_seqs=1,
-                        prefill_step_size=prefill_step_size, prefix_caching=False)
+        job = [(len(tokens), sampling.max_tokens, kv_policy)]
+        engine = Engine(model, tokenizer, max_num_seqs=1, prefill_step_size=prefill_step_size,
+                        prefix_caching=False, kv_tokens=private_arena_tokens(
+                            model, job, block_size=16, prefill_step_size=prefill_step_size))
     if sampling.max_tokens == 0:
         return
     start = time.perf_counter()
