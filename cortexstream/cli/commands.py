@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from cortexstream.cli.number_lists import at_least, fraction_list, int_list
 from cortexstream.errors import CortexStreamError
 from cortexstream.engine.sampling import SamplingParams
 from cortexstream.engine.text_input import has_surrogates, repair_text
@@ -208,6 +209,8 @@ def run_bench(args: argparse.Namespace) -> int:
     else:
         from cortexstream.benchmarks import single_stream
 
+        for option in ("prompt_tokens", "max_tokens", "repeats"):
+            at_least(getattr(args, option), "--" + option.replace("_", "-"), 1)
         payload = single_stream.run(args.model, args.prompt_tokens, args.max_tokens, args.out, args.repeats)
     print(open(f"{args.out}/{payload['benchmark']}.md", encoding="utf-8").read())
     return 0
@@ -217,16 +220,17 @@ def _run_bench_quality(args: argparse.Namespace) -> int:
     from cortexstream.benchmarks import quality
     from cortexstream.policies import parse_policy
 
-    def ints(text: str) -> tuple[int, ...]:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-
+    contexts = int_list(args.contexts, "--contexts", 16)
+    passkey_contexts = int_list(args.passkey_contexts, "--passkey-contexts", 16)
+    budgets = fraction_list(args.budgets, "--budgets")
+    for option in ("ppl_chunk", "passkey_trials", "passkey_chunk", "stream_tokens", "stream_cache"):
+        at_least(getattr(args, option), "--" + option.replace("_", "-"), 1)
     specs = tuple(p.strip() for p in args.passkey_policies.split(";") if p.strip())
     for spec in specs:
         parse_policy(spec)  # fail before loading anything
     quality.run(
-        args.model, args.out, quick=args.quick, contexts=ints(args.contexts),
-        budgets=tuple(float(x) for x in args.budgets.split(",") if x.strip()), ppl_chunk=args.ppl_chunk,
-        passkey_contexts=ints(args.passkey_contexts), passkey_policies=specs, passkey_trials=args.passkey_trials,
+        args.model, args.out, quick=args.quick, contexts=contexts, budgets=budgets, ppl_chunk=args.ppl_chunk,
+        passkey_contexts=passkey_contexts, passkey_policies=specs, passkey_trials=args.passkey_trials,
         passkey_chunk=args.passkey_chunk, stream_tokens=args.stream_tokens, stream_cache=args.stream_cache,
         parts=tuple(p.strip() for p in args.parts.split(",") if p.strip()), resume=args.resume,
         max_minutes=args.max_minutes,
@@ -242,9 +246,9 @@ def _run_bench_frontier(args: argparse.Namespace) -> int:
     def specs(text: str) -> tuple[str, ...]:
         return tuple(p.strip() for p in text.split(";") if p.strip())
 
-    contexts = tuple(int(x) for x in args.contexts.split(",") if x.strip())
-    if not contexts or any(c < 16 for c in contexts):
-        raise ValueError(f"--contexts: '{args.contexts}' must be integers >= 16 separated by commas")
+    contexts = int_list(args.contexts, "--contexts", 16)
+    for option in ("chunk", "passkey_context", "passkey_trials", "needle_context", "needle_trials"):
+        at_least(getattr(args, option), "--" + option.replace("_", "-"), 1)
     name = "frontier_quick" if args.quick else "frontier"
     frontier.run(
         args.model, args.out, contexts=(256,) if args.quick else contexts, policies=specs(args.policies),
