@@ -110,3 +110,11 @@ def test_weight_writers_are_atomic(tmp_path, monkeypatch):
             write()
         assert open(path, "rb").read() == before[path]
     assert sorted(os.listdir(tmp_path)) == ["w.pth", "w.safetensors"]
+
+
+def test_train_with_an_unwritable_out_fails_before_loading(capsys):
+    from cortexstream.cli.main import main
+
+    assert main(["train", "compressor", "--out", "/proc/nope", "--model", "/never-loaded.gguf"]) == 1
+    assert capsys.readouterr().err.strip() == ("cortexstream: error: --out: /proc/nope: cannot write results there "
+                                               "(No such file or directory)")

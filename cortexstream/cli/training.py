@@ -35,4 +35,8 @@ def add_train_parsers(commands: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    if getattr(args, "out", None):
+        from cortexstream.atomic_files import check_output_dir
+
+        check_output_dir(args.out)  # a run directory that cannot be written fails now, not at the first checkpoint
     return int(_module(args.train_kind).run(args))
