@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -42,10 +43,15 @@ class Choice:
     logprobs: list[dict[str, Any]] = field(default_factory=list)
 
 
+# OpenAI's stand-in for a log-probability of -inf (JSON has no infinities).
+MIN_LOGPROB = -9999.0
+
+
 def chat_logprob_entry(event: TokenEvent, token_text: TokenText) -> dict[str, Any]:
     def item(token: int, logprob: float) -> dict[str, Any]:
         text = token_text(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        value = logprob if math.isfinite(logprob) else MIN_LOGPROB
+        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
 
     entry = item(event.token, event.logprob)
     entry["top_logprobs"] = [item(t, lp) for t, lp in event.top_logprobs]
