@@ -118,3 +118,15 @@ def test_train_with_an_unwritable_out_fails_before_loading(capsys):
     assert main(["train", "compressor", "--out", "/proc/nope", "--model", "/never-loaded.gguf"]) == 1
     assert capsys.readouterr().err.strip() == ("cortexstream: error: --out: /proc/nope: cannot write results there "
                                                "(No such file or directory)")
+
+
+def test_torn_training_caches_are_named(tmp_path):
+    from cortexstream.training.c2c import data as c2c_data
+    from cortexstream.training.compression.data import TeacherPool
+
+    torn = tmp_path / "cache.safetensors"
+    torn.write_bytes(b"\x40\x00\x00\x00\x00\x00\x00\x00{\"a\": {\"dtype\": \"F32\"")
+    with pytest.raises(ModelLoadError, match=rf"{torn}: malformed safetensors"):
+        c2c_data._load(str(torn), {})
+    with pytest.raises(ModelLoadError, match=rf"{torn}: malformed safetensors"):
+        TeacherPool.cached(str(torn), "fp", lambda: pytest.fail("rebuilt instead of reporting"))

@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from cortexstream.training.c2c.distill import Split, make_example, stack
 from cortexstream.errors import InvalidArgumentError
+from cortexstream.models.safetensors_check import check_safetensors
 
 DEFAULT_SKIP = 65536
 _META = "cortexstream.c2c.examples"
@@ -50,6 +51,7 @@ def _save(path: str, data: dict[str, Any], meta: dict[str, Any]) -> None:
 def _load(path: str, meta: dict[str, Any]) -> dict[str, Any] | None:
     if not os.path.exists(path):
         return None
+    check_safetensors(path)  # a damaged cache is named, not a terse MLX error
     arrays, saved = mx.load(path, return_metadata=True)
     if saved.get(_META) != json.dumps(meta, sort_keys=True):
         return None

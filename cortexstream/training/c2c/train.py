@@ -29,6 +29,7 @@ from cortexstream.c2c.fusion import CacheFuser
 from cortexstream.c2c.porting import _describe, save_fuser
 from cortexstream.c2c.projector import C2CProjectorFuser
 from cortexstream.errors import InvalidArgumentError
+from cortexstream.models.safetensors_check import check_safetensors
 from cortexstream.training.c2c.data import size, take
 from cortexstream.training.c2c.distill import distill_terms, fused_forward
 from cortexstream.training.checkpoints import save_checkpoint
@@ -104,7 +105,9 @@ def train_fuser(fuser: CacheFuser, receiver: Any, data: dict[str, Any], out_dir:
     state: dict[str, Any] = {"step": 0, "train": asdict(cfg), "fuser": _shape_of(fuser), "history": []}
     saved = load_resumable(out_dir, asdict(cfg), {"fuser": state["fuser"]}) if resume else None
     if saved is not None:
-        fuser.load_weights(list(mx.load(os.path.join(out_dir, "fuser.safetensors")).items()), strict=True)
+        weights = os.path.join(out_dir, "fuser.safetensors")
+        check_safetensors(weights)  # missing or torn: named, not a terse MLX error
+        fuser.load_weights(list(mx.load(weights).items()), strict=True)
         load_optimizer_state(out_dir, opt)
         state = saved
     fuser.train()

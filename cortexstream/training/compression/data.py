@@ -30,6 +30,7 @@ from tqdm import tqdm
 from cortexstream.compression.compressor import head_dim_of
 from cortexstream.training.compression.objective import PrefixCache, logits_of
 from cortexstream.errors import InvalidArgumentError
+from cortexstream.models.safetensors_check import check_safetensors
 
 # `bench quality` scores the first ~20k tokens of wiki_text() (perplexity at 2k/4k and more); keep out of them.
 BENCHMARK_TOKENS = 20_000
@@ -131,6 +132,7 @@ class TeacherPool:
     def cached(cls, path: str, fingerprint: str, build: Callable[[], "TeacherPool"]) -> "TeacherPool":
         """The pool stored at `path` if its fingerprint matches, else `build()` (then stored there)."""
         if os.path.exists(path):
+            check_safetensors(path)  # a damaged cache is named, not a terse MLX error
             arrays, meta = mx.load(path, return_metadata=True)
             if meta.get("fingerprint") == fingerprint:
                 pool = cls.__new__(cls)

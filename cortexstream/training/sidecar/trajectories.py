@@ -34,6 +34,8 @@ from typing import Any, Iterable, Iterator, Sequence
 import mlx.core as mx
 import numpy as np
 
+from cortexstream.models.safetensors_check import check_safetensors
+
 FORMAT = "cortexstream-sidecar-trajectories/1"
 FLOAT_FIELDS = ("window_keys", "window_values", "queries", "rest_keys", "rest_values")
 ROW_FIELDS = FLOAT_FIELDS + ("rest_bias", "window_share", "group", "layer", "head", "start", "sequence",
@@ -274,7 +276,9 @@ class TrajectoryStore:
         return float(self.meta["scale"])
 
     def load_chunk(self, index: int) -> dict[str, mx.array]:
-        arrays = mx.load(os.path.join(self.directory, self.meta["chunks"][index]["file"]))
+        path = os.path.join(self.directory, self.meta["chunks"][index]["file"])
+        check_safetensors(path)  # a damaged chunk is named, not a terse MLX error
+        arrays = mx.load(path)
         return {name: a.astype(mx.float32) if name in FLOAT_FIELDS else a for name, a in arrays.items()}
 
     def load_all(self) -> dict[str, mx.array]:
