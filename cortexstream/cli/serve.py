@@ -8,7 +8,8 @@ import sys
 
 def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, SSE streaming)")
-    serve.add_argument("--model", default=None, help="GGUF file, model directory or hub repo id (default: smollm2-135m)")
+    serve.add_argument("--model", default=None,
+                       help="GGUF file, model directory or hub repo id (default: smollm2-135m)")
     serve.add_argument("--model-name", default=None, help="id the API serves the model as (default: from --model)")
     serve.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
     serve.add_argument("--host", default="127.0.0.1")
@@ -65,6 +66,7 @@ def run_serve(args: argparse.Namespace) -> int:
     print(banner(f"http://{args.host}:{args.port}", config.model_name,
                  f"{backend.device} ({'Metal' if backend.metal else 'CPU'}), BLAS {backend.blas}", arena_text,
                  tenants), flush=True)
-    code = serve_app(app, args.host, args.port, args.shutdown_timeout, 16 * 1024, args.log_level)
+    # uvicorn's own header limit sits well above ours, so the middleware answers oversized headers with 413.
+    code = serve_app(app, args.host, args.port, args.shutdown_timeout, 4 * config.max_header_bytes, args.log_level)
     print("cortexstream serve: stopped", file=sys.stderr, flush=True)
     return code

@@ -1,8 +1,8 @@
 """Parallel sampling (`n > 1`) without a second prefill: children forked from a parent sequence.
 
 The parent is queued as an ordinary request carrying a `SequenceHook` before its last prompt token. The
-scheduler calls it between forward passes once every prompt token but the last is in the KV. The hook then creates one child
-sequence per extra completion. Each child takes the parent's block table by reference (`BlockAllocator.share`),
+scheduler calls it between forward passes once every prompt token but the last is in the KV. The hook then
+creates one child sequence per extra completion. Each child takes the parent's block table by reference (`BlockAllocator.share`),
 so the prompt's blocks are counted once in the arena, and joins the running queue with exactly one pending
 token: the last prompt token. The scheduler puts that token into the next decode batch with the parent's own, so
 every completion samples its first token from the same prompt KV. The only block a child ever copies is the

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,6 @@ class ServerConfig:
     handoff: str = "per_step"  # "per_token" only for the hand-off diagnostic
     default_chat_max_tokens: int = 256
     default_completion_max_tokens: int = 16  # OpenAI's default for /v1/completions
-    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:

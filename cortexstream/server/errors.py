@@ -60,7 +60,13 @@ def _api_error(request: Request, exc: APIError) -> JSONResponse:
     return error_response(exc)
 
 
+def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    # A bug of ours, not the client's: still OpenAI's body, and the worker stays up.
+    return error_response(APIError(500, f"internal error: {type(exc).__name__}", code="internal_error"))
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(Exception, _unexpected)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from cortexstream.errors import CortexStreamError, InvalidArgumentError
 from cortexstream.server.bridge import RequestHandle, TokenEvent
 from cortexstream.server.errors import APIError, error_body
 from cortexstream.server.kv_view import kv_snapshot
@@ -88,7 +88,12 @@ async def _serve(request: Request, kind: str, body: Any, prepared: PreparedReque
     want_logprobs = job.top_logprobs is not None
     builder = ResponseBuilder(kind, prepared.response_id, state.model_name, len(job.request_ids),
                               prepared.prompt_tokens, state.token_text, want_logprobs)
-    handle = await state.bridge.submit(job)
+    try:
+        handle = await state.bridge.submit(job)
+    except InvalidArgumentError as exc:  # refused by the engine's own checks
+        raise APIError(400, str(exc)) from exc
+    except CortexStreamError as exc:  # the engine thread is stopping or gone
+        raise APIError(503, f"engine unavailable: {exc}", code="engine_unavailable") from exc
     state.metrics.on_accepted(prepared.prompt_tokens)
     disconnected = asyncio.ensure_future(_wait_disconnect(request))
     try:
@@ -172,7 +177,3 @@ def token_text_for(tokenizer: Any) -> Any:
         return value
 
     return text
-
-
-def unix_time() -> int:
-    return int(time.time())
