@@ -1,6 +1,6 @@
 """Micro-benchmark: indexed BlockAllocator vs naive linear-scan allocators on random alloc/free.
 
-Run: ``python bench/bench_allocator.py`` (about 30 s on 2 cores). Writes
+Run: ``python -m cortexstream.benchmarks.allocator`` (about 30 s on 2 cores). Writes
 bench/results/allocator.json and bench/results/allocator.md.
 
 Workloads (same seed for every allocator): a pool of N blocks is driven to a target occupancy by
@@ -20,21 +20,16 @@ Baselines, both first fit over a ``bytearray`` bitmap (1 = used):
 
 from __future__ import annotations
 
-import json
-import os
 import platform
 import random
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from cortexstream.errors import OutOfBlocksError  # noqa: E402
-from cortexstream.kv.allocator import BlockAllocator  # noqa: E402
+from cortexstream.benchmarks.common import write_results
+from cortexstream.benchmarks.machine import machine, machine_sentence
+from cortexstream.errors import OutOfBlocksError
+from cortexstream.kv.allocator import BlockAllocator
 
 SIZES = (4096, 16384, 65536)
 WORKLOADS = {"steady": (0.75, 64), "pressure": (0.95, 256)}  # name: (target occupancy, max request)
@@ -199,27 +194,26 @@ def main() -> None:
                     flush=True,
                 )
     elapsed = time.perf_counter() - t_start
-    out_dir = ROOT / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = "bench/results"
     meta = {
         "python": platform.python_version(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared)",
+        "machine": machine(),
         "workloads": {k: {"target_occupancy": t, "request_blocks": [1, m]} for k, (t, m) in WORKLOADS.items()},
         "p_alloc": P_ALLOC,
         "seed": SEED,
         "elapsed_s": round(elapsed, 1),
     }
-    (out_dir / "allocator.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
-    (out_dir / "allocator.md").write_text(to_markdown(meta, results))
-    print(f"wrote {out_dir / 'allocator.json'} and allocator.md in {elapsed:.1f} s")
+    json_path, _ = write_results(out_dir, "allocator", {"meta": meta, "results": results}, to_markdown(meta, results))
+    print(f"wrote {json_path} and allocator.md in {elapsed:.1f} s")
 
 
 def to_markdown(meta: dict, results: list[dict]) -> str:
     by = {(r["workload"], r["allocator"], r["num_blocks"]): r for r in results}
+    where = meta["machine"] if isinstance(meta["machine"], str) else machine_sentence(meta["machine"])  # older: str
     lines = [
         "# Block allocator micro-benchmark",
         "",
-        f"`python bench/bench_allocator.py` on Python {meta['python']}, {meta['machine']}; "
+        f"`python -m cortexstream.benchmarks.allocator` on Python {meta['python']}, {where}; "
         f"{meta['elapsed_s']} s in all. Contiguous allocate/free, mean time per allocator call "
         "(best of 3 interleaved runs for indexed and naive-find), lower is better. See the script's docstring "
         "for the workloads.",

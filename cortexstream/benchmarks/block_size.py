@@ -1,6 +1,6 @@
 """Block size vs batched decode attention: contiguous and interleaved block tables, `blocks` strategy, batch 8.
 
-Run: ``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python bench/bench_block_size.py``
+Run: ``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python -m cortexstream.benchmarks.block_size``
 (about 1 min; ``--engine``: also the engine end to end on SmolLM2, about 8 min more). Writes
 bench/results/block_size.json and .md. The engine's paged block manager gives a growing
 sequence one block at a time, so in the engine the tables of concurrent sequences interleave (sequence i owns
@@ -14,22 +14,21 @@ alternated. Measurement only: the engine's default block size is not changed by 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import mlx.core as mx
-from arena_attention.cases import ArenaDecodeBatch, MlxLm  # bench/arena_attention/
-from arena_attention.common import HEAD_DIM, KV_HEADS, SEED, SPARE, interleave, make_inputs, versus
-from arena_attention.meta import machine_line, machine_meta, steps_sentence
+from cortexstream.benchmarks.arena_attention.cases import ArenaDecodeBatch, MlxLm
+from cortexstream.benchmarks.arena_attention.common import HEAD_DIM, KV_HEADS, SEED, SPARE, interleave, make_inputs, versus
+from cortexstream.benchmarks.arena_attention.meta import machine_line, machine_meta, steps_sentence
 from rich.progress import Progress
 
+from cortexstream.benchmarks.common import write_results
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_config import ArenaConfig
 from cortexstream.kv.sequence_kv import SequenceKV
 
-ROOT = Path(__file__).resolve().parents[1]
 BATCH = 8
 BLOCK_SIZES = (16, 32, 64, 128)
 CONTEXTS = (512, 2048, 8192)
@@ -111,7 +110,7 @@ def to_markdown(data: dict) -> str:
     meta = data["meta"]
     lines = [
         "# Block size vs batched decode attention (batch 8, `blocks` strategy)", "",
-        f"{machine_line(meta, 'python bench/bench_block_size.py')} {steps_sentence(meta)} Ratio x mlx-lm's "
+        f"{machine_line(meta, 'python -m cortexstream.benchmarks.block_size')} {steps_sentence(meta)} Ratio x mlx-lm's "
         "`KVCache` (paired ratio in brackets). Interleaved = sequence i owns blocks i, i+8, ... (what the engine's "
         "one-block-at-a-time growth produces). Every output matched mlx-lm's to "
         f"{max(r['max_abs_diff_vs_mlx_lm'] for r in data['rows']):.0e}.", "",
@@ -140,7 +139,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--engine", action="store_true", help="also the engine end to end on SmolLM2")
     parser.add_argument("--engine-repeats", type=int, default=3)
     args = parser.parse_args()
@@ -156,10 +155,8 @@ def main() -> None:
         if args.engine:
             data["engine"] = engine_decode([(128, 128), (768, 48)], args.engine_repeats, progress)
     data["meta"]["elapsed_s"] = time.perf_counter() - t0
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "block_size.json").write_text(json.dumps(data, indent=1) + "\n")
     markdown = to_markdown(data)
-    (args.out / "block_size.md").write_text(markdown)
+    write_results(str(args.out), "block_size", data, markdown)
     print(markdown)
 
 

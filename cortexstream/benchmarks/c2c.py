@@ -20,7 +20,8 @@ import os
 import time
 from typing import Any
 
-from cortexstream.benchmarks.common import machine, write_results
+from cortexstream.benchmarks.common import write_results
+from cortexstream.benchmarks.machine import machine
 
 # How the cross-model learning rate was chosen (stated in the report, since it touched the held-out windows).
 CROSS_LR = 1e-4

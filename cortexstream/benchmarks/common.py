@@ -1,28 +1,13 @@
-"""Shared benchmark helpers: machine description, real-text prompts, result files."""
+"""Shared benchmark helpers: real-text prompts, percentiles, result files (the machine record: `machine.py`)."""
 
 from __future__ import annotations
 
 import os
-import platform
 from typing import Any
 
 from cortexstream.atomic_files import write_json_atomic, write_text_atomic
-
-
-def machine() -> dict[str, Any]:
-    import mlx.core as mx
-
-    from cortexstream.backend import backend_info
-
-    info = backend_info()
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "device": info.device,
-        "blas": info.blas,
-        "mlx": mx.__version__,
-    }
+# Temporary: throughput.py (being changed by another engineer right now) still imports `machine` from here.
+from cortexstream.benchmarks.machine import machine  # noqa: F401
 
 
 def real_text(min_chars: int = 200_000) -> str:

@@ -1,6 +1,6 @@
 """Decode-step floor: how much of a batched decode step an engine can change at all, on this machine.
 
-Run: ``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python bench/bench_decode_floor.py``
+Run: ``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python -m cortexstream.benchmarks.decode_floor``
 (about 3 min). Writes bench/results/decode_floor.json and decode_floor.md.
 
 Issue #4 asks the engine's decode tokens/s at concurrency 8 to be >= 1.25x `mlx_lm.batch_generate`'s. Both run
@@ -30,17 +30,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from cortexstream.benchmarks.common import machine, prompt_token_lists, write_results  # noqa: E402
+from cortexstream.benchmarks.common import prompt_token_lists, write_results
+from cortexstream.benchmarks.machine import machine, model_record
 
 
 def _mlx_lm_stepper(model: Any, prompts: list[list[int]]) -> Callable[[], None]:
@@ -98,7 +95,7 @@ def _exp_only_attention(queries: mx.array, keys: mx.array, values: mx.array, cac
 def run(context: int, batches: list[int], warmup: int, steps: int, out_dir: Path) -> dict[str, Any]:
     import mlx_lm.models.llama as llama_module
 
-    from cortexstream.models.loader import load, model_info
+    from cortexstream.models.loader import load
 
     model, tokenizer = load(None)
     results = []
@@ -140,7 +137,7 @@ def run(context: int, batches: list[int], warmup: int, steps: int, out_dir: Path
             "attention_and_cache_share_of_mlx_lm_step": 1 - med["floor"] / med["mlx_lm"],
         })
         print(json.dumps(results[-1]))
-    payload = {"benchmark": "decode_floor", "machine": machine(), "model": model_info(model).as_dict(),
+    payload = {"benchmark": "decode_floor", "machine": machine(), "model": model_record(model),
                "warmup": warmup, "steps": steps, "results": results}
     write_results(str(out_dir), "decode_floor", payload, _markdown(payload))
     return payload
@@ -151,7 +148,7 @@ def _markdown(payload: dict[str, Any]) -> str:
     lines = [
         "# Decode-step floor: what an engine can change in a batched decode step",
         "",
-        f"`python bench/bench_decode_floor.py`; model {payload['model'].get('source')} "
+        f"`python -m cortexstream.benchmarks.decode_floor`; model {payload['model'].get('source')} "
         f"({payload['model'].get('weights')}); machine {m['platform']}, {m['cpu_count']} cores, {m['device']}, "
         f"BLAS {m['blas']}, mlx {m['mlx']}. Median of {payload['steps']} synchronous steps after {payload['warmup']} "
         "warm-up, the four systems interleaved step by step. See the script's docstring for definitions.",
@@ -179,7 +176,7 @@ def main() -> None:
     parser.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     run(args.context, [int(b) for b in args.batch.split(",")], args.warmup, args.steps, args.out)
 

@@ -19,9 +19,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from cortexstream.atomic_files import read_json_file, write_json_atomic
-from cortexstream.benchmarks.common import machine
 from cortexstream.benchmarks.frontier_report import write_frontier_report
+from cortexstream.benchmarks.result_store import ResultStore
 from cortexstream.errors import CortexStreamError
 from cortexstream.evaluation.perplexity import token_nlls
 from cortexstream.evaluation.wiki_corpus import wiki_text
@@ -66,30 +65,12 @@ def score_cell(model: Any, ids: list[int], spec: str, chunk: int) -> dict[str, A
             "seconds": time.perf_counter() - tic}
 
 
-class _Doc:
-    def __init__(self, path: str, settings: dict[str, Any], resume: bool) -> None:
-        self.path = path
-        old = read_json_file(path, "results file") if resume and os.path.exists(path) else {}
-        for key in ("contexts", "policies", "passkey_policies", "needle_policies"):  # a resumed run adds to these
-            earlier = old.get("settings", {}).get(key, [])
-            settings[key] = earlier + [x for x in settings[key] if x not in earlier]
-        self.data: dict[str, Any] = {"benchmark": "frontier", "settings": settings, "machine": machine(),
-                                     "perplexity": old.get("perplexity", []), "passkey": old.get("passkey", []),
-                                     "needle": old.get("needle", []), "missing": [], "runs": old.get("runs", []),
-                                     "notes": old.get("notes", [])}
-
-    def has(self, part: str, **key: Any) -> bool:
-        return any(all(row.get(k) == v for k, v in key.items()) for row in self.data[part])
-
-    def add(self, part: str, row: dict[str, Any]) -> None:
-        self.data[part].append(row)
-        self.save()
-
-    def save(self) -> None:
-        write_json_atomic(self.path, self.data)  # a kill mid-write leaves the previous cells intact
+FRONTIER_PARTS = ("perplexity", "passkey", "needle", "missing", "runs", "notes")
+# settings lists a resumed run adds to (the earlier run's entries first)
+MERGED_SETTINGS = ("contexts", "policies", "passkey_policies", "needle_policies")
 
 
-def _buildable(spec: str, model: Any, doc: _Doc, log: Callable[[str], None]) -> bool:
+def _buildable(spec: str, model: Any, doc: ResultStore, log: Callable[[str], None]) -> bool:
     """Build the policy once (learned policies load their weights here) so a missing asset is reported, not fatal."""
     try:
         parse_policy(spec)
@@ -122,7 +103,8 @@ def run(model_source: str | None = None, out_dir: str = "bench/results", *, cont
                 "needle_policies": list(needle_policies), "needle_context": needle_context,
                 "needle_trials": needle_trials, "max_minutes": max_minutes}
     os.makedirs(out_dir, exist_ok=True)
-    doc = _Doc(os.path.join(out_dir, f"{name}.json"), settings, resume)
+    doc = ResultStore(os.path.join(out_dir, f"{name}.json"), "frontier", settings, FRONTIER_PARTS, resume=resume,
+                      fresh=("missing",), merged_settings=MERGED_SETTINGS)
     started = time.perf_counter()
 
     def due(what: str) -> bool:

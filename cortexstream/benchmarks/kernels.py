@@ -15,7 +15,8 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
-from cortexstream.benchmarks.common import machine, percentile, write_results
+from cortexstream.benchmarks.common import percentile, write_results
+from cortexstream.benchmarks.machine import machine
 from cortexstream.kernels import compress_gather as cg
 from cortexstream.kernels import evict_gather as eg
 from cortexstream.kernels import paged_attention as pa

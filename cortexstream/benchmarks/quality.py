@@ -25,9 +25,8 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
-from cortexstream.atomic_files import read_json_file, write_json_atomic
-from cortexstream.benchmarks.common import machine
 from cortexstream.benchmarks.passkey import passkey_prompt
+from cortexstream.benchmarks.result_store import ResultStore
 from cortexstream.benchmarks.quality_report import write_report
 from cortexstream.evaluation.perplexity import token_nlls
 from cortexstream.evaluation.wiki_corpus import wiki_text
@@ -46,23 +45,7 @@ def policies_for(budgets: list[float]) -> list[tuple[str, KVPolicy | None]]:
     return out
 
 
-class _Results:
-    """The JSON document, rewritten after every cell."""
-
-    def __init__(self, path: str, settings: dict[str, Any], resume: bool) -> None:
-        self.path = path
-        old = read_json_file(path, "results file") if resume and os.path.exists(path) else {}
-        self.data: dict[str, Any] = {"benchmark": "quality", "settings": settings, "machine": machine(),
-                                     "perplexity": old.get("perplexity", []), "passkey": old.get("passkey", []),
-                                     "streaming": old.get("streaming", []), "chunkcheck": old.get("chunkcheck", []),
-                                     "restart": old.get("restart", []), "runs": old.get("runs", [])}
-
-    def has(self, part: str, **key: Any) -> bool:
-        return any(all(row.get(k) == v for k, v in key.items()) for row in self.data[part])
-
-    def add(self, part: str, row: dict[str, Any]) -> None:
-        self.data[part].append(row)
-        write_json_atomic(self.path, self.data)  # a kill mid-write leaves the previous cells intact
+QUALITY_PARTS = ("perplexity", "passkey", "streaming", "chunkcheck", "restart", "runs")
 
 
 def _feed(model: Any, cache: list[Any], ids: list[int], chunk: int, context: int, logits: bool = False) -> Any:
@@ -194,7 +177,7 @@ def run(model_source: str | None = None, out_dir: str = "bench/results", *, quic
                 "stream_chunk": stream_chunk, "stream_reference": stream_reference, "max_minutes": max_minutes,
                 "seed": seed}
     name = "quality_quick" if quick else "quality"
-    results = _Results(os.path.join(out_dir, f"{name}.json"), settings, resume)
+    results = ResultStore(os.path.join(out_dir, f"{name}.json"), "quality", settings, QUALITY_PARTS, resume=resume)
     os.makedirs(out_dir, exist_ok=True)
     started = time.perf_counter()
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from cortexstream.benchmarks.common import machine, prompt_token_lists, write_results
+from cortexstream.benchmarks.common import prompt_token_lists, write_results
+from cortexstream.benchmarks.machine import machine, model_record
 
 
 def _cortexstream(model: Any, tokenizer: Any, prompt: list[int], max_tokens: int) -> dict[str, float]:
@@ -49,7 +50,7 @@ def _mlx_lm(model: Any, tokenizer: Any, prompt: list[int], max_tokens: int) -> d
 
 
 def run(model_source: str | None, prompt_tokens: int, max_tokens: int, out_dir: str, repeats: int = 3) -> dict:
-    from cortexstream.models.loader import load, model_info
+    from cortexstream.models.loader import load
 
     model, tokenizer = load(model_source)
     prompt = prompt_token_lists(tokenizer, 1, prompt_tokens)[0]
@@ -66,7 +67,7 @@ def run(model_source: str | None, prompt_tokens: int, max_tokens: int, out_dir: 
     payload = {
         "benchmark": "single_stream",
         "machine": machine(),
-        "model": model_info(model).as_dict(),
+        "model": model_record(model),
         "prompt_tokens": prompt_tokens,
         "max_tokens": max_tokens,
         "repeats": repeats,

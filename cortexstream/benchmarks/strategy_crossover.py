@@ -1,6 +1,6 @@
 """Where the batch strategies cross over on this CPU: `strided` vs `blocks` vs mlx-lm's KVCache, batch 8, by keys.
 
-Run: ``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python bench/bench_strategy_crossover.py``
+Run: ``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python -m cortexstream.benchmarks.strategy_crossover``
 (about 2 min; ``--steps`` / ``--contexts`` to change the sweep). Writes bench/results/strategy_crossover.json and
 .md. One attention layer of a decode step (SmolLM2 shapes: 9 query / 3 KV heads, head_dim 64, float32, block 16),
 timed exactly as experiment 1 of bench_arena_attention.py: the engine's DecodeBatch + SDPA hook with the strategy
@@ -19,14 +19,14 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from arena_attention.cases import ArenaDecodeBatch, MlxLm, make_sequences  # bench/arena_attention/
-from arena_attention.common import SEED, interleave, make_inputs, versus
-from arena_attention.meta import machine_line, machine_meta, steps_sentence
+from cortexstream.benchmarks.arena_attention.cases import ArenaDecodeBatch, MlxLm, make_sequences
+from cortexstream.benchmarks.arena_attention.common import SEED, interleave, make_inputs, versus
+from cortexstream.benchmarks.arena_attention.meta import machine_line, machine_meta, steps_sentence
 from rich.progress import Progress
 
+from cortexstream.benchmarks.common import write_results
 from cortexstream.engine import batch_attention
 
-ROOT = Path(__file__).resolve().parents[1]
 CONTEXTS = (256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288)
 STRATEGIES = ("strided", "blocks")
 BATCH = 8
@@ -52,7 +52,7 @@ def to_markdown(data: dict) -> str:
     meta = data["meta"]
     lines = [
         "# Batch strategy crossover (batch 8, contiguous tables)", "",
-        f"{machine_line(meta, 'python bench/bench_strategy_crossover.py')} {steps_sentence(meta)} "
+        f"{machine_line(meta, 'python -m cortexstream.benchmarks.strategy_crossover')} {steps_sentence(meta)} "
         "Ratio = median / mlx-lm `KVCache` median; paired = median of same-round ratios. "
         "Engine choice = what `choose_strategy` picks at that length on CPU.", "",
         *[f"**Note:** {note}\n" for note in data.get("notes", [])],
@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=list(CONTEXTS))
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--note", action="append", default=[], help="a note for the report (repeatable)")
     parser.add_argument("--from-json", type=Path, help="do not measure: rewrite the report from this JSON")
     args = parser.parse_args()
@@ -101,10 +101,8 @@ def main() -> None:
 def write(data: dict, args: argparse.Namespace) -> None:
     if args.note:
         data["notes"] = list(args.note)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "strategy_crossover.json").write_text(json.dumps(data, indent=1) + "\n")
     markdown = to_markdown(data)
-    (args.out / "strategy_crossover.md").write_text(markdown)
+    write_results(str(args.out), "strategy_crossover", data, markdown)
     print(markdown)
 
 

@@ -16,7 +16,8 @@ import mlx.core as mx
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from . import ROOT
+from cortexstream.benchmarks.common import write_results
+
 from .attention import experiment_attention, experiment_pitfall, experiment_python_overhead
 from .common import BIG_CACHE, OPENBLAS, SEED
 from .layout import experiment_buffer_per_layer, experiment_layout, experiment_write_in_place
@@ -27,7 +28,7 @@ from .report import conclusions, to_markdown
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps (a smoke run, noisier numbers)")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="output folder")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"), help="output folder")
     parser.add_argument("--previous", type=Path, help="arena_attention.json of an earlier run: its experiment-1 "
                         "ratios are reported next to this run's (the machine is shared; one run is not enough)")
     parser.add_argument("--from-json", type=Path, help="do not measure: rewrite the report from this JSON")
@@ -70,6 +71,4 @@ def write(data: dict[str, Any], args: argparse.Namespace) -> None:
         previous = json.loads(args.previous.read_text())
         data["previous_run"] = {key: previous[key] for key in ("meta", "attention", "attention_big_cache")}
     data["conclusions"] = conclusions(data)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "arena_attention.json").write_text(json.dumps(data, indent=1) + "\n")
-    (args.out / "arena_attention.md").write_text(to_markdown(data))
+    write_results(str(args.out), "arena_attention", data, to_markdown(data))

@@ -1,16 +1,16 @@
-"""The machine record written into the JSON: platform, library versions, BLAS, shapes and run settings."""
+"""The record written into the JSON: the shared machine description (`benchmarks.machine`), shapes and settings."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
-from .common import BIG_CACHE, BLOCK, HEAD_DIM, KV_HEADS, OPENBLAS, Q_HEADS, SEED, SPARE
+from cortexstream.benchmarks.machine import machine, machine_sentence
+
+from .common import BIG_CACHE, BLOCK, HEAD_DIM, KV_HEADS, Q_HEADS, SEED, SPARE
 
 
 def openblas_loaded() -> bool:
@@ -26,30 +26,9 @@ def openblas_loaded() -> bool:
     return any(os.path.realpath(p) in maps or p in maps for p in preload)
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def machine_meta(args: argparse.Namespace, warmup: int, steps: int) -> dict:
-    import mlx_lm
-
     return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu": cpu_model(),
-        "cores": os.cpu_count(),
-        "cores_note": "shared with other workloads",
-        "mlx": mx.__version__,
-        "mlx_lm": mlx_lm.__version__,
-        "numpy": np.__version__,
-        "mlx_device": str(mx.default_device()),
-        "blas": f"OpenBLAS ({OPENBLAS} via LD_PRELOAD)" if openblas_loaded() else "NOT OpenBLAS-preloaded",
+        **machine(),
         "shapes": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "float32",
                    "block_size": BLOCK},
         "warmup": warmup,
@@ -64,8 +43,7 @@ def machine_meta(args: argparse.Namespace, warmup: int, steps: int) -> dict:
 
 def machine_line(meta: dict, command: str) -> str:
     """The first sentence of a report: the command, the machine and how long the run took."""
-    return (f"`{command}` on {meta['platform']}, {meta['cpu']}, {meta['cores']} cores (shared), MLX {meta['mlx']}, "
-            f"BLAS: {meta['blas']}; {meta['elapsed_s']:.0f} s.")
+    return f"`{command}` on {machine_sentence(meta)}; {meta['elapsed_s']:.0f} s."
 
 
 def steps_sentence(meta: dict) -> str:

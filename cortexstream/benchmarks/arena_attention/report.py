@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from cortexstream.benchmarks.machine import machine_sentence
+
 from .common import B1_STEPS_FACTOR, BIG_CACHE, CONTEXTS, TARGET
 
 
@@ -15,9 +17,8 @@ def to_markdown(data: dict) -> str:
     lines = [
         "# KV-arena attention benchmark",
         "",
-        f"`python bench/bench_arena_attention.py{' --quick' if meta['quick'] else ''}` on {meta['platform']}, "
-        f"{meta['cpu']}, {meta['cores']} cores (shared), MLX {meta['mlx']} ({meta['mlx_device']}), "
-        f"mlx-lm {meta['mlx_lm']}, BLAS: {meta['blas']}; {meta['elapsed_s']:.0f} s in all. "
+        f"`python -m cortexstream.benchmarks.arena_attention{' --quick' if meta['quick'] else ''}` on "
+        f"{machine_sentence(meta)}, mlx-lm {meta['mlx_lm']}; {meta['elapsed_s']:.0f} s in all. "
         f"One attention layer, 9 query / 3 KV heads, head_dim 64, float32, block 16. Median of {meta['steps']} "
         f"steps ({B1_STEPS_FACTOR * meta['steps']} at batch 1 in exp. 1) after {meta['warmup']} warm-up, variants "
         "interleaved; the machine is shared, so expect a few % of noise between runs; a step = write the new "
