@@ -28,3 +28,18 @@ def test_ordinary_views_and_shared_storages_still_load(tmp_path):
     tensors = load_checkpoint(path).tensors
     assert np.array_equal(np.array(tensors["t"]), base.t().numpy())
     assert np.array_equal(np.array(tensors["row"]), base[1].numpy())
+
+
+def test_compressed_zip_records_are_refused(tmp_path):
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(1000)}, buf)
+    source = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    path = tmp_path / "deflated.pth"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as out:
+        for info in source.infolist():
+            out.writestr(info.filename, source.read(info))
+    with pytest.raises(ModelLoadError, match="deflated.pth: record '.*' is compressed"):
+        load_checkpoint(str(path))

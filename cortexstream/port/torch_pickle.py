@@ -241,6 +241,12 @@ def _storage_from_pid(source: str, data: tuple, storages: dict[str, Storage]) ->
 
 def _read_zip(path: str) -> Any:
     with zipfile.ZipFile(path) as zf:
+        for info in zf.infolist():
+            # torch.save stores every record uncompressed; inflating one would let a small file ask for any
+            # amount of memory (a zip bomb), and reading a stored record takes at most the file's own size.
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise ModelLoadError(f"{path}: record '{info.filename}' is compressed; torch.save checkpoints "
+                                     "store every record uncompressed")
         names = zf.namelist()
         pkls = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(pkls) != 1:
