@@ -43,3 +43,17 @@ def test_compressed_zip_records_are_refused(tmp_path):
             out.writestr(info.filename, source.read(info))
     with pytest.raises(ModelLoadError, match="deflated.pth: record '.*' is compressed"):
         load_checkpoint(str(path))
+
+
+def test_legacy_storage_claiming_more_than_the_file_holds_is_refused(tmp_path):
+    import struct
+
+    values = torch.tensor([1.5, 2.5, 3.5, 4.5])
+    path = tmp_path / "legacy.pt"
+    torch.save({"w": values}, str(path), _use_new_zipfile_serialization=False)
+    data = bytearray(path.read_bytes())
+    at = data.index(struct.pack("<q", 4) + values.numpy().tobytes())
+    data[at:at + 8] = struct.pack("<q", 2**60)
+    path.write_bytes(data)
+    with pytest.raises(ModelLoadError, match=r"legacy.pt: storage '.*' claims 1152921504606846976 elements"):
+        load_checkpoint(str(path))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import io
+import os
 import pickle
 import struct
 import tarfile
@@ -299,6 +300,10 @@ def _read_legacy(path: str, f: BinaryIO) -> Any:
         head = f.read(8)
         dt = np.dtype(NUMPY_DTYPES[st.dtype])
         numel = struct.unpack("<q", head)[0] if len(head) == 8 else -1
+        left = os.fstat(f.fileno()).st_size - f.tell()
+        if numel * dt.itemsize > left:  # never ask the allocator for more than the file still holds
+            raise ModelLoadError(f"{path}: storage '{key}' claims {numel} elements ({numel * dt.itemsize} bytes), "
+                                 f"only {left} bytes are left (truncated or corrupt legacy checkpoint)")
         raw = f.read(numel * dt.itemsize) if numel >= 0 else b""
         if numel < 0 or len(raw) != numel * dt.itemsize:
             raise ModelLoadError(f"{path}: truncated legacy checkpoint while reading storage '{key}'")
