@@ -64,7 +64,7 @@ def run_serve(args: argparse.Namespace) -> int:
     arena_text = (f"{arena.config.num_blocks} blocks x {arena.config.block_size} tokens = {arena.config.num_slots} "
                   f"tokens, {arena.config.total_bytes / 2**20:.0f} MiB ({arena.config.dtype})")
     print(banner(f"http://{args.host}:{args.port}", config.model_name,
-                 f"{backend.device} ({'Metal' if backend.metal else 'CPU'}), BLAS {backend.blas}", arena_text,
+                 f"{'Metal GPU' if backend.metal else 'CPU backend'}, BLAS {backend.blas}, mlx {backend.mlx_version}", arena_text,
                  tenants), flush=True)
     # uvicorn's own header limit sits well above ours, so the middleware answers oversized headers with 413.
     code = serve_app(app, args.host, args.port, args.shutdown_timeout, 4 * config.max_header_bytes, args.log_level)
