@@ -89,7 +89,7 @@ class BlockManager:
     def waits_for_shared_prefix(self, seq: Sequence) -> bool:
         """True when the next prompt block `seq` would compute is being computed by an admitted sequence: it
         should wait for that block to reach the prefix cache (one prefill of a shared prefix, not one each)."""
-        if not self._pending or not self.prefix_caching:
+        if not self._pending or not self.prefix_caching or not seq.uses_arena:
             return False
         hits, hashes = self._match(seq)
         if (len(hits) + 1) * self.block_size > len(seq.prompt_ids):
@@ -210,7 +210,7 @@ class BlockManager:
         """Whether `seq` fits now: free blocks plus reclaimable cached ones (not counting its own hits)."""
         hits, _ = self._match(seq)
         hit_set = set(hits)
-        need = self._admission_need(seq, hits)
+        need = self._admission_need(seq, hits) if seq.uses_arena else 0
         if need <= self.allocator.num_free_blocks:
             return True
         reclaimable = sum(1 for b in self._lru if b not in hit_set and self.allocator.ref_count(b) == 1)
@@ -218,6 +218,9 @@ class BlockManager:
 
     def admit(self, seq: Sequence) -> None:
         """Give `seq` its prefix-cache hits plus fresh blocks for the rest. OutOfBlocksError changes nothing."""
+        if not seq.uses_arena:  # its KV lives in the caller's cache
+            seq.num_computed = seq.num_physical = seq.num_cached_prefix = 0
+            return
         hits, hashes = self._match(seq)
         need = self.blocks_for(seq.num_tokens) - len(hits)
         seq.block_table[:] = hits  # so that the reservation counts what the hits already cover
@@ -242,6 +245,8 @@ class BlockManager:
     def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Room for `num_new_tokens` more physical tokens, including a free block for each shared block the
         write touches (the runner copies it on write). False, with nothing changed, when it cannot be had."""
+        if not seq.uses_arena:
+            return True
         bs = self.block_size
         first, last = seq.num_physical // bs, (seq.num_physical + num_new_tokens - 1) // bs
         shared = sum(

@@ -22,6 +22,7 @@ import mlx.nn as nn
 
 from cortexstream.backend import ensure_buffer_cache
 from cortexstream.engine.block_manager import BlockManager
+from cortexstream.engine.bound_cache import BoundCache
 from cortexstream.engine.runner import ModelRunner
 from cortexstream.engine.scheduler import Scheduler, SchedulerConfig
 from cortexstream.engine.sequence import Sequence
@@ -55,10 +56,11 @@ class RequestOutput:
 
 
 class _RequestState:
-    def __init__(self, seq: Sequence, tokenizer: Any, eos_ids: set[int]) -> None:
+    def __init__(self, seq: Sequence, tokenizer: Any, eos_ids: set[int], sampler: Any = None) -> None:
         self.seq = seq
         self.text = TextStream(tokenizer, seq.sampling.stop)
-        self.sampler = seq.sampling.make_sampler()
+        self.custom_sampler = sampler is not None  # a caller's sampler(logprobs) -> token, mlx-lm style
+        self.sampler = sampler if sampler is not None else seq.sampling.make_sampler()
         self.processors = seq.sampling.make_logits_processors()
         self.eos_ids = eos_ids
 
@@ -121,9 +123,15 @@ class Engine:
         kv_policy: Any = None,
         tenant: str | None = None,
         request_id: str | None = None,
+        prompt_cache: list[Any] | None = None,
+        sampler: Any = None,
         **sampling_kwargs: Any,
     ) -> str:
-        """Queue a prompt (string, token ids or chat messages); returns its request id."""
+        """Queue a prompt (string, token ids or chat messages); returns its request id.
+
+        `prompt_cache`: run this request on the caller's per-layer caches (mlx-lm's `prompt_cache=`, e.g. to
+        continue a conversation) instead of arena blocks; `kv_policy` then attaches to that cache and travels
+        with it. `sampler`: a callable logprobs -> token used instead of the sampling parameters' own."""
         if sampling is None:
             sampling = sampling_from_kwargs(**sampling_kwargs)
         elif sampling_kwargs:
@@ -132,12 +140,19 @@ class Engine:
             raise InvalidArgumentError(f"sampling: expected a SamplingParams, got {type(sampling).__name__}")
         tokens = prompt_to_tokens(self.tokenizer, prompt)
         policy = self.kv_policy if kv_policy is None else parse_policy(kv_policy)
-        seq = Sequence(tokens, sampling, tenant=tenant, kv_policy=policy)
+        if sampler is not None and not callable(sampler):
+            raise InvalidArgumentError(f"sampler: expected a callable logprobs -> token, got {type(sampler).__name__}")
+        if prompt_cache is not None:
+            bound = BoundCache.bind(prompt_cache, self.model, None if kv_policy is None else policy,
+                                    len(tokens) + sampling.max_tokens)
+            seq = Sequence(tokens, sampling, tenant=tenant, bound_cache=bound, kv_from_tokens=False)
+        else:
+            seq = Sequence(tokens, sampling, tenant=tenant, kv_policy=policy)
         if request_id is not None:
             if request_id in self._states:
                 raise InvalidArgumentError(f"request_id: '{request_id}' is already in use")
             seq.request_id = request_id
-        self._states[seq.request_id] = _RequestState(seq, self.tokenizer, self._eos_ids)
+        self._states[seq.request_id] = _RequestState(seq, self.tokenizer, self._eos_ids, sampler)
         self.scheduler.add(seq)
         return seq.request_id
 
@@ -204,6 +219,8 @@ class Engine:
         need = 2
         for seq in scheduler.running:
             table = seq.block_table
+            if not seq.uses_arena:
+                continue
             if len(table) * bs < seq.num_tokens + 2 or allocator.ref_count(table[seq.num_physical // bs]) > 1:
                 need += 2
         return allocator.num_free_blocks >= need
@@ -265,7 +282,7 @@ class Engine:
             for processor in state.processors:
                 logits = processor(history, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if state.seq.sampling.greedy:
+        if state.seq.sampling.greedy and not state.custom_sampler:
             # The argmax of the logits is that of the log-probabilities, so a greedy token needs no logsumexp (an
             # exp per vocabulary entry, ~1 ms per sequence per step on CPU); its log-probabilities stay lazy and
             # are computed only if the caller reads them (they depend on the logits alone, not on the arena).

@@ -103,6 +103,8 @@ class ModelRunner:
     # --- forward passes ---------------------------------------------------------------------------------------
     def prefill(self, seq: Sequence, num_tokens: int) -> mx.array | None:
         """Compute KV for the next `num_tokens` pending tokens; logits of the last one if the prompt is done."""
+        if not seq.uses_arena:
+            return self._bound_forward(seq, seq.all_ids[seq.num_computed : seq.num_computed + num_tokens])
         kv = self.kv(seq)
         start = seq.num_computed
         tokens = mx.array(seq.all_ids[start : start + num_tokens], dtype=mx.uint32)
@@ -152,12 +154,14 @@ class ModelRunner:
         tokens: the pending tokens as `[B, 1]`, possibly lazy (sampled by a step still in flight); by default
         read from the sequences.
         """
+        if tokens is None:
+            tokens = mx.array(np.array([[seq.token_at(seq.num_computed)] for seq in seqs], dtype=np.uint32))
+        if not all(seq.uses_arena for seq in seqs):
+            return self._decode_with_bound(seqs, tokens)
         kvs = [self.kv(seq) for seq in seqs]
         states = [self.policy_state(seq) for seq in seqs]
         for kv in kvs:
             kv.make_writable(kv.num_tokens, kv.num_tokens + 1)
-        if tokens is None:
-            tokens = mx.array(np.array([[seq.token_at(seq.num_computed)] for seq in seqs], dtype=np.uint32))
         if len(seqs) == 1:  # contiguous tables get zero-copy views through the single-sequence cache
             logits = self.model(tokens, cache=self._caches(seqs[0], kvs[0]))
         else:
@@ -176,3 +180,23 @@ class ModelRunner:
             seq.num_computed += 1
             self._evict(seq, kv)
         return logits
+
+    # --- sequences bound to a caller's prompt cache -------------------------------------------------------------
+    def _bound_forward(self, seq: Sequence, tokens: list[int] | mx.array) -> mx.array | None:
+        tokens = tokens if isinstance(tokens, mx.array) else mx.array(tokens, dtype=mx.uint32)[None]
+        seq.num_computed += tokens.shape[1]
+        seq.num_physical = seq.num_computed
+        return seq.bound_cache.forward(self.model, head_of(self.model), tokens, want_logits=seq.num_pending == 0)
+
+    def _decode_with_bound(self, seqs: list[Sequence], tokens: mx.array) -> mx.array:
+        """Arena sequences in one batched forward, each bound one in its own; logits [B, V] in `seqs` order."""
+        rows = [i for i, seq in enumerate(seqs) if seq.uses_arena]
+        logits: list[mx.array | None] = [None] * len(seqs)
+        if rows:
+            batch = self.decode([seqs[i] for i in rows], tokens[mx.array(rows)])
+            for j, i in enumerate(rows):
+                logits[i] = batch[j : j + 1]
+        for i, seq in enumerate(seqs):
+            if not seq.uses_arena:
+                logits[i] = self._bound_forward(seq, tokens[i : i + 1])
+        return mx.concatenate(logits, axis=0)

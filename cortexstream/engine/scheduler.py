@@ -62,9 +62,9 @@ class ScheduledStep:
         """The prefill chunks grouped into batched forward passes: chunks of similar length together (a group's
         padded size stays within `max_padding` x its real tokens); a sequence whose policy evicts alone, since
         its policy acts between its own forward passes."""
-        alone = [[item] for item in self.prefill if item[0].kv_policy.evicts]
+        alone = [[item] for item in self.prefill if item[0].prefills_alone]
         groups: list[list[tuple[Sequence, int]]] = []
-        for item in sorted((i for i in self.prefill if not i[0].kv_policy.evicts), key=lambda i: -i[1]):
+        for item in sorted((i for i in self.prefill if not i[0].prefills_alone), key=lambda i: -i[1]):
             group = groups[-1] if groups else None
             if group is not None and (len(group) + 1) * group[0][1] <= max_padding * (
                     sum(n for _, n in group) + item[1]):
@@ -86,7 +86,7 @@ class Scheduler:
     # --- requests ---------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         """Queue a request, or finish it at once as 'rejected' (with the reason) if it can never fit."""
-        needed = self.blocks.blocks_for(self.physical_budget(seq))
+        needed = self.blocks.blocks_for(self.physical_budget(seq)) if seq.uses_arena else 0
         total = self.blocks.allocator.num_total_blocks
         if needed > total:
             seq.finish(
@@ -205,8 +205,9 @@ class Scheduler:
 
     def _newest_other_than(self, seq: Sequence, protected: set[int], recomputable: bool = True) -> Sequence | None:
         """The newest other running sequence whose KV is (or, recomputable=False, is not) rebuildable from tokens."""
-        candidates = [s for s in self.running
-                      if s is not seq and id(s) not in protected and s.kv_from_tokens == recomputable]
+        candidates = [s for s in self.running  # a bound sequence holds no blocks: failing it would free none
+                      if s is not seq and id(s) not in protected and s.kv_from_tokens == recomputable
+                      and s.uses_arena]
         return max(candidates, key=lambda s: s.arrival_time) if candidates else None
 
     # --- hooks and failures -----------------------------------------------------------------------------------

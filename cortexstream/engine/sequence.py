@@ -83,6 +83,9 @@ class Sequence:
     # Sampled tokens whose values the engine has not read yet (0 or 1: the pipelined decode step in flight).
     # They count as tokens, so the scheduler plans the next decode step for them, but are not in output_ids.
     num_inflight: int = 0
+    # A caller's prompt cache the sequence runs on instead of arena blocks (`engine.bound_cache.BoundCache`),
+    # e.g. to continue a conversation kept in an mlx-lm cache. It takes no blocks and is never preempted.
+    bound_cache: Any = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -101,6 +104,16 @@ class Sequence:
     def num_pending(self) -> int:
         """Tokens whose KV still has to be computed (the whole prompt at first, then one per decode step)."""
         return self.num_tokens - self.num_computed
+
+    @property
+    def uses_arena(self) -> bool:
+        return self.bound_cache is None
+
+    @property
+    def prefills_alone(self) -> bool:
+        """Whether its prefill chunks need forward passes of their own: a policy that evicts acts between its
+        own passes, and a bound cache cannot join a batch over the arena."""
+        return self.kv_policy.evicts or self.bound_cache is not None
 
     @property
     def is_finished(self) -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Iterator
@@ -10,10 +9,8 @@ from typing import Any, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-from cortexstream.engine.policy_prompt_cache import policy_state_of
 from cortexstream.engine.prompt import prompt_to_tokens
 from cortexstream.engine.sampling import SamplingParams, sampling_from_kwargs
-from cortexstream.engine.text_stream import TextStream
 from cortexstream.errors import InvalidArgumentError
 
 
@@ -54,9 +51,10 @@ def stream_generate(
     """Yield a `GenerationResponse` per generated token; the last one carries `finish_reason`
     ("stop" for eos or a stop string, "length" for max_tokens).
 
-    Runs through the engine (a private one sized for this request unless `engine` is given). With an explicit
-    `prompt_cache` (mlx-lm style, e.g. to continue a conversation) or a custom `sampler` callable, the request
-    runs directly on that cache instead.
+    Runs through the engine (a private one sized for this request unless `engine` is given), always: an explicit
+    `prompt_cache` (mlx-lm style, e.g. to continue a conversation) binds the request to that cache instead of
+    arena blocks, and a custom `sampler` callable replaces the sampling parameters' own; stop strings, logits
+    processors and policies work the same either way.
 
     `kv_policy` (a `cortexstream.policies` object or a string such as 'h2o:budget=0.2') bounds the physical KV.
     With a `prompt_cache` the policy travels with the cache (it is upgraded in place), so calling again with the
@@ -69,17 +67,13 @@ def stream_generate(
     tokens = prompt_to_tokens(tokenizer, prompt)
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
-    if prompt_cache is not None or sampler is not None:
-        yield from _direct_generate(model, tokenizer, tokens, sampling, sampler, prompt_cache, prefill_step_size,
-                                    kv_policy)
-        return
     yield from _engine_generate(model, tokenizer, tokens, sampling, kv_policy, engine, prefill_step_size,
-                                context_overflow)
+                                context_overflow, prompt_cache, sampler)
 
 
 def _engine_generate(
     model: nn.Module, tokenizer: Any, tokens: list[int], sampling: SamplingParams, kv_policy: Any, engine: Any,
-    prefill_step_size: int, context_overflow: str,
+    prefill_step_size: int, context_overflow: str, prompt_cache: list[Any] | None, sampler: Any,
 ) -> Iterator[GenerationResponse]:
     from cortexstream.engine.engine import Engine
     from cortexstream.engine.sizing import fit_to_context, private_arena_tokens
@@ -91,13 +85,16 @@ def _engine_generate(
 
         kv_policy = parse_policy(kv_policy)
         job = [(len(tokens), sampling.max_tokens, kv_policy)]
+        # A request on the caller's prompt cache keeps its KV there: its engine needs no arena to speak of.
+        kv_tokens = 16 if prompt_cache is not None else private_arena_tokens(
+            model, job, block_size=16, prefill_step_size=prefill_step_size)
         engine = Engine(model, tokenizer, max_num_seqs=1, prefill_step_size=prefill_step_size,
-                        prefix_caching=False, kv_tokens=private_arena_tokens(
-                            model, job, block_size=16, prefill_step_size=prefill_step_size))
+                        prefix_caching=False, kv_tokens=kv_tokens)
     if sampling.max_tokens == 0:
         return
     start = time.perf_counter()
-    request_id = engine.add_request(tokens, sampling, kv_policy=kv_policy)
+    request_id = engine.add_request(tokens, sampling, kv_policy=kv_policy, prompt_cache=prompt_cache,
+                                    sampler=sampler)
     first_token_at = None
     try:
         while True:
@@ -126,102 +123,6 @@ def _engine_generate(
                     return
     finally:
         engine.abort(request_id)  # no-op once finished; frees the blocks if the caller stopped early
-
-
-def _direct_generate(
-    model: nn.Module, tokenizer: Any, tokens: list[int], sampling: SamplingParams, sampler: Any,
-    prompt_cache: list[Any] | None, prefill_step_size: int, kv_policy: Any = None,
-) -> Iterator[GenerationResponse]:
-    if prompt_cache is None:
-        from cortexstream.kv.prompt_cache import make_prompt_cache
-
-        prompt_cache = make_prompt_cache(model, max_tokens=len(tokens) + sampling.max_tokens)
-    else:
-        from cortexstream.kv.prompt_cache_check import check_cache_for_model
-
-        check_cache_for_model(prompt_cache, model)  # a short or foreign cache would run silently wrong
-    evict = None
-    if kv_policy is not None or policy_state_of(prompt_cache) is not None:
-        from cortexstream.engine.policy_prompt_cache import apply_policy, attach_policy
-
-        if attach_policy(prompt_cache, kv_policy, model) is not None:
-            # Fraction budgets resolve against everything this turn can reach (see policies.base).
-            context = prompt_cache[0].offset + len(tokens) + sampling.max_tokens
-            evict = functools.partial(apply_policy, prompt_cache, context)
-    sampler = sampler or sampling.make_sampler()
-    processors = sampling.make_logits_processors()
-    eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
-    text = TextStream(tokenizer, sampling.stop)
-    history = mx.array(tokens, mx.uint32)
-
-    def step(inputs: mx.array) -> tuple[mx.array, mx.array]:
-        nonlocal history
-        logits = model(inputs[None], cache=prompt_cache)[:, -1, :]
-        if processors:
-            for processor in processors:
-                logits = processor(history, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        token = sampler(logprobs)
-        if processors:
-            history = mx.concatenate([history, token])
-        if evict is not None:  # evict between forward passes, once this one is computed
-            mx.eval(token, logprobs)
-            evict()
-        return token, logprobs.squeeze(0)
-
-    start = time.perf_counter()
-    prompt = mx.array(tokens, mx.uint32)
-    # Prefill all but the last token in chunks; only the KV is needed, so the logits are never evaluated.
-    while prompt.size > 1:
-        chunk = min(prefill_step_size, prompt.size - 1)
-        model(prompt[:chunk][None], cache=prompt_cache)
-        if evict is not None:
-            evict()
-        else:
-            mx.eval([c.state for c in prompt_cache])
-        prompt = prompt[chunk:]
-    if sampling.max_tokens == 0:
-        return
-    token, logprobs = step(prompt)
-    mx.async_eval(token, logprobs)
-    prompt_tps = 0.0
-    generated = 0
-    decode_start = start
-    while True:
-        has_next = generated + 1 < sampling.max_tokens
-        if has_next:
-            next_token, next_logprobs = step(token)
-            mx.async_eval(next_token, next_logprobs)
-        if generated == 0:
-            mx.eval(token)
-            decode_start = time.perf_counter()
-            prompt_tps = len(tokens) / max(decode_start - start, 1e-9)
-        generated += 1
-        token_id = int(token.item())
-        finish = None
-        if token_id in eos_ids:
-            segment, finish = text.finish(), "stop"
-        else:
-            segment = text.add_token(token_id)
-            if text.stopped:
-                finish = "stop"
-            elif not has_next:
-                segment, finish = segment + text.finish(), "length"
-        elapsed = time.perf_counter() - decode_start
-        yield GenerationResponse(
-            text=segment,
-            token=token_id,
-            logprobs=logprobs,
-            prompt_tokens=len(tokens),
-            prompt_tps=prompt_tps,
-            generation_tokens=generated,
-            generation_tps=(generated - 1) / elapsed if generated > 1 and elapsed > 0 else 0.0,
-            peak_memory=_peak_gb(),
-            finish_reason=finish,
-        )
-        if finish is not None:
-            return
-        token, logprobs = next_token, next_logprobs
 
 
 def generate(
