@@ -20,6 +20,7 @@ Baselines, both first fit over a ``bytearray`` bitmap (1 = used):
 
 from __future__ import annotations
 
+import argparse
 import platform
 import random
 import time
@@ -178,7 +179,11 @@ def best_runs(plan: dict, num_blocks: int, workload: str) -> list[dict]:
     return out
 
 
-def main() -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="bench/results", help="output folder")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
     # naive-loop is ~100-1000x slower: fewer steps and one repeat keep the bench under a minute
     plan = {Indexed: (20000, REPEATS), NaiveFind: (20000, REPEATS), NaiveLoop: (300, 1)}
     results = []
@@ -194,7 +199,7 @@ def main() -> None:
                     flush=True,
                 )
     elapsed = time.perf_counter() - t_start
-    out_dir = "bench/results"
+    out_dir = str(args.out)
     meta = {
         "python": platform.python_version(),
         "machine": machine(),
@@ -205,6 +210,13 @@ def main() -> None:
     }
     json_path, _ = write_results(out_dir, "allocator", {"meta": meta, "results": results}, to_markdown(meta, results))
     print(f"wrote {json_path} and allocator.md in {elapsed:.1f} s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    run_from_args(parser.parse_args(argv))
 
 
 def to_markdown(meta: dict, results: list[dict]) -> str:

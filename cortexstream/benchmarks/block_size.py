@@ -135,14 +135,15 @@ def to_markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--engine", action="store_true", help="also the engine end to end on SmolLM2")
     parser.add_argument("--engine-repeats", type=int, default=3)
-    args = parser.parse_args()
+
+
+def run_from_args(args: argparse.Namespace) -> int:
     args.quick = False
     mx.random.seed(SEED)
     t0 = time.perf_counter()
@@ -158,6 +159,13 @@ def main() -> None:
     markdown = to_markdown(data)
     write_results(str(args.out), "block_size", data, markdown)
     print(markdown)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    run_from_args(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -169,16 +169,24 @@ def _markdown(payload: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=int, default=192, help="keys per sequence (default: the throughput "
                         "benchmark's mid-decode context, 128-token prompts + 64 generated)")
     parser.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    args = parser.parse_args()
+
+
+def run_from_args(args: argparse.Namespace) -> int:
     run(args.context, [int(b) for b in args.batch.split(",")], args.warmup, args.steps, args.out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    run_from_args(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

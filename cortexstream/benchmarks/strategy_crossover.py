@@ -72,19 +72,20 @@ def to_markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=list(CONTEXTS))
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--note", action="append", default=[], help="a note for the report (repeatable)")
     parser.add_argument("--from-json", type=Path, help="do not measure: rewrite the report from this JSON")
-    args = parser.parse_args()
+
+
+def run_from_args(args: argparse.Namespace) -> int:
     args.quick = False
     if args.from_json:
         write(json.loads(args.from_json.read_text()), args)
-        return
+        return 0
     mx.random.seed(SEED)
     rng = np.random.default_rng(SEED)
     t0 = time.perf_counter()
@@ -96,6 +97,13 @@ def main() -> None:
             progress.advance(task)
     data["meta"]["elapsed_s"] = time.perf_counter() - t0
     write(data, args)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    run_from_args(parser.parse_args(argv))
 
 
 def write(data: dict, args: argparse.Namespace) -> None:

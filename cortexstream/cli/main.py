@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve_bench = kinds.add_parser("serve", help="cortexstream serve vs mlx_lm.server over HTTP (3 workloads)")
     add_serve_bench_arguments(serve_bench)
     serve_bench.set_defaults(run="cortexstream.benchmarks.serve:run_bench_serve")
+    from cortexstream.benchmarks.scripts import add_script_parsers
+
+    add_script_parsers(kinds)
     add_train_parsers(commands)
     from cortexstream.cli.convert import add_convert_parser
     from cortexstream.cli.serve import add_serve_parser

@@ -25,19 +25,20 @@ from .meta import machine_meta, openblas_loaded
 from .report import conclusions, to_markdown
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps (a smoke run, noisier numbers)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"), help="output folder")
     parser.add_argument("--previous", type=Path, help="arena_attention.json of an earlier run: its experiment-1 "
                         "ratios are reported next to this run's (the machine is shared; one run is not enough)")
     parser.add_argument("--from-json", type=Path, help="do not measure: rewrite the report from this JSON")
     parser.add_argument("--note", action="append", default=[], help="a note for the report (repeatable)")
-    args = parser.parse_args()
+
+
+def run_from_args(args: argparse.Namespace) -> int:
     if args.from_json:
         data = json.loads(args.from_json.read_text())
         write(data, args)
-        return
+        return 0
     if not openblas_loaded():
         print(f"hint: run with LD_PRELOAD={OPENBLAS} for OpenBLAS matmuls (recorded in the JSON)", file=sys.stderr)
     warmup, steps = (2, 10) if args.quick else (5, 30)
@@ -61,6 +62,13 @@ def main() -> None:
               f"x{r['ratio_vs_mlx_lm']:.2f}")
     print("\n".join(data["conclusions"]))
     print(f"wrote {args.out / 'arena_attention.json'} and arena_attention.md ({data['meta']['elapsed_s']:.0f} s run)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    run_from_args(parser.parse_args(argv))
 
 
 def write(data: dict[str, Any], args: argparse.Namespace) -> None:
