@@ -1,4 +1,4 @@
-"""`cortexstream bench serve` pieces that need no server: seeded workloads and the report."""
+"""`cortexstream bench serve`: seeded workloads, the report, and a smoke run of the whole pipeline (tiny model)."""
 
 from __future__ import annotations
 
@@ -38,3 +38,21 @@ def test_summary_ratios_and_markdown():
                              "systems": {"cortexstream": ours, "mlx_lm": theirs}, "ratios": r}]}
     text = markdown(result)
     assert "| cortexstream | 1.00 | 11.0 | 750 |" in text and "target >= 1.5x: met" in text
+
+
+def test_bench_serve_quick_smoke_end_to_end(tiny_gguf, tmp_path):
+    """Both servers as subprocesses on the converted tiny model, one small workload: the whole pipeline runs."""
+    import json
+
+    from cortexstream.cli.main import main
+
+    code = main(["bench", "serve", "--quick", "--model", tiny_gguf, "--workloads", "unrelated", "--kv-tokens",
+                 "2048", "--out", str(tmp_path)])
+    assert code == 0
+    result = json.loads((tmp_path / "serve_quick.json").read_text())
+    (workload,) = result["workloads"]
+    assert set(workload["systems"]) == {"cortexstream", "mlx_lm"}
+    for summary in workload["systems"].values():
+        assert summary["failed"] == 0 and summary["output_tokens"] > 0 and summary["peak_rss_mib"] > 10
+    assert "/" not in result["machine"] and str(tmp_path) not in (tmp_path / "serve_quick.md").read_text()
+    assert (tmp_path / "serve_quick.png").stat().st_size > 1000
