@@ -111,3 +111,21 @@ def test_64_concurrent_streams_with_random_disconnects(server, tiny):
     for (prompt, max_tokens, _), (status, text) in zip(jobs, results):
         if status == "done":
             assert text == cortexstream.generate(model, tokenizer, prompt, max_tokens=max_tokens, temperature=0)
+
+
+def test_tenant_map_is_pruned_to_the_owners_of_blocks(server, monkeypatch):
+    from cortexstream.server import bridge as bridge_module
+
+    bridge = server.state.bridge
+    client = server.client()
+    for i in range(6):  # short prompts: no full block, so nothing of theirs stays in the prefix cache
+        client.completions.create(model="tiny", prompt=f"prune {i}", max_tokens=2, temperature=0)
+    server.wait_idle()
+    before = dict(bridge.owner_tenants)
+    monkeypatch.setattr(bridge_module, "_PRUNE_EVERY", 1)
+    client.completions.create(model="tiny", prompt="trigger", max_tokens=2, temperature=0)  # prunes on finish
+    allocator = server.engine.arena.allocator
+    owners = {allocator.owner_of(b) for b in range(allocator.num_total_blocks)}
+    after = set(bridge.owner_tenants)
+    assert len(before) >= 6 and after <= owners and len(after) < len(before)
+    assert bridge._finished_since_prune == 0

@@ -106,6 +106,7 @@ class EngineBridge:
         self._handles: dict[str, tuple[RequestHandle, int]] = {}  # event loop only
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self.owner_tenants: dict[int, str | None] = {}  # Sequence.owner -> tenant label, for /v1/kv
+        self._finished_since_prune = 0
 
     # --- life cycle -------------------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -267,6 +268,7 @@ class EngineBridge:
                 continue
             events.append((out.request_id, self._event(out, tracked, now)))
             if out.finished:
+                self._finished_since_prune += 1
                 del self._tracked[out.request_id]
                 with self._lock:
                     self._cancelled.discard(out.request_id)
@@ -275,6 +277,8 @@ class EngineBridge:
                         reason = "error" if out.finish_reason in ("stop", "length") else out.finish_reason
                         events.append((sibling, TokenEvent(-1, None, "", reason, out.error or
                                                            "the shared prompt ended before forking", now)))
+        if self._finished_since_prune >= _PRUNE_EVERY:
+            self._prune_owner_tenants(engine)
         if not events:
             return
         if self.handoff == "per_token":
@@ -282,6 +286,13 @@ class EngineBridge:
                 self.loop.call_soon_threadsafe(self._deliver, [event])
         else:
             self.loop.call_soon_threadsafe(self._deliver, events)
+
+    def _prune_owner_tenants(self, engine: Engine) -> None:
+        """Forget the tenants of sequences that no longer own any block (cached blocks keep theirs)."""
+        self._finished_since_prune = 0
+        allocator = engine.arena.allocator
+        owners = {allocator.owner_of(b) for b in range(allocator.num_total_blocks)}
+        self.owner_tenants = {o: t for o, t in self.owner_tenants.items() if o in owners}
 
     def _on_failure(self, exc: BaseException) -> None:
         """The engine step failed and ThreadedEngine aborted everything: fail every request still open."""
@@ -329,6 +340,11 @@ class EngineBridge:
                 self.on_events(handle, event)
             if not handle.aborted:
                 handle.events.put_nowait(event)
+
+
+# Finished sequences between two prunings of owner_tenants (a pass over the block owners, about 1 ms per 1000
+# blocks), so the map stays the size of the arena's owners instead of growing with every request served.
+_PRUNE_EVERY = 2048
 
 
 class _ServerThreadedEngine(ThreadedEngine):
