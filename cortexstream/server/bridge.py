@@ -18,8 +18,7 @@ import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import mlx.core as mx
 
@@ -28,63 +27,10 @@ from cortexstream.engine.fork import add_forking_request
 from cortexstream.engine.sequence import Sequence
 from cortexstream.engine.threaded import ThreadedEngine
 from cortexstream.errors import CortexStreamError
-from cortexstream.engine.sampling import SamplingParams
+from cortexstream.server.jobs import EngineJob, RequestHandle, TokenEvent, Tracked
 
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """One step's output for one completion, as the event loop sees it."""
-
-    index: int  # which of the request's n completions
-    token: int | None
-    text: str
-    finish_reason: str | None
-    error: str | None
-    time: float  # perf_counter at the end of the engine step
-    logprob: float | None = None
-    top_logprobs: tuple[tuple[int, float], ...] = ()
-    cached_tokens: int | None = None  # prompt tokens served from the prefix cache (first event only)
-
-
-@dataclass
-class EngineJob:
-    """What one API request asks of the engine."""
-
-    request_ids: list[str]  # one per completion; the first is the parent that is prefilled
-    prompt_tokens: list[int]
-    sampling: SamplingParams
-    kv_policy: Any = None
-    tenant: str | None = None
-    top_logprobs: int | None = None  # None: no log-probabilities; 0: the sampled token's only
-    fork: bool = True  # False: n independent requests (evicting policies keep their blocks private)
-
-
-@dataclass
-class _Tracked:
-    """Engine-thread bookkeeping of one completion."""
-
-    index: int
-    top_logprobs: int | None
-    sequence: Sequence | None = None
-    siblings: list[str] = field(default_factory=list)  # children to finish if the parent ends before forking
-    started: bool = False
-
-
-class RequestHandle:
-    """Event-loop side of one API request: its completions' events arrive on `events`."""
-
-    def __init__(self, job: EngineJob, arrival: float) -> None:
-        self.job = job
-        self.arrival = arrival
-        self.events: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
-        self.unfinished = set(range(len(job.request_ids)))
-        self.last_time = [None] * len(job.request_ids)
-        self.aborted = False
-
-    @property
-    def finished(self) -> bool:
-        return not self.unfinished
-
+# Re-exported: the server's modules take these from here or from `jobs`.
+__all__ = ["EngineBridge", "EngineJob", "RequestHandle", "TokenEvent"]
 
 StepListener = Callable[[Engine], None]
 
@@ -104,7 +50,7 @@ class EngineBridge:
         self._cancelled: set[str] = set()
         self._submitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cortexstream-submit")
         self._handles: dict[str, tuple[RequestHandle, int]] = {}  # event loop only
-        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._tracked: dict[str, Tracked] = {}  # engine thread only
         self.owner_tenants: dict[int, str | None] = {}  # Sequence.owner -> tenant label, for /v1/kv
         self._finished_since_prune = 0
 
@@ -217,7 +163,7 @@ class EngineBridge:
 
     def _add_job(self, engine: Engine, job: EngineJob) -> None:
         def track(rid: str, index: int, seq: Sequence | None) -> None:
-            self._tracked[rid] = _Tracked(index, job.top_logprobs, seq)
+            self._tracked[rid] = Tracked(index, job.top_logprobs, seq)
             if seq is not None:
                 self.owner_tenants[seq.owner] = job.tenant
 
@@ -230,7 +176,7 @@ class EngineBridge:
             track(job.request_ids[0], 0, parent)
             self._tracked[job.request_ids[0]].siblings = list(job.request_ids[1:])
             for index, rid in enumerate(job.request_ids[1:], start=1):
-                self._tracked[rid] = _Tracked(index, job.top_logprobs)
+                self._tracked[rid] = Tracked(index, job.top_logprobs)
             return
         from cortexstream.engine.fork import child_sampling, find_sequence
         from cortexstream.engine.seeded import install_seeded_sampler
@@ -305,7 +251,7 @@ class EngineBridge:
             handle.events.put_nowait(CortexStreamError(message))
         self._handles.clear()
 
-    def _event(self, out: RequestOutput, tracked: _Tracked, now: float) -> TokenEvent:
+    def _event(self, out: RequestOutput, tracked: Tracked, now: float) -> TokenEvent:
         cached = None
         if not tracked.started and (out.token is not None or out.finished):
             tracked.started = True

@@ -14,7 +14,7 @@ from typing import Any
 from cortexstream.errors import CortexStreamError, InvalidArgumentError
 from cortexstream.engine.prompt import prompt_to_tokens
 from cortexstream.engine.sampling import SamplingParams
-from cortexstream.server.bridge import EngineJob
+from cortexstream.server.jobs import EngineJob
 from cortexstream.server.errors import APIError
 from cortexstream.server.protocol import MAX_STOP_STRINGS, ChatCompletionRequest, CompletionRequest
 

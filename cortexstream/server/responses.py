@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from cortexstream.server.bridge import TokenEvent
+from cortexstream.server.jobs import TokenEvent
 from cortexstream.server.errors import APIError
 
 TokenText = Callable[[int], str]

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from cortexstream.errors import CortexStreamError, InvalidArgumentError
-from cortexstream.server.bridge import RequestHandle, TokenEvent
+from cortexstream.server.jobs import RequestHandle, TokenEvent
 from cortexstream.server.errors import APIError, error_body
 from cortexstream.server.kv_view import kv_snapshot
 from cortexstream.server.prepare import PreparedRequest, check_model, prepare_chat, prepare_completion

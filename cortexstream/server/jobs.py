@@ -1,0 +1,65 @@
+"""What crosses the engine/event-loop boundary: a request's job, its token events, and its handle."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from cortexstream.engine.sampling import SamplingParams
+from cortexstream.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One step's output for one completion, as the event loop sees it."""
+
+    index: int  # which of the request's n completions
+    token: int | None
+    text: str
+    finish_reason: str | None
+    error: str | None
+    time: float  # perf_counter at the end of the engine step
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache (first event only)
+
+
+@dataclass
+class EngineJob:
+    """What one API request asks of the engine."""
+
+    request_ids: list[str]  # one per completion; the first is the parent that is prefilled
+    prompt_tokens: list[int]
+    sampling: SamplingParams
+    kv_policy: Any = None
+    tenant: str | None = None
+    top_logprobs: int | None = None  # None: no log-probabilities; 0: the sampled token's only
+    fork: bool = True  # False: n independent requests (evicting policies keep their blocks private)
+
+
+@dataclass
+class Tracked:
+    """Engine-thread bookkeeping of one completion."""
+
+    index: int
+    top_logprobs: int | None
+    sequence: Sequence | None = None
+    siblings: list[str] = field(default_factory=list)  # children to finish if the parent ends before forking
+    started: bool = False
+
+
+class RequestHandle:
+    """Event-loop side of one API request: its completions' events arrive on `events`."""
+
+    def __init__(self, job: EngineJob, arrival: float) -> None:
+        self.job = job
+        self.arrival = arrival
+        self.events: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+        self.unfinished = set(range(len(job.request_ids)))
+        self.last_time = [None] * len(job.request_ids)
+        self.aborted = False
+
+    @property
+    def finished(self) -> bool:
+        return not self.unfinished
