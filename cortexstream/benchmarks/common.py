@@ -6,8 +6,6 @@ import os
 from typing import Any
 
 from cortexstream.atomic_files import write_json_atomic, write_text_atomic
-# Temporary: throughput.py (being changed by another engineer right now) still imports `machine` from here.
-from cortexstream.benchmarks.machine import machine  # noqa: F401
 
 
 def real_text(min_chars: int = 200_000) -> str:

@@ -108,17 +108,12 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
 
 def model_description(model: Any, source: str | None) -> dict[str, Any]:
     """The model by name, never by a local path (results are committed and shared)."""
-    from cortexstream.models.loader import DEFAULT_GGUF_FILE, DEFAULT_GGUF_PACKAGE, model_info
+    from cortexstream.benchmarks.machine import model_record, neutral_source
+    from cortexstream.models.loader import model_info
 
-    info = model_info(model)
-    described = info.as_dict() if info else {"source": source or "unknown"}
-    src = str(described.get("source", ""))
-    if os.path.isabs(src) or os.path.exists(src):
-        name = os.path.basename(src.rstrip("/"))
-        if name == DEFAULT_GGUF_FILE:
-            name += f" (from the {DEFAULT_GGUF_PACKAGE.replace('_', '-')} package)"
-        described["source"] = name
-    return described
+    if model_info(model) is None:
+        return {"source": neutral_source(source) if source else "unknown"}
+    return model_record(model)
 
 
 def _units(s: Settings) -> list[tuple[str, Any]]:
@@ -146,7 +141,7 @@ def run(model_source: str | None, out_dir: str, settings: Settings, model: Any =
     """Run the selected parts and write `<out>/throughput[_quick].{json,md,png}`; returns the payload."""
     from cortexstream.atomic_files import check_output_dir
     from cortexstream.backend import ensure_buffer_cache
-    from cortexstream.benchmarks.common import machine
+    from cortexstream.benchmarks.machine import machine
     from cortexstream.benchmarks.throughput_prompts import text_windows
     from cortexstream.benchmarks.throughput_matrix import warm_up
     from cortexstream.benchmarks.throughput_report import write_report
