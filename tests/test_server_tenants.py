@@ -15,8 +15,9 @@ def _messages(user: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
 
-def _live_view(live: LiveServer, key: str, user: str) -> tuple[dict, dict]:
-    """Start a long streaming request with `key`, read its first chunk and snapshot /v1/kv while it runs."""
+def _live_view(live: LiveServer, key: str, user: str, other_key: str | None = None) -> tuple[dict, dict]:
+    """Start a long streaming request with `key`, read its first chunk and snapshot /v1/kv while it runs (and,
+    with `other_key`, check that the other tenant's view does not list the request)."""
 
     async def scenario() -> tuple[dict, dict]:
         client = live.async_client(api_key=key)
@@ -26,6 +27,10 @@ def _live_view(live: LiveServer, key: str, user: str) -> tuple[dict, dict]:
         await stream.__anext__()
         async with httpx.AsyncClient() as http:
             kv = (await http.get(f"{live.url}/v1/kv", headers={"Authorization": f"Bearer {key}"})).json()
+            if other_key is not None:
+                other = (await http.get(f"{live.url}/v1/kv",
+                                        headers={"Authorization": f"Bearer {other_key}"})).json()
+                assert other["sequences"] == [] and len(other["block_tenants"]) == len(kv["block_tenants"])
         await stream.close()
         (sequence,) = [s for s in kv["sequences"] if s["status"] == "running"]
         return kv, sequence
@@ -41,7 +46,7 @@ def test_two_keys_never_share_a_block_but_one_key_does(tiny):
         assert first.usage.prompt_tokens_details.cached_tokens == 0
 
         # Tenant B, same system prompt: nothing of tenant A's cached prefix may appear in its block table.
-        kv, seq_b = _live_view(live, "key-b-secret", "second")
+        kv, seq_b = _live_view(live, "key-b-secret", "second", other_key="key-a-secret")
         assert seq_b["tenant"] == "key-1" and seq_b["cached_prefix_tokens"] == 0
         assert {kv["block_tenants"][b] for b in seq_b["blocks"]} == {"key-1"}
         tenant_a_blocks = {b for b, tenant in enumerate(kv["block_tenants"]) if tenant == "key-0"}

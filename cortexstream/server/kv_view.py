@@ -13,13 +13,15 @@ from typing import Any
 from cortexstream.engine.engine import Engine
 
 
-def kv_snapshot(engine: Engine, owner_tenants: dict[int, str | None], tenant_auth: bool) -> dict[str, Any]:
+def kv_snapshot(engine: Engine, owner_tenants: dict[int, str | None], tenant_auth: bool,
+                viewer: str | None = None) -> dict[str, Any]:
+    """With API keys, `sequences` lists only the viewer's own (other tenants' requests stay private); the block
+    map, which shows which tenant holds each block but nothing of their content, covers the whole arena."""
     allocator = engine.arena.allocator
-    owners = allocator.block_map().tolist()
     ref_counts = [allocator.ref_count(b) for b in range(allocator.num_total_blocks)]
     exact_owners = [allocator.owner_of(b) for b in range(allocator.num_total_blocks)]
     states, tenants = [], []
-    for block, (code, refs) in enumerate(zip(owners, ref_counts)):
+    for block, refs in enumerate(ref_counts):
         if refs == 0:
             states.append("free")
             tenants.append(None)
@@ -39,6 +41,7 @@ def kv_snapshot(engine: Engine, owner_tenants: dict[int, str | None], tenant_aut
             "cached_prefix_tokens": seq.num_cached_prefix,
         }
         for seq in list(engine.scheduler.running) + list(engine.scheduler.waiting)
+        if not tenant_auth or seq.tenant == viewer
     ]
     stats = {k: v for k, v in engine.stats().items() if isinstance(v, (int, float, str))}
     return {
@@ -49,7 +52,7 @@ def kv_snapshot(engine: Engine, owner_tenants: dict[int, str | None], tenant_aut
         "num_used_blocks": allocator.num_used_blocks,
         "num_prefix_cached_blocks": len(cached),
         # Used blocks that no live sequence holds and the prefix cache does not hold either: must stay 0.
-        "num_orphan_blocks": _orphans(ref_counts, sequences, cached),
+        "num_orphan_blocks": _orphans(ref_counts, _all_tables(engine), cached),
         "block_map": states,
         "block_ref_counts": ref_counts,
         "block_tenants": tenants,
@@ -64,10 +67,14 @@ def _label(tenant: str | None, tenant_auth: bool) -> str | None:
     return tenant
 
 
-def _orphans(ref_counts: list[int], sequences: list[dict[str, Any]], cached: set[int]) -> int:
+def _all_tables(engine: Engine) -> list[list[int]]:
+    return [list(seq.block_table) for seq in list(engine.scheduler.running) + list(engine.scheduler.waiting)]
+
+
+def _orphans(ref_counts: list[int], tables: list[list[int]], cached: set[int]) -> int:
     expected = [0] * len(ref_counts)
-    for seq in sequences:
-        for block in seq["blocks"]:
+    for table in tables:
+        for block in table:
             expected[block] += 1
     for block in cached:
         expected[block] += 1
