@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FORMATS = ("gguf", "prompt_cache", "torch", "infinilm", "safetensors")
+FORMATS = ("gguf", "prompt_cache", "torch", "torch_legacy", "infinilm", "safetensors")
 INTERESTING = (0, 1, 2, 3, 4, 5, 7, 8, 16, 31, 32, 63, 64, 255, 256, 4096, 2**16 - 1, 2**31 - 1, 2**31, 2**32 - 1,
                2**32, 2**62, 2**63 - 1, 2**63, 2**64 - 1)
 
@@ -117,6 +117,9 @@ def base_files(directory: str) -> dict[str, bytes]:
     buf = io.BytesIO()
     torch.save({"w": base, "t": base.t(), "row": base[1], "h": torch.ones(3, dtype=torch.float16)}, buf)
     out["torch"] = buf.getvalue()
+    legacy = io.BytesIO()
+    torch.save({"w": base, "row": base[1]}, legacy, _use_new_zipfile_serialization=False)
+    out["torch_legacy"] = legacy.getvalue()
     del np
     return out
 
@@ -262,7 +265,7 @@ def fuzz_format(fmt: str, cases: int, worker: Worker, base: bytes, directory: st
 
     report = Report(fmt)
     suffix = {"gguf": ".gguf", "prompt_cache": ".safetensors", "safetensors": ".safetensors", "torch": ".pth",
-              "infinilm": ".bin"}[fmt]
+              "torch_legacy": ".pt", "infinilm": ".bin"}[fmt]
     path = os.path.join(directory, f"case{suffix}")
 
     @settings(max_examples=cases, deadline=None, database=None, phases=[Phase.generate],

@@ -19,7 +19,7 @@ def parse(fmt: str, path: str) -> None:
         from cortexstream.kv.prompt_cache import load_prompt_cache
 
         load_prompt_cache(path)
-    elif fmt in ("torch", "infinilm", "safetensors"):
+    elif fmt in ("torch", "torch_legacy", "infinilm", "safetensors"):
         import mlx.core as mx
 
         from cortexstream.port import load_checkpoint

@@ -52,7 +52,7 @@ def test_the_harness_catches_crashes_and_hangs(tmp_path):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_valid_base_files_parse(fmt, bases, worker):
     directory, files = bases
-    suffix = {"gguf": ".gguf", "torch": ".pth", "infinilm": ".bin"}.get(fmt, ".safetensors")
+    suffix = {"gguf": ".gguf", "torch": ".pth", "torch_legacy": ".pt", "infinilm": ".bin"}.get(fmt, ".safetensors")
     path = os.path.join(directory, f"valid-{fmt}{suffix}")
     with open(path, "wb") as fh:
         fh.write(files[fmt])

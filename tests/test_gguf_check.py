@@ -137,3 +137,23 @@ def test_fuzz_regression_config_values_that_overflow_model_construction(tiny_ggu
     bad.write_bytes(data)
     with pytest.raises(ModelLoadError, match=r"kv.gguf: model config is inconsistent \(OverflowError"):
         cortexstream.load(str(bad))
+
+
+def test_fuzz_regression_block_count_must_match_the_blocks_in_the_file(tiny_gguf, tmp_path):
+    """Found by the fuzzer: block_count 9895938 made mlx-lm build ten million layers (22 GB, minutes) before any
+    weight was compared with the model."""
+    import time
+
+    import cortexstream
+
+    data = bytearray(open(tiny_gguf, "rb").read())
+    key = b"llama.block_count"
+    at = data.index(key) + len(key)
+    struct.pack_into("<I", data, at + 4, 9895938)
+    bad = tmp_path / "blocks.gguf"
+    bad.write_bytes(data)
+    start = time.monotonic()
+    with pytest.raises(ModelLoadError, match="blocks.gguf: metadata 'block_count' is 9895938, the file holds "
+                                             "tensors for 2 blocks"):
+        cortexstream.load(str(bad))
+    assert time.monotonic() - start < 30

@@ -112,6 +112,7 @@ def _load_gguf(path: str, dequantize: bool, target: Any) -> tuple[nn.Module, Any
 
     tensors, metadata, reader = read_gguf(path)
     config = gguf_model_config(metadata, set(tensors), path)
+    _check_block_count(config, tensors, path)
     tokenizer = build_gguf_tokenizer(metadata, path)
     model = _model_class(config, path)
     weights = model.sanitize(map_gguf_tensor_names(tensors, path))
@@ -145,6 +146,16 @@ def _load_gguf(path: str, dequantize: bool, target: Any) -> tuple[nn.Module, Any
         weights=weights_desc,
     )
     return model, tokenizer, info
+
+
+def _check_block_count(config: dict[str, Any], tensors: dict[str, Any], path: str) -> None:
+    """The layer count the metadata claims must be the number of blocks the file holds: the model is built from
+    the claim first (a corrupt count of millions of layers would take all memory before any weight is compared)."""
+    blocks = {int(name.split(".")[1]) for name in tensors if name.startswith("blk.") and name.split(".")[1].isdigit()}
+    claimed = config.get("num_hidden_layers")
+    if claimed != len(blocks) or blocks != set(range(len(blocks))):
+        raise ModelLoadError(f"{path}: metadata 'block_count' is {claimed}, the file holds tensors for "
+                             f"{len(blocks)} blocks")
 
 
 def _ggml_type_name(metadata: dict[str, Any]) -> str:
