@@ -89,3 +89,13 @@ def test_bad_prompt_cache_and_sampler_arguments(tiny):
     short = mlx_make_prompt_cache(model)[:1]
     with pytest.raises(InvalidArgumentError):
         cortexstream.generate(model, tokenizer, [5, 6], 2, prompt_cache=short)
+
+
+def test_a_stop_string_completed_by_the_final_flush_finishes_as_stop(tiny):
+    model, tokenizer = tiny
+    prompt = random_prompts(1, seed=35, low=10, high=11)[0]
+    a = tokenizer.encode("a")[-1]
+    out = list(cortexstream.stream_generate(model, tokenizer, prompt, 3, sampler=lambda lp: mx.array([a]),
+                                            stop=["aaa"]))
+    assert "".join(r.text for r in out) == ""
+    assert out[-1].finish_reason == "stop"

@@ -303,7 +303,9 @@ class Engine:
             text = state.text.add_token(token_id)
             reason = "stop" if state.text.stopped else None
             if reason is None and len(seq.output_ids) >= seq.sampling.max_tokens:
-                text, reason = text + state.text.finish(), "length"
+                text = text + state.text.finish()
+                # The flush can complete a stop string that the held-back text hid until now.
+                reason = "stop" if state.text.stopped else "length"
         if not seq.kv_policy.evicts:
             # An evicting sequence's blocks stay private: a shared block would have to be copied on write
             # by the next eviction, which may find no free block.
