@@ -80,7 +80,8 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         prompt = _messages(args.system, [{"role": "user", "content": args.prompt}])
     last = None
-    for response in stream_generate(model, tokenizer, prompt, sampling=sampling, kv_policy=policy):
+    for response in stream_generate(model, tokenizer, prompt, sampling=sampling, kv_policy=policy,
+                                    context_overflow=args.context_overflow):
         sys.stdout.write(response.text)
         sys.stdout.flush()
         last = response
@@ -157,7 +158,8 @@ def run_chat(args: argparse.Namespace) -> int:
             line = repair_text(line)
             print("(undecodable bytes in that line were replaced by \ufffd)", file=sys.stderr)
         try:
-            reply = _chat_turn(model, tokenizer, sampling, policy, chat_cache, _messages(args.system, history), line)
+            reply = _chat_turn(model, tokenizer, sampling, policy, chat_cache, _messages(args.system, history), line,
+                               args.context_overflow)
         except Exception as exc:  # noqa: BLE001 - one bad line must not end the session
             kind = "" if isinstance(exc, CortexStreamError) else f"{type(exc).__name__}: "
             print(f"cortexstream: error: {kind}{exc} (line ignored; the conversation goes on)", file=sys.stderr)
@@ -167,12 +169,13 @@ def run_chat(args: argparse.Namespace) -> int:
 
 
 def _chat_turn(model: Any, tokenizer: Any, sampling: SamplingParams, policy: Any, chat_cache: "_ChatCache",
-               history: list[dict[str, str]], line: str) -> str:
+               history: list[dict[str, str]], line: str, context_overflow: str = "warn") -> str:
     from cortexstream.generation.stream import stream_generate
 
     reply, reply_tokens = [], []
     tokens = chat_cache.turn_tokens(history + [{"role": "user", "content": line}])
     for response in stream_generate(model, tokenizer, tokens, sampling=sampling, prompt_cache=chat_cache.cache,
+                                    context_overflow=context_overflow,
                                     kv_policy=policy):
         sys.stdout.write(response.text)
         sys.stdout.flush()

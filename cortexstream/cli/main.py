@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
+import warnings
 from typing import Callable
 
 from cortexstream.backend import maybe_reexec_with_openblas
@@ -28,6 +29,8 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--context-overflow", choices=["warn", "error"], default="warn",
+                        help="a prompt longer than the model's context: warn and generate anyway, or refuse")
 
 
 def _add_kv_policy_arg(parser: argparse.ArgumentParser) -> None:
@@ -156,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line_warning(message: Warning | str, category: type[Warning], *_args: object, **_kwargs: object) -> None:
+    """Warnings (e.g. a prompt longer than the model's context) as one line, like errors."""
+    print(f"cortexstream: warning: {message}", file=sys.stderr)
+
+
 def _command(name: str) -> Callable[[argparse.Namespace], int]:
     from cortexstream.cli import commands
 
@@ -176,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:
         maybe_reexec_with_openblas()
     args = build_parser().parse_args(args_list)
+    warnings.showwarning = _one_line_warning
     try:
         if getattr(args, "run", None):  # a sub-command that names its own entry point ("module:function")
             import importlib
