@@ -139,3 +139,11 @@ def test_torn_training_caches_are_named(tmp_path):
         c2c_data._load(str(torn), {})
     with pytest.raises(ModelLoadError, match=rf"{torn}: malformed safetensors"):
         TeacherPool.cached(str(torn), "fp", lambda: pytest.fail("rebuilt instead of reporting"))
+
+
+def test_torn_trajectory_index_is_named(tmp_path):
+    from cortexstream.training.sidecar import cli as sidecar_cli
+
+    (tmp_path / "index.json").write_text('{"collect": {')
+    with pytest.raises(ModelLoadError, match=r"index.json: trajectory index is unreadable or torn"):
+        sidecar_cli._complete(str(tmp_path), {}, 1, "wiki")

@@ -16,11 +16,11 @@ model path `cortexstream.load` accepts. Fuser: `lowrank` (the seed's; same KV sh
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 from typing import Any
 
+from cortexstream.atomic_files import write_json_atomic
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.training.flags import TrainerDefaults, add_trainer_flags, check_trainer_flags, loop_config_kwargs
 
@@ -155,8 +155,7 @@ def execute(args: argparse.Namespace, models: tuple[Any, Any, Any, Any, str] | N
     report["train_oracle_ppl"] = oracle_ppl(receiver, train)
     report["steps"] = state["step"]
     report["history"] = state["history"]
-    with open(os.path.join(out, "heldout.json"), "w", encoding="utf-8") as fh:
-        json.dump(report, fh, indent=1)
+    write_json_atomic(os.path.join(out, "heldout.json"), report, indent=1)
     if args.export:
         shutil.copyfile(os.path.join(out, "fuser.safetensors"), args.export)
     return report

@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 
+from cortexstream.atomic_files import read_json_file, write_json_atomic
 from cortexstream.compression.compressor import CompressorConfig, KVCompressor, head_dim_of
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.training.checkpoints import save_checkpoint
@@ -231,11 +232,9 @@ def _cached_baselines(model: Any, pools: dict[str, TeacherPool], cfg: TrainConfi
                       {k: p.source for k, p in pools.items()}, cfg.factor, cfg.sinks, cfg.recent, cfg.max_offset])
     path = os.path.join(cache_dir, f"baselines-{hashlib.sha256(key.encode()).hexdigest()[:24]}.json")
     if os.path.exists(path):
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
+        return read_json_file(path, "cached baselines")
     result = baselines(model, pools, cfg)
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(result, fh)
+    write_json_atomic(path, result, indent=None)
     return result
 
 

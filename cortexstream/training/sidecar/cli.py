@@ -20,6 +20,7 @@ import os
 from dataclasses import asdict
 from typing import Any
 
+from cortexstream.atomic_files import read_json_file, write_json_atomic
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.training.flags import TrainerDefaults, add_trainer_flags, check_trainer_flags, loop_config_kwargs
 
@@ -70,8 +71,9 @@ def _complete(directory: str, collect: dict[str, Any], sequences: int, data: str
     path = os.path.join(directory, "index.json")
     if not os.path.exists(path):
         return False
-    with open(path, encoding="utf-8") as fh:
-        index = json.load(fh)
+    index = read_json_file(path, "trajectory index")
+    if not isinstance(index, dict):
+        return False
     return (index.get("collect") == collect and index.get("sequences") == sequences and index.get("data") == data
             and "peak_buffered_rows" in index)
 
@@ -89,11 +91,9 @@ def _collect(model: Any, seqs: list[list[int]], directory: str, config: Any, dat
     if os.path.exists(directory):
         shutil.rmtree(directory)  # partial or different collection: start it over
     index = collect_trajectories(model, seqs, directory, config, progress=progress, total=len(seqs))
-    with open(os.path.join(directory, "index.json"), encoding="utf-8") as fh:
-        index = json.load(fh)
+    index = read_json_file(os.path.join(directory, "index.json"), "trajectory index")
     index["data"] = data
-    with open(os.path.join(directory, "index.json"), "w", encoding="utf-8") as fh:
-        json.dump(index, fh, indent=1)
+    write_json_atomic(os.path.join(directory, "index.json"), index, indent=1)
     print(f"trajectories: {index['rows']} rows in {len(index['chunks'])} chunks -> {directory}")
     return True
 
@@ -142,8 +142,7 @@ def run(args: argparse.Namespace) -> int:
         for name, losses in report["heldout"].items():
             print(f"held-out {name:18s} force {losses['force']:.4f}  consistency {losses['consistency']:.4f}  "
                   f"({losses['rows']} rows, exact)")
-    with open(os.path.join(out, "heldout.json"), "w", encoding="utf-8") as fh:
-        json.dump(report, fh, indent=1)
+    write_json_atomic(os.path.join(out, "heldout.json"), report, indent=1)
     if args.export:
         from cortexstream.models.loader import model_info
 

@@ -13,11 +13,12 @@ policy ran; `final_physical` the size after the last chunk. Results are written 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
+
+from cortexstream.atomic_files import write_json_atomic
 
 
 def perplexity_row(model: Any, ids: Sequence[int], spec: str, chunk: int) -> dict[str, Any]:
@@ -51,8 +52,7 @@ def compare(model: Any, tokenizer: Any, policies: list[str], *, tokens: int = 20
 
     def save() -> None:
         if out:
-            with open(out, "w", encoding="utf-8") as fh:
-                json.dump(result, fh, indent=1)
+            write_json_atomic(out, result, indent=1)
 
     for spec in policies:
         row = perplexity_row(model, ids, spec, chunk)
