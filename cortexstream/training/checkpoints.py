@@ -3,7 +3,6 @@ state, each written to a temporary file and renamed, so an interrupted save neve
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Callable
 
@@ -11,12 +10,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
-
-def atomic_write(path: str, write: Callable[[str], None]) -> None:
-    """`write(tmp)` then rename over `path` (a .safetensors temp name keeps its suffix: MLX appends one otherwise)."""
-    tmp = path + ".tmp" + (".safetensors" if path.endswith(".safetensors") else "")
-    write(tmp)
-    os.replace(tmp, path)
+from cortexstream.atomic_files import atomic_write, write_json_atomic
 
 
 def save_checkpoint(out_dir: str, weights_name: str, save_weights: Callable[[str], None],
@@ -25,9 +19,4 @@ def save_checkpoint(out_dir: str, weights_name: str, save_weights: Callable[[str
     atomic_write(os.path.join(out_dir, weights_name), save_weights)
     atomic_write(os.path.join(out_dir, "optimizer.safetensors"),
                  lambda p: mx.save_safetensors(p, dict(tree_flatten(optimizer.state))))
-
-    def write_json(p: str) -> None:
-        with open(p, "w", encoding="utf-8") as fh:
-            json.dump(state, fh, indent=1)
-
-    atomic_write(os.path.join(out_dir, "state.json"), write_json)
+    write_json_atomic(os.path.join(out_dir, "state.json"), state, indent=1)
