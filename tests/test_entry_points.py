@@ -231,3 +231,9 @@ def test_cli_never_prints_an_empty_error(monkeypatch, capsys):
     assert main(["info"]) == 1
     err = capsys.readouterr().err.strip()
     assert err == "cortexstream: error: MemoryError: out of memory: the request needs more than this machine can allocate"
+
+
+def test_an_engine_arena_that_cannot_fit_in_memory_is_refused_with_the_numbers(tiny):
+    with pytest.raises(InvalidArgumentError, match=r"num_tokens \(the arena's kv_tokens\): 1000000000000 tokens need "
+                                                   r".* GiB of KV arena \(512 bytes per token\)"):
+        cortexstream.Engine(*tiny, kv_tokens=10**12)

@@ -77,6 +77,9 @@ class ArenaConfig:
         if num_tokens is not None:
             if not isinstance(num_tokens, int) or num_tokens <= 0:
                 raise InvalidArgumentError(f"num_tokens: {num_tokens!r} must be a positive integer")
+            from cortexstream.kv.memory_check import check_kv_fits
+
+            check_kv_fits(num_tokens, probe.bytes_per_token, "num_tokens (the arena's kv_tokens)")
             blocks = probe.blocks_for_tokens(num_tokens)
         else:
             if memory_fraction is not None:
