@@ -237,3 +237,19 @@ def test_an_engine_arena_that_cannot_fit_in_memory_is_refused_with_the_numbers(t
     with pytest.raises(InvalidArgumentError, match=r"num_tokens \(the arena's kv_tokens\): 1000000000000 tokens need "
                                                    r".* GiB of KV arena \(512 bytes per token\)"):
         cortexstream.Engine(*tiny, kv_tokens=10**12)
+
+
+def test_model_directory_config_must_match_its_weights(tmp_path):
+    import json
+
+    import mlx.core as mx
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 9895938}))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"),
+                        {"model.layers.0.mlp.up_proj.weight": mx.zeros((2, 2)),
+                         "model.layers.1.mlp.up_proj.weight": mx.zeros((2, 2))})
+    with pytest.raises(ModelLoadError, match=r"config.json: 'num_hidden_layers' is 9895938, the weights hold 2 layers"):
+        cortexstream.load(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"model_type": ')
+    with pytest.raises(ModelLoadError, match=r"config.json: model config is unreadable or torn"):
+        cortexstream.load(str(tmp_path))

@@ -204,13 +204,29 @@ def _download_repo(repo_id: str) -> Path:
         ) from exc
 
 
+def _check_directory_config(path: Path, layers: set[int]) -> None:
+    """config.json must be readable and its layer count match the layers the weights hold: mlx-lm builds the
+    model from the config before comparing any weight (a corrupt count of millions of layers takes all memory)."""
+    from cortexstream.atomic_files import read_json_file
+
+    config = read_json_file(str(path / "config.json"), "model config")
+    claimed = config.get("num_hidden_layers") if isinstance(config, dict) else None
+    if layers and claimed != len(layers):
+        raise ModelLoadError(f"{path / 'config.json'}: 'num_hidden_layers' is {claimed!r:.40}, the weights hold "
+                             f"{len(layers)} layers")
+
+
 def _load_directory(path: Path, dequantize: bool, target: Any) -> tuple[nn.Module, Any, ModelInfo]:
     from mlx_lm.utils import dequantize_model, load_model, load_tokenizer
 
     from cortexstream.models.safetensors_check import check_safetensors
 
+    layers: set[int] = set()
     for weights_file in sorted(path.glob("*.safetensors")):
-        check_safetensors(str(weights_file))  # before mlx-lm's mx.load trusts the header
+        layout = check_safetensors(str(weights_file))  # before mlx-lm's mx.load trusts the header
+        layers |= {int(p[2]) for p in (n.split(".") for n in layout.tensors) if p[:2] == ["model", "layers"]
+                   and len(p) > 2 and p[2].isdigit()}
+    _check_directory_config(path, layers)
     try:
         model, config = load_model(path)
     except (ValueError, FileNotFoundError) as exc:
