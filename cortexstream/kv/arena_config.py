@@ -79,7 +79,8 @@ class ArenaConfig:
                 raise InvalidArgumentError(f"num_tokens: {num_tokens!r} must be a positive integer")
             from cortexstream.kv.memory_check import check_kv_fits
 
-            check_kv_fits(num_tokens, probe.bytes_per_token, "num_tokens (the arena's kv_tokens)")
+            check_kv_fits(num_tokens, probe.bytes_per_token, "num_tokens (the arena's kv_tokens)",
+                          device_memory_bytes())
             blocks = probe.blocks_for_tokens(num_tokens)
         else:
             if memory_fraction is not None:

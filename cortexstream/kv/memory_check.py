@@ -12,11 +12,10 @@ from cortexstream.errors import InvalidArgumentError
 MAX_MEMORY_FRACTION = 0.9
 
 
-def check_kv_fits(num_tokens: int, bytes_per_token: int, argument: str, memory_bytes: int | None = None) -> None:
-    """InvalidArgumentError naming `argument` when `num_tokens` x `bytes_per_token` exceeds the memory share."""
-    from cortexstream.kv.arena_config import device_memory_bytes
-
-    have = device_memory_bytes() if memory_bytes is None else memory_bytes
+def check_kv_fits(num_tokens: int, bytes_per_token: int, argument: str, memory_bytes: int) -> None:
+    """InvalidArgumentError naming `argument` when `num_tokens` x `bytes_per_token` exceeds the memory share of
+    `memory_bytes` (the caller passes `arena_config.device_memory_bytes()`; this module imports nothing of kv/)."""
+    have = memory_bytes
     need = num_tokens * bytes_per_token
     if bytes_per_token > 0 and need > MAX_MEMORY_FRACTION * have:
         fit = int(MAX_MEMORY_FRACTION * have // bytes_per_token)

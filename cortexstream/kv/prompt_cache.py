@@ -11,7 +11,7 @@ from cortexstream.atomic_files import atomic_write
 from cortexstream.errors import InvalidArgumentError, ModelLoadError
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_cache import ArenaKVCache
-from cortexstream.kv.arena_config import ArenaConfig, model_kv_shape
+from cortexstream.kv.arena_config import ArenaConfig, device_memory_bytes, model_kv_shape
 from cortexstream.kv.memory_check import check_kv_fits
 from cortexstream.kv.prompt_cache_check import FORMAT, METADATA_KEY, check_prompt_cache_file, check_user_metadata
 from cortexstream.kv.sequence_kv import SequenceKV, private_sequence
@@ -38,7 +38,8 @@ def make_prompt_cache(
     if arena is None:
         layers, kv_heads, head_dim, dtype = model_kv_shape(model)
         itemsize = 4 if dtype == "float32" else 2
-        check_kv_fits(max_tokens or DEFAULT_PRIVATE_TOKENS, 2 * layers * kv_heads * head_dim * itemsize, "max_tokens")
+        check_kv_fits(max_tokens or DEFAULT_PRIVATE_TOKENS, 2 * layers * kv_heads * head_dim * itemsize, "max_tokens",
+                      device_memory_bytes())
         seq = private_sequence(layers, kv_heads, head_dim, head_dim, max_tokens or DEFAULT_PRIVATE_TOKENS, dtype)
     else:
         layers, kv_heads, head_dim, _ = model_kv_shape(model)
