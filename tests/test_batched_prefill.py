@@ -177,3 +177,18 @@ def test_equal_reservations_give_a_strided_decode_batch(tiny):
     assert [results[i]["tokens"] for i in ids] == [alone(model, tokenizer, p, 16) for p in prompts]
     assert engine.arena.allocator.num_used_blocks == 0
     mx.eval()
+
+
+def test_adaptive_budget_keeps_a_chunk_near_a_decode_steps_time():
+    from cortexstream.engine.chunk_budget import AdaptivePrefillBudget
+
+    budget = AdaptivePrefillBudget(max_tokens=512, ratio=1.5, min_tokens=16, smoothing=1.0)
+    assert budget.tokens() == 64  # nothing measured: a cautious start
+    budget.observe(prefill_tokens=64, prefill_seconds=0.32, decode_seconds=0.1)  # 5 ms a token, 100 ms a step
+    assert budget.tokens() == 30  # 1.5 x 100 ms / 5 ms
+    budget.observe(prefill_tokens=30, prefill_seconds=0.03, decode_seconds=None)  # cheap tokens: bigger chunks
+    assert budget.tokens() == 150
+    budget.observe(prefill_tokens=10, prefill_seconds=10.0, decode_seconds=None)  # very dear tokens: the floor
+    assert budget.tokens() == 16
+    budget.observe(prefill_tokens=1, prefill_seconds=1e-6, decode_seconds=None)  # never above the step budget
+    assert budget.tokens() == 512

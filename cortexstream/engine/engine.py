@@ -14,7 +14,7 @@ a prompt in progress, few free blocks) first read every token in flight, so reco
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -23,6 +23,7 @@ import mlx.nn as nn
 from cortexstream.backend import ensure_buffer_cache
 from cortexstream.engine.block_manager import BlockManager
 from cortexstream.engine.bound_cache import BoundCache
+from cortexstream.engine.chunk_budget import AdaptivePrefillBudget
 from cortexstream.engine.runner import ModelRunner
 from cortexstream.engine.scheduler import Scheduler, SchedulerConfig
 from cortexstream.engine.sequence import Sequence
@@ -79,7 +80,7 @@ class Engine:
         block_size: int = 16,
         max_num_seqs: int = 16,
         prefill_step_size: int = 512,
-        prefill_tokens_while_decoding: int | None = 128,
+        prefill_tokens_while_decoding: int | str | None = "auto",
         prefix_caching: bool = True,
         kv_policy: Any = None,
         pipeline: bool = True,
@@ -97,6 +98,14 @@ class Engine:
         self.tokenizer = tokenizer
         self.arena = arena
         self.block_manager = BlockManager(arena.allocator, arena.config.block_size, prefix_caching)
+        # "auto": chunks sized so that one costs about one decode step (see chunk_budget); an int: fixed.
+        self._adaptive = None
+        if prefill_tokens_while_decoding == "auto":
+            self._adaptive = AdaptivePrefillBudget(prefill_step_size)
+            prefill_tokens_while_decoding = self._adaptive.tokens()
+        elif isinstance(prefill_tokens_while_decoding, str):
+            raise InvalidArgumentError(f"prefill_tokens_while_decoding: {prefill_tokens_while_decoding!r} must be "
+                                       "'auto', None or an integer >= 1")
         self.scheduler = Scheduler(self.block_manager, SchedulerConfig(max_num_seqs, prefill_step_size,
                                                                        prefill_tokens_while_decoding))
         self.runner = ModelRunner(model, arena)
@@ -203,9 +212,16 @@ class Engine:
                            in zip(sampled, draws))
         toc = time.perf_counter()
         self.prefill_time += toc - tic
+        decode_seconds = None
         if step.decode or self._inflight:
             outputs.extend(self._decode(step.decode))
-            self.decode_time += time.perf_counter() - toc
+            decode_seconds = time.perf_counter() - toc
+            self.decode_time += decode_seconds
+        if self._adaptive is not None:
+            self._adaptive.observe(sum(n for _, n in step.prefill), toc - tic, decode_seconds if step.decode else None)
+            budget = self._adaptive.tokens()
+            if budget != self.scheduler.config.prefill_tokens_while_decoding:
+                self.scheduler.config = replace(self.scheduler.config, prefill_tokens_while_decoding=budget)
         return outputs
 
     def _may_pipeline(self) -> bool:
