@@ -97,7 +97,7 @@ def test_queue_full_is_429_with_retry_after(server):
     import asyncio
 
     gate = threading.Event()
-    holder = threading.Thread(target=server.state.bridge.threaded.call, args=(lambda engine: gate.wait(20),))
+    holder = threading.Thread(target=server.state.bridge.client.call, args=(lambda engine: gate.wait(20),))
     holder.start()
 
     async def scenario() -> tuple[httpx.Response, list[httpx.Response]]:

@@ -25,6 +25,7 @@ import mlx.core as mx
 from cortexstream.engine.engine import Engine, RequestOutput
 from cortexstream.engine.fork import add_forking_request
 from cortexstream.engine.sequence import Sequence
+from cortexstream.engine.client import ThreadedClient
 from cortexstream.engine.threaded import ThreadedEngine
 from cortexstream.errors import CortexStreamError
 from cortexstream.server.jobs import EngineJob, RequestHandle, TokenEvent, Tracked
@@ -41,7 +42,10 @@ class EngineBridge:
         self.engine = engine
         self.handoff = handoff
         self.on_events = on_events  # event-loop callback per delivered event (metrics)
-        self.threaded = _ServerThreadedEngine(engine, on_step=self._on_step, on_failure=self._on_failure)
+        # The bridge talks to the engine through the EngineClient protocol (push mode: outputs arrive at
+        # _on_step); requests are added by `call` in batches, so per-request streams are never opened.
+        self.client = ThreadedClient(_ServerThreadedEngine(engine, on_step=self._on_step, on_failure=self._on_failure),
+                                     start=False)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.step_listeners: list[StepListener] = []  # engine thread, after each step (stats snapshots)
         self._lock = threading.Lock()
@@ -57,16 +61,17 @@ class EngineBridge:
     # --- life cycle -------------------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.threaded.start()
+        self.client.start()
 
     def stop(self) -> None:
-        self.threaded.stop()
+        self.client.close()
         self._submitter.shutdown(wait=False, cancel_futures=True)
 
     @property
     def engine_alive(self) -> bool:
-        running = getattr(self.threaded, "running", None)
-        return bool(running) if running is not None else self.threaded._thread.is_alive()
+        threaded = self.client.threaded
+        running = getattr(threaded, "running", None)
+        return bool(running) if running is not None else threaded._thread.is_alive()
 
     @property
     def num_active(self) -> int:
@@ -105,7 +110,7 @@ class EngineBridge:
             self._cancelled.update(rids)
         handle.aborted = True  # its remaining events still come (for the metrics), but nobody reads them
         for rid in rids:
-            self.threaded.abort(rid)
+            self.client.abort(rid)
 
     def _forget(self, handle: RequestHandle) -> None:
         for rid in handle.job.request_ids:
@@ -132,7 +137,7 @@ class EngineBridge:
     def _call_add_pending(self) -> None:
         """Submitter thread: one engine-thread round trip for every job queued so far."""
         try:
-            self.threaded.call(self._add_pending)
+            self.client.call(self._add_pending)
         except Exception as exc:  # noqa: BLE001 - the engine thread is gone: fail the jobs it never took
             with self._lock:
                 jobs, self._pending = self._pending, []

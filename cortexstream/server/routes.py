@@ -53,7 +53,7 @@ async def kv(request: Request, tenant: str | None = Depends(require_tenant)) -> 
     state = _state(request)
     bridge = state.bridge
     return await asyncio.to_thread(
-        bridge.threaded.call,
+        bridge.client.call,
         lambda engine: kv_snapshot(engine, dict(bridge.owner_tenants), state.keys.enabled, viewer=tenant))
 
 
