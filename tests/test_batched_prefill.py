@@ -85,7 +85,7 @@ def test_prefill_and_decode_in_the_same_step_match_alone(tiny):
         nonlocal mixed, budget_ok
         if step.prefill and step.decode:
             mixed += 1
-            budget_ok &= sum(n for _, n in step.prefill) <= 8
+            budget_ok &= sum(n for _, n in step.prefill) <= 8 * len(later)  # 8 per prompt being prefilled
         return step
 
     engine.scheduler.schedule = spy
@@ -149,6 +149,9 @@ def test_scheduler_config_validates_the_mixed_budget():
     assert SchedulerConfig(prefill_step_size=512, prefill_tokens_while_decoding=128).prefill_budget(True) == 128
     assert SchedulerConfig(prefill_step_size=512, prefill_tokens_while_decoding=128).prefill_budget(False) == 512
     assert SchedulerConfig(prefill_step_size=64, prefill_tokens_while_decoding=128).prefill_budget(True) == 64
+    # a share per prompt waiting for its first token, within the step's whole budget
+    assert SchedulerConfig(prefill_step_size=512, prefill_tokens_while_decoding=100).prefill_budget(True, 3) == 300
+    assert SchedulerConfig(prefill_step_size=512, prefill_tokens_while_decoding=100).prefill_budget(True, 9) == 512
     with pytest.raises(InvalidArgumentError, match="prefill_tokens_while_decoding"):
         SchedulerConfig(prefill_tokens_while_decoding=0)
 

@@ -27,8 +27,9 @@ from cortexstream.engine.sequence import Sequence, SequenceStatus
 class SchedulerConfig:
     max_num_seqs: int = 16
     prefill_step_size: int = 512  # prompt tokens computed per step, over all prefilling sequences
-    # The same budget while other sequences are decoding (None: prefill_step_size). A smaller one bounds how
-    # much a prompt being admitted delays the next token of running streams.
+    # The budget while other sequences are decoding, per request being prefilled (None: prefill_step_size). A
+    # smaller one bounds how much one prompt being admitted delays the next token of running streams; it grows
+    # with the number of prompts waiting for their first token, which matter as much as the running streams.
     prefill_tokens_while_decoding: int | None = None
 
     def __post_init__(self) -> None:
@@ -40,10 +41,11 @@ class SchedulerConfig:
         if mixed is not None and (not isinstance(mixed, int) or isinstance(mixed, bool) or mixed < 1):
             raise InvalidArgumentError(f"prefill_tokens_while_decoding: {mixed!r} must be None or an integer >= 1")
 
-    def prefill_budget(self, decoding: bool) -> int:
-        """Prompt tokens one step may compute, given whether some sequence decodes in the same step."""
+    def prefill_budget(self, decoding: bool, num_prefilling: int = 1) -> int:
+        """Prompt tokens one step may compute, given whether some sequence decodes in the same step and how many
+        requests are waiting for their prompt to be computed."""
         if decoding and self.prefill_tokens_while_decoding is not None:
-            return min(self.prefill_step_size, self.prefill_tokens_while_decoding)
+            return min(self.prefill_step_size, self.prefill_tokens_while_decoding * max(1, num_prefilling))
         return self.prefill_step_size
 
 
@@ -133,7 +135,8 @@ class Scheduler:
         self._finished = []
         self._admit()
         self._run_hooks(step)
-        budget = self.config.prefill_budget(decoding=any(s.num_pending == 1 for s in self.running))
+        budget = self.config.prefill_budget(decoding=any(s.num_pending == 1 for s in self.running),
+                                            num_prefilling=sum(s.num_pending > 1 for s in self.running))
         for seq in self.running:
             # More than one pending token is prompt (or recompute after preemption); one is a decode step.
             if seq.num_pending > 1:
