@@ -100,14 +100,15 @@ class Engine:
         self.block_manager = BlockManager(arena.allocator, arena.config.block_size, prefix_caching)
         # "auto": chunks sized so that one costs about one decode step (see chunk_budget); an int: fixed.
         self._adaptive = None
-        if prefill_tokens_while_decoding == "auto":
-            self._adaptive = AdaptivePrefillBudget(prefill_step_size)
-            prefill_tokens_while_decoding = self._adaptive.tokens()
-        elif isinstance(prefill_tokens_while_decoding, str):
+        auto = prefill_tokens_while_decoding == "auto"
+        if isinstance(prefill_tokens_while_decoding, str) and not auto:
             raise InvalidArgumentError(f"prefill_tokens_while_decoding: {prefill_tokens_while_decoding!r} must be "
                                        "'auto', None or an integer >= 1")
-        self.scheduler = Scheduler(self.block_manager, SchedulerConfig(max_num_seqs, prefill_step_size,
-                                                                       prefill_tokens_while_decoding))
+        config = SchedulerConfig(max_num_seqs, prefill_step_size, None if auto else prefill_tokens_while_decoding)
+        if auto:  # built after the config checked prefill_step_size
+            self._adaptive = AdaptivePrefillBudget(prefill_step_size)
+            config = replace(config, prefill_tokens_while_decoding=self._adaptive.tokens())
+        self.scheduler = Scheduler(self.block_manager, config)
         self.runner = ModelRunner(model, arena)
         self._states: dict[str, _RequestState] = {}
         self._eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
