@@ -58,6 +58,62 @@ def test_disconnect_mid_stream_frees_the_blocks_within_a_step(server):
     _assert_no_leak(server.wait_idle())
 
 
+def test_a_disconnected_request_frees_its_blocks_before_the_second_step_after_the_abort(server):
+    """Counted in engine steps, not seconds: the engine steps completed between the server's abort call (when it
+    noticed the disconnect) and the moment the blocks are released are at most one."""
+    bridge = server.state.bridge
+    engine = bridge.engine
+    steps = [0]
+    abort_requested: dict[str, int] = {}
+    released: dict[str, tuple[int, int]] = {}  # request id -> (step count, used blocks of live sequences after)
+
+    def count(_engine) -> None:
+        steps[0] += 1
+
+    original_abort, original_engine_abort = bridge.client.abort, engine.abort
+
+    def client_abort(request_id: str) -> None:
+        abort_requested.setdefault(request_id, steps[0])
+        original_abort(request_id)
+
+    def engine_abort(request_id: str) -> bool:
+        result = original_engine_abort(request_id)
+        live = sum(len(s.block_table) for s in engine.scheduler.running if s.request_id == request_id)
+        released.setdefault(request_id, (steps[0], live))
+        return result
+
+    bridge.step_listeners.append(count)
+    bridge.client.abort, engine.abort = client_abort, engine_abort
+    try:
+        async def leave_after(n: int) -> None:
+            client = server.async_client()
+            stream = await client.completions.create(model="tiny", prompt="on the plain " * 20, max_tokens=4000,
+                                                     temperature=0, stream=True)
+            seen = 0
+            async for _chunk in stream:
+                seen += 1
+                if seen == n:
+                    break
+            await stream.close()
+
+        async def sixteen() -> None:
+            await asyncio.gather(*(leave_after(2 + i % 5) for i in range(16)))
+
+        asyncio.run(sixteen())
+        deadline = time.time() + 10
+        while time.time() < deadline and len(released) < len(abort_requested):
+            time.sleep(0.02)
+    finally:
+        bridge.step_listeners.remove(count)
+        bridge.client.abort, engine.abort = original_abort, original_engine_abort
+    assert len(abort_requested) >= 16  # every client that left was aborted
+    for request_id, asked_at in abort_requested.items():
+        released_at, live_blocks = released[request_id]
+        assert released_at - asked_at <= 1, (request_id, asked_at, released_at)
+        assert live_blocks == 0  # the sequence is gone from the running set with its blocks
+    _assert_no_leak(server.wait_idle())
+
+
 def test_64_concurrent_streams_with_random_disconnects(server, tiny):
     model, tokenizer = tiny
     rng = random.Random(1234)
