@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -69,4 +70,8 @@ def run_serve(args: argparse.Namespace) -> int:
     # uvicorn's own header limit sits well above ours, so the middleware answers oversized headers with 413.
     code = serve_app(app, args.host, args.port, args.shutdown_timeout, 4 * config.max_header_bytes, args.log_level)
     print("cortexstream serve: stopped", file=sys.stderr, flush=True)
-    return code
+    # Every request and the engine thread are finished and the output is flushed. Skip the interpreter's teardown:
+    # destroying MLX's and the engine's C++ state while a native worker thread is still winding down can abort
+    # the process ("terminate called without an active exception", exit -6) after a clean shutdown.
+    sys.stdout.flush()
+    os._exit(code)
