@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Iterator
 
 from cortexstream.engine.sequence import Sequence
 from cortexstream.kv.allocator import BlockAllocator
@@ -62,29 +63,24 @@ class BlockManager:
         """Blocks (and their hashes) of the longest cached chain of full prompt blocks."""
         if not self.prefix_caching:
             return [], []
-        bs = self.block_size
-        parent = self._root(seq.tenant)
         blocks: list[int] = []
         hashes: list[int] = []
-        ids = seq.all_ids
-        for i in range(len(ids) // bs):
-            tokens = tuple(ids[i * bs : (i + 1) * bs])
-            h = hash((parent, tokens))
+        for h, tokens in self._chain(seq, 0, len(seq.all_ids) // self.block_size, self._root(seq.tenant)):
             cached = self._by_hash.get(h)
             if cached is None or cached.tokens != tokens:
                 break
             blocks.append(cached.block)
             hashes.append(h)
-            parent = h
         return blocks, hashes
 
-    def _chain(self, seq: Sequence, start: int, stop: int, parent: int) -> list[int]:
-        """Hashes of the sequence's full blocks [start, stop), continuing the chain from `parent`."""
-        bs, ids, hashes = self.block_size, seq.all_ids, []
+    def _chain(self, seq: Sequence, start: int, stop: int, parent: int) -> Iterator[tuple[int, tuple[int, ...]]]:
+        """(hash, token ids) of the sequence's full blocks [start, stop), continuing the chain from `parent`;
+        lazily, so a caller that stops at the first miss hashes no further."""
+        bs, ids = self.block_size, seq.all_ids
         for i in range(start, stop):
-            parent = hash((parent, tuple(ids[i * bs : (i + 1) * bs])))
-            hashes.append(parent)
-        return hashes
+            tokens = tuple(ids[i * bs : (i + 1) * bs])
+            parent = hash((parent, tokens))
+            yield parent, tokens
 
     def waits_for_shared_prefix(self, seq: Sequence) -> bool:
         """True when the next prompt block `seq` would compute is being computed by an admitted sequence: it
@@ -95,12 +91,13 @@ class BlockManager:
         if (len(hits) + 1) * self.block_size > len(seq.prompt_ids):
             return False
         parent = hashes[-1] if hashes else self._root(seq.tenant)
-        owner = self._pending.get(self._chain(seq, len(hits), len(hits) + 1, parent)[0])
+        next_hash, _ = next(self._chain(seq, len(hits), len(hits) + 1, parent))
+        owner = self._pending.get(next_hash)
         return owner is not None and owner != seq.owner
 
     def _add_pending(self, seq: Sequence, num_hits: int) -> None:
         parent = seq.block_hashes[-1] if seq.block_hashes else self._root(seq.tenant)
-        hashes = [h for h in self._chain(seq, num_hits, len(seq.prompt_ids) // self.block_size, parent)
+        hashes = [h for h, _ in self._chain(seq, num_hits, len(seq.prompt_ids) // self.block_size, parent)
                   if h not in self._by_hash and h not in self._pending]
         for h in hashes:
             self._pending[h] = seq.owner
@@ -116,15 +113,11 @@ class BlockManager:
         """Add the sequence's newly completed blocks to the prefix cache (only while KV matches tokens 1:1)."""
         if not self.prefix_caching or not seq.kv_from_tokens or seq.num_physical != seq.num_computed:
             return
-        bs = self.block_size
-        ids = seq.all_ids
-        full = min(seq.num_computed // bs, len(seq.block_table))
+        full = min(seq.num_computed // self.block_size, len(seq.block_table))
         parent = seq.block_hashes[-1] if seq.block_hashes else self._root(seq.tenant)
-        for i in range(len(seq.block_hashes), full):
-            tokens = tuple(ids[i * bs : (i + 1) * bs])
-            h = hash((parent, tokens))
+        for i, (h, tokens) in enumerate(self._chain(seq, len(seq.block_hashes), full, parent),
+                                        start=len(seq.block_hashes)):
             seq.block_hashes.append(h)
-            parent = h
             if self._pending.get(h) == seq.owner:
                 del self._pending[h]
             block = seq.block_table[i]
