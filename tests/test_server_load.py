@@ -36,21 +36,22 @@ def _aborted_count(server: LiveServer) -> float:
     return float(lines[0].split()[-1]) if lines else 0.0
 
 
+async def _leave_after(server: LiveServer, prompt: str, chunks: int) -> None:
+    """Stream a long completion, read `chunks` chunks, then close the connection."""
+    client = server.async_client()
+    stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=4000, temperature=0,
+                                             stream=True)
+    seen = 0
+    async for _chunk in stream:
+        seen += 1
+        if seen == chunks:
+            break
+    await stream.close()
+
+
 def test_disconnect_mid_stream_frees_the_blocks_within_a_step(server):
     before = _aborted_count(server)
-
-    async def read_a_little() -> None:
-        client = server.async_client()
-        stream = await client.completions.create(model="tiny", prompt="in the " * 30, max_tokens=4000,
-                                                 temperature=0, stream=True)
-        seen = 0
-        async for _chunk in stream:
-            seen += 1
-            if seen == 3:
-                break
-        await stream.close()
-
-    asyncio.run(read_a_little())
+    asyncio.run(_leave_after(server, "in the " * 30, 3))
     deadline = time.time() + 5
     while time.time() < deadline and _aborted_count(server) == before:
         time.sleep(0.02)
@@ -85,19 +86,8 @@ def test_a_disconnected_request_frees_its_blocks_before_the_second_step_after_th
     bridge.step_listeners.append(count)
     bridge.client.abort, engine.abort = client_abort, engine_abort
     try:
-        async def leave_after(n: int) -> None:
-            client = server.async_client()
-            stream = await client.completions.create(model="tiny", prompt="on the plain " * 20, max_tokens=4000,
-                                                     temperature=0, stream=True)
-            seen = 0
-            async for _chunk in stream:
-                seen += 1
-                if seen == n:
-                    break
-            await stream.close()
-
         async def sixteen() -> None:
-            await asyncio.gather(*(leave_after(2 + i % 5) for i in range(16)))
+            await asyncio.gather(*(_leave_after(server, "on the plain " * 20, 2 + i % 5) for i in range(16)))
 
         asyncio.run(sixteen())
         deadline = time.time() + 10
