@@ -69,3 +69,39 @@ def test_max_minutes_lists_skipped_cells(tiny, tmp_path):
     data = json.loads((tmp_path / "throughput.json").read_text())
     assert data["matrix"] == [] and data["skipped"] == ["equal c=1 prompt=8"]
     assert "Not measured" in (tmp_path / "throughput.md").read_text()
+
+
+def test_profile_splits_both_calls_into_phases(tiny):
+    from cortexstream.benchmarks.throughput_profile import markdown, profile_cell
+
+    model, tokenizer = tiny
+    cell = profile_cell(model, tokenizer, "ragged", 3, 16, max_tokens=4, rounds=1)
+    ours, ref = cell["ours"], cell["mlx_lm"]
+    prompts = build_prompts(tokenizer, "ragged", 3, 16).prompts
+    # Every prompt token is computed once (no shared prefix here), in steps that report them.
+    assert ours["prefill_tokens"] == sum(len(p) for p in prompts) and ours["prefill_steps"] >= 1
+    # Three requests of 4 tokens each: the first token comes from a prefill step, the other 3 from decode steps
+    # (some may share a step with a prefill); never more decode steps than tokens left to decode.
+    assert 1 <= ours["decode_steps"] <= 3 * 3 and ours["decode_step_median_ms"] > 0
+    assert ours["construction_s"] > 0 and ours["prefill_s"] > 0 and ours["decode_s"] > 0
+    assert ours["wall_s"] >= ours["construction_s"] + ours["prefill_s"] + ours["decode_s"]
+    assert ref["prompt_s"] > 0 and ref["generation_s"] > 0 and ref["wall_s"] >= ref["prompt_s"]
+    assert cell["ceiling_at_decode_parity"] >= 1.0 and cell["ratio_at_decode_parity"] > 0
+    payload = {"model": {"source": "tiny"}, "machine": {"platform": "p", "cpu": "c", "cpu_count": 2, "mlx": "m",
+                                                        "blas": "b"},
+               "rounds": 1, "cells_arg": "ragged:3:16", "cells": [cell], "elapsed_minutes": 0.1}
+    assert "| ragged c=3 16 |" in markdown(payload)
+
+
+def test_profile_cells_and_name_are_checked():
+    from cortexstream.benchmarks.throughput_profile import _cells
+    from cortexstream.errors import InvalidArgumentError
+
+    assert _cells("ragged:8:128, shared:32:1024") == [("ragged", 8, 128), ("shared", 32, 1024)]
+    for bad in ("", "ragged:8", "odd:8:128", "ragged:0:128", "ragged:8:2", "ragged:x:128"):
+        with pytest.raises(InvalidArgumentError, match="--cells"):
+            _cells(bad)
+    p = argparse.ArgumentParser()
+    throughput.add_arguments(p)
+    with pytest.raises(InvalidArgumentError, match="--name"):
+        throughput.run_from_args(p.parse_args(["--name", "../x", "--parts", "single"]))

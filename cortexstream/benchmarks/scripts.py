@@ -17,6 +17,8 @@ SCRIPTS: dict[str, tuple[str, str]] = {
     "block-size": ("cortexstream.benchmarks.block_size", "batched decode attention at block sizes 16-128"),
     "strategy-crossover": ("cortexstream.benchmarks.strategy_crossover",
                            "strided vs blocks vs mlx-lm batched attention from 256 to 12288 keys"),
+    "throughput-profile": ("cortexstream.benchmarks.throughput_profile",
+                           "where a batch_generate call's wall time goes, ours and mlx-lm's, per matrix cell"),
     "decode-floor": ("cortexstream.benchmarks.decode_floor",
                      "how much of a batched decode step any engine running mlx-lm's model code can change"),
 }

@@ -60,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--single-prompt-tokens", default="32,2048", help="prompt lengths of the single-stream part")
     p.add_argument("--model", default=None, help="GGUF file, model directory or hub repo id (default: smollm2-135m)")
     p.add_argument("--out", default="bench/results", help="output folder")
+    p.add_argument("--name", default=None,
+                   help="file name stem of the results (default throughput, or throughput_quick with --quick)")
 
 
 def _ints(flag: str, text: str, minimum: int = 1) -> tuple[int, ...]:
@@ -137,8 +139,9 @@ def _label(part: str, what: Any) -> str:
 
 
 def run(model_source: str | None, out_dir: str, settings: Settings, model: Any = None, tokenizer: Any = None,
-        progress: bool = True) -> dict[str, Any]:
-    """Run the selected parts and write `<out>/throughput[_quick].{json,md,png}`; returns the payload."""
+        progress: bool = True, name: str | None = None) -> dict[str, Any]:
+    """Run the selected parts and write `<out>/<name>.{json,md,png}` (default name: throughput[_quick]); returns
+    the payload."""
     from cortexstream.atomic_files import check_output_dir
     from cortexstream.backend import ensure_buffer_cache
     from cortexstream.benchmarks.machine import machine
@@ -160,7 +163,7 @@ def run(model_source: str | None, out_dir: str, settings: Settings, model: Any =
     if "single" in settings.parts:
         warm_up_single(model, tokenizer)
     payload: dict[str, Any] = {
-        "benchmark": "throughput_quick" if settings.quick else "throughput",
+        "benchmark": name or ("throughput_quick" if settings.quick else "throughput"),
         "machine": machine(),
         "model": model_description(model, model_source),
         "settings": asdict(settings),
@@ -230,7 +233,12 @@ class _Progress:
 
 def run_from_args(a: argparse.Namespace) -> int:
     settings = settings_from_args(a)
-    payload = run(a.model, a.out, settings)
+    name = getattr(a, "name", None)
+    if name is not None and (not name or any(c in name for c in "/\\.") or name.startswith("-")):
+        from cortexstream.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"--name: '{name}' must be a plain file name stem (no '/', '\\' or '.')")
+    payload = run(a.model, a.out, settings, name=name)
     with open(os.path.join(a.out, f"{payload['benchmark']}.md"), encoding="utf-8") as f:
         print(f.read())
     return 0
