@@ -15,6 +15,9 @@ Layers, top to bottom:
 
 Training (`cortexstream.training`) sits beside the product: it may import anything, and only interfaces (and
 training itself) may import it, so nothing in the request path depends on training code.
+
+Interfaces also reach an engine only through `EngineClient` and Engine's public methods: never its scheduler, block
+manager, runner or private attributes (`test_interfaces_use_only_the_engines_public_surface`).
 """
 
 from __future__ import annotations
@@ -193,3 +196,97 @@ def test_the_checks_see_what_they_claim_to():
     assert "cortexstream.engine.sequence" in imported_modules("cortexstream.engine.runner", sample, modules)
     lazy = ROOT / "cortexstream" / "__init__.py"  # imports only inside __getattr__
     assert "cortexstream.models.loader" in imported_modules("cortexstream", lazy, modules)
+
+
+# --- interfaces read the engine through EngineClient and Engine's public methods -----------------------------------
+# Interfaces (server, TUI, CLI, benchmarks) see an engine through `EngineClient` (submit, stream, abort, stats,
+# snapshot) and, inside `EngineClient.call`, through `Engine`'s public methods; never through its scheduler, block
+# manager or runner, nor any private attribute of an engine.
+BOUNDARY_DIRS = ("cortexstream/server", "cortexstream/cli", "cortexstream/benchmarks", "apps/tui")
+ENGINE_PARTS = {"scheduler", "block_manager", "runner"}
+# (file, attribute) -> why it must stay.
+ENGINE_ACCESS_ALLOWED = {
+    ("cortexstream/benchmarks/decode_floor.py", "_eos_ids"):
+        "times full decode batches: it empties the engine's eos set so that no request ends early",
+}
+
+
+def _names_in(annotation: ast.expr) -> set[str]:
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        annotation = ast.parse(annotation.value, mode="eval").body
+    return {n.id for n in ast.walk(annotation) if isinstance(n, ast.Name)}
+
+
+def _engine_names(tree: ast.AST) -> set[str]:
+    """Names that hold an engine: parameters annotated Engine / ThreadedEngine, and the parameter of a lambda
+    passed to `.call(...)` (EngineClient.call / ThreadedEngine.call hand it the engine)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            args = node.args
+            for arg in args.posonlyargs + args.args + args.kwonlyargs:
+                if arg.annotation is not None and _names_in(arg.annotation) & {"Engine", "ThreadedEngine"}:
+                    names.add(arg.arg)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "call":
+            if node.args and isinstance(node.args[0], ast.Lambda) and node.args[0].args.args:
+                names.add(node.args[0].args.args[0].arg)
+    return names
+
+
+def _is_engine(node: ast.expr, names: set[str]) -> bool:
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return (isinstance(node, ast.Name) and name in names) or name in ("engine", "_engine", "threaded") or \
+        name.endswith("_engine")
+
+
+def engine_internals(source: str) -> list[tuple[int, str]]:
+    """(line, attribute) of every access to an engine's parts (any receiver) or to a private attribute of an
+    engine, by attribute or by getattr / hasattr / setattr / delattr with a literal name."""
+    tree = ast.parse(source)
+    names = _engine_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        attr, receiver = None, None
+        if isinstance(node, ast.Attribute):
+            attr, receiver = node.attr, node.value
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            attr, receiver = node.args[1].value, node.args[0]
+        if attr is None:
+            continue
+        private = attr.startswith("_") and not attr.startswith("__")
+        if attr in ENGINE_PARTS or (private and _is_engine(receiver, names)):
+            found.append((node.lineno, attr))
+    return sorted(found)
+
+
+def test_interfaces_use_only_the_engines_public_surface():
+    reached, allowed_used = [], set()
+    for folder in BOUNDARY_DIRS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            for line, attr in engine_internals(path.read_text(encoding="utf-8")):
+                if (rel, attr) in ENGINE_ACCESS_ALLOWED:
+                    allowed_used.add((rel, attr))
+                else:
+                    reached.append(f"{rel}:{line}: .{attr}")
+    assert not reached, ("interfaces reaching into the engine (use EngineClient.snapshot / stats or Engine's "
+                         "public methods):\n" + "\n".join(reached))
+    assert allowed_used == set(ENGINE_ACCESS_ALLOWED), "allow-list entries no longer needed: remove them"
+
+
+def test_the_engine_boundary_check_sees_what_it_claims_to():
+    source = (
+        "def f(engine, client, e2):\n"
+        "    a = engine.scheduler.waiting\n"                              # 2: a part
+        "    b = set(engine.block_manager._lru) if hasattr(engine.block_manager, '_lru') else set()\n"  # 3
+        "    c = client.call(lambda e: e._states)\n"                      # 4: a private, through call
+        "    d = self.bridge.engine._inflight\n"                          # 5
+        "    g = getattr(engine, '_adaptive', None)\n"                    # 6
+        "    ok = engine.snapshot(blocks=False).waiting, engine.stats(), e2._fine, self._mine\n"
+        "def h(x: 'Engine'):\n"
+        "    return x._eos_ids\n"                                          # 9
+    )
+    assert engine_internals(source) == [(2, "scheduler"), (3, "block_manager"), (3, "block_manager"),
+                                        (4, "_states"), (5, "_inflight"), (6, "_adaptive"), (9, "_eos_ids")]

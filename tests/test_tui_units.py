@@ -1,5 +1,6 @@
 """TUI building blocks without a screen: message replacement, block-map scaling, the engine-thread snapshot
-(owners, cached, evicted marks) and `BlockManager.drop_cached`, which makes "clear conversation" free blocks."""
+(owners, cached, evicted marks, built from `Engine.snapshot()`) and `Engine.drop_cached`, which makes "clear
+conversation" free blocks."""
 
 from __future__ import annotations
 
@@ -50,21 +51,21 @@ def test_snapshot_owners_cached_blocks_and_clear(tiny):
     ids = {}
     for conv, prompt in ((1, "the first conversation"), (2, "a second one")):
         ids[conv] = engine.add_request(prompt, max_tokens=12, tenant=f"chat-{conv}")
-        builder.track(ids[conv], conv, engine.scheduler.waiting[-1].owner)
+        builder.track(ids[conv], conv, engine.snapshot(blocks=False).sequence(ids[conv]).owner)
     engine.step()
-    live = builder.build(engine)
+    live = builder.build(engine.snapshot())
     assert live.conversations[1].running and live.conversations[2].running
     assert np.count_nonzero(live.owners == 1) == live.conversations[1].blocks > 0
     while engine.has_unfinished:
         engine.step()
-    done = builder.build(engine)
+    done = builder.build(engine.snapshot())
     for conv in (1, 2):
         mine = done.owners == conv
         assert mine.any() and np.all(done.flags[mine] & FLAG_CACHED)
         assert done.conversations[conv].cached_blocks == int(mine.sum())
     kept = int(np.count_nonzero(done.owners == 2))
-    freed = engine.block_manager.drop_cached(builder.forget(1))
-    after = builder.build(engine)
+    freed = engine.drop_cached(builder.forget(1))
+    after = builder.build(engine.snapshot())
     assert freed == int(np.count_nonzero(done.owners == 1))
     assert not np.any(after.owners == 1) and int(np.count_nonzero(after.owners == 2)) == kept
     assert engine.arena.allocator.num_used_blocks == kept
@@ -77,11 +78,11 @@ def test_snapshot_marks_policy_evictions(tiny):
     builder = SnapshotBuilder()
     rid = engine.add_request("a conversation longer than its window", max_tokens=60,
                              kv_policy="streaming:window=16,sinks=4")
-    builder.track(rid, 1, engine.scheduler.waiting[-1].owner)
+    builder.track(rid, 1, engine.snapshot(blocks=False).sequence(rid).owner)
     trimmed = False
     while engine.has_unfinished:
         engine.step()
-        snap = builder.build(engine)
+        snap = builder.build(engine.snapshot())
         trimmed |= bool(np.any(snap.flags[snap.owners == 1] & FLAG_TRIMMED))
         usage = snap.conversations[1]
         assert usage.physical <= usage.logical

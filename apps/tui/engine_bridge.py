@@ -6,10 +6,11 @@ Three kinds of threads meet here and none of them touches a widget:
   after each step `_on_step` gathers the outputs' text and, at most every `stats_interval` seconds (and at
   once when a reply ends or the engine goes idle), posts it as `ReplyDelta` messages and a `StatsUpdate`;
 * one dispatcher thread: runs UI commands (submit, clear) through the client's `call`, which blocks until the
-  engine thread is between steps. A submit adds the request and notes its sequence's owner id (which tags the
-  blocks the block map colours) in the same turn, before any step can produce its first output. Blocking
-  there instead of on the UI thread keeps the UI responsive during a long prefill step, and one queue keeps
-  the commands in the order the user gave them;
+  engine thread is between steps; inside, a command uses only the engine's public methods (`add_request`,
+  `abort`, `snapshot`, `drop_cached`). A submit adds the request and notes its sequence's owner id (which tags
+  the blocks the block map colours; read from `snapshot(blocks=False)`) in the same turn, before any step can
+  produce its first output. Blocking there instead of on the UI thread keeps the UI responsive during a long
+  prefill step, and one queue keeps the commands in the order the user gave them;
 * the loader thread (`launch`): loads the model after the UI is on screen, so the app starts at once.
 
 The dispatcher and loader are daemon threads: a command stuck behind a stopped engine never blocks exit.
@@ -91,9 +92,10 @@ class EngineBridge:
         """Queue a request; its text arrives as ReplyDelta, a refusal as RequestFailed."""
 
         def add(engine: Engine) -> None:
-            engine.add_request(prompt, request_id=request_id, **kwargs)
-            owner = next((s.owner for s in engine.scheduler.waiting if s.request_id == request_id), None)
-            self._builder.track(request_id, conv_id, owner)  # also maps a rejection's output to the conversation
+            rid = engine.add_request(prompt, request_id=request_id, **kwargs)
+            seq = engine.snapshot(blocks=False).sequence(rid)  # waiting: no step ran since
+            # Also maps a rejection's output to the conversation.
+            self._builder.track(rid, conv_id, None if seq is None else seq.owner)
 
         self._jobs.put((add, conv_id, request_id))
 
@@ -105,13 +107,13 @@ class EngineBridge:
         """Abort the conversation's reply and free every block it holds, prefix-cached ones included."""
 
         def drop(engine: Engine) -> None:
-            before = engine.arena.allocator.num_free_blocks
+            before = engine.snapshot(blocks=False).num_free_blocks
             if request_id is not None:
                 engine.abort(request_id)
             for rid in [r for r, reply in self._replies.items() if reply.conv_id == conv_id]:
                 del self._replies[rid]
-            engine.block_manager.drop_cached(self._builder.forget(conv_id))
-            self._post(ConversationCleared(conv_id, engine.arena.allocator.num_free_blocks - before))
+            engine.drop_cached(self._builder.forget(conv_id))
+            self._post(ConversationCleared(conv_id, engine.snapshot(blocks=False).num_free_blocks - before))
             self._post_stats(engine)
 
         self._jobs.put((drop, conv_id, None))
@@ -145,7 +147,7 @@ class EngineBridge:
 
     def _on_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
         try:
-            self._builder.observe(engine)
+            self._builder.observe(engine.snapshot(blocks=False))
             ended = False
             for out in outputs:
                 conv = self._builder.conv_of_request.get(out.request_id)
@@ -175,7 +177,7 @@ class EngineBridge:
 
     def _post_stats(self, engine: Engine) -> None:
         self._last_stats = time.perf_counter()
-        self._post(StatsUpdate(self._builder.build(engine)))
+        self._post(StatsUpdate(self._builder.build(engine.snapshot())))
 
 
 # --- start-up -----------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""Engine state -> `EngineSnapshot` for the block map and stats. Runs on the engine thread only.
+"""`EngineView` (`Engine.snapshot()`) -> `EngineSnapshot` for the block map and stats. Runs on the engine thread
+only (the builder's maps are updated there).
 
-The allocator's own `block_map()` knows owners (Sequence.owner ids) and reference counts, but not conversations
+The view's `block_map()` knows owners (Sequence.owner ids) and reference counts, but not conversations
 and not which references are a live sequence's and which the prefix cache's. So the live sequences' block tables
 decide "whose" a block is (two or more tables: a shared prefix), and a block in no table but still allocated is
 held by the prefix cache alone; its allocator owner id says which conversation's turn computed it.
@@ -13,10 +14,10 @@ reserves blocks for a chunk and frees the surplus within the same step, so they 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import numpy as np
 
+from cortexstream.engine.snapshot import EngineView
 from cortexstream.tui.messages import (
     FLAG_CACHED,
     FLAG_TRIMMED,
@@ -59,9 +60,10 @@ class SnapshotBuilder:
         self.last_usage.pop(conv_id, None)
         return owners
 
-    def observe(self, engine: Any) -> None:
-        """Note each live conversation's logical (KV computed) and physical (KV held) tokens; every step."""
-        for seq in list(engine.scheduler.running):
+    def observe(self, view: EngineView) -> None:
+        """Note each live conversation's logical (KV computed) and physical (KV held) tokens; every step (a
+        view taken with blocks=False is enough)."""
+        for seq in view.running:
             conv = self.conv_of_request.get(seq.request_id)
             if conv is not None:
                 self.last_usage[conv] = (seq.num_computed, seq.num_physical)
@@ -77,14 +79,15 @@ class SnapshotBuilder:
         self.last_usage[conv_id] = (logical, max(logical - gap, 0))
 
     # --- the snapshot -----------------------------------------------------------------------------------------
-    def build(self, engine: Any) -> EngineSnapshot:
-        bmap = engine.arena.allocator.block_map()
+    def build(self, view: EngineView) -> EngineSnapshot:
+        """`view`: taken with blocks (the default)."""
+        bmap = view.block_map()
         n = int(bmap.size)
         owners = np.where(bmap == FREE, FREE, OTHER).astype(np.int32)
         flags = np.zeros(n, np.uint8)
         users = np.zeros(n, np.int32)
         running: set[int] = set()
-        for seq in list(engine.scheduler.running):
+        for seq in view.running:
             conv = self.conv_of_request.get(seq.request_id)
             table = np.asarray(seq.block_table, dtype=np.int64)
             users[table] += 1
@@ -96,7 +99,7 @@ class SnapshotBuilder:
             if seq.num_physical < seq.num_computed:
                 flags[table] |= FLAG_TRIMMED
             self.last_usage[conv] = (seq.num_computed, seq.num_physical)
-        for seq in list(engine.scheduler.waiting):
+        for seq in view.waiting:
             conv = self.conv_of_request.get(seq.request_id)
             if conv is not None:
                 self._note_owner(conv, seq.owner)
@@ -109,11 +112,11 @@ class SnapshotBuilder:
         return EngineSnapshot(
             owners=owners,
             flags=flags,
-            stats=dict(engine.stats()),
-            prefill_tokens=int(engine.num_prompt_tokens_computed),
-            prefill_time=float(engine.prefill_time),
-            decode_tokens=int(engine.num_decode_tokens),
-            decode_time=float(engine.decode_time),
+            stats=dict(view.stats),
+            prefill_tokens=view.num_prompt_tokens_computed,
+            prefill_time=view.prefill_time,
+            decode_tokens=view.num_decode_tokens,
+            decode_time=view.decode_time,
             wall_time=time.perf_counter(),
             conversations=self._usage(owners, cached, running),
         )

@@ -66,10 +66,12 @@ def _engine_stepper(model: Any, tokenizer: Any, prompts: list[list[int]], num_st
     engine._eos_ids = set()  # no request may end early: every step must decode the whole batch
     for prompt in prompts:
         engine.add_request(prompt, max_tokens=max_tokens)
-    while engine.scheduler.waiting or any(s.num_pending > 1 for s in engine.scheduler.running):
+    view = engine.snapshot(blocks=False)
+    while view.waiting or any(s.num_pending > 1 for s in view.running):
         engine.step()
-    if len(engine.scheduler.running) != len(prompts):
-        raise RuntimeError(f"engine: {len(engine.scheduler.running)} of {len(prompts)} requests running")
+        view = engine.snapshot(blocks=False)
+    if len(view.running) != len(prompts):
+        raise RuntimeError(f"engine: {len(view.running)} of {len(prompts)} requests running")
     engine.step()  # first decode step: everything allocated
 
     def step() -> None:

@@ -52,6 +52,10 @@ class BlockManager:
     def num_cached_blocks(self) -> int:
         return len(self._lru)
 
+    def cached_block_ids(self) -> list[int]:
+        """The blocks the prefix cache holds a reference to, least recently used first."""
+        return list(self._lru)
+
     def num_reclaimable(self) -> int:
         return sum(1 for block in self._lru if self.allocator.ref_count(block) == 1)
 

@@ -1,6 +1,6 @@
 """`EngineClient`: the one way interfaces (server, TUI, benchmarks) talk to an engine.
 
-Four calls cover a request's life:
+Four calls cover a request's life, and a fifth shows the engine:
 
 * `submit(prompt, **options) -> request_id`: queue a prompt (a string, token ids or chat messages). `options` are
   `Engine.add_request`'s: `sampling=` or sampling keywords (`max_tokens`, `temperature`, `top_p`, `stop`, ...),
@@ -12,10 +12,15 @@ Four calls cover a request's life:
   an unknown or finished request does nothing.
 * `stats() -> dict`: `Engine.stats()` taken between two steps (arena blocks and bytes, running / waiting,
   preemptions, prefix-cache blocks and hits, generated tokens).
+* `snapshot(blocks=True) -> EngineView`: `Engine.snapshot()` taken between two steps: a read-only view (plain data,
+  see engine/snapshot.py) of the live sequences and their block tables, block counts, counters and, with
+  `blocks`, every block's reference count and owner and the prefix cache's blocks.
 
-`call(fn)` runs `fn(engine)` between two steps and returns its result: the escape hatch for engine-specific
-views the four calls do not cover (the TUI's block map, dropping a conversation's cached blocks). `close()`
-releases the client (stops a thread, aborts what is left).
+`call(fn)` runs `fn(engine)` between two steps and returns its result: an escape hatch (several engine calls in
+one engine-thread turn, as the TUI's commands do). Interfaces read the engine through the calls above and, inside
+`call`, only through the engine's public methods (`add_request`, `abort`, `stats`, `snapshot`, `drop_cached`),
+never its scheduler, block manager or runner (`tests/test_layers.py` checks). `close()` releases the client
+(stops a thread, aborts what is left).
 
 Two implementations:
 
@@ -33,6 +38,7 @@ from collections import deque
 from typing import Any, Callable, Iterator, Protocol, TypeVar, runtime_checkable
 
 from cortexstream.engine.engine import Engine, RequestOutput
+from cortexstream.engine.snapshot import EngineView
 from cortexstream.engine.threaded import RequestStream, ThreadedEngine
 from cortexstream.errors import InvalidArgumentError
 
@@ -41,7 +47,7 @@ T = TypeVar("T")
 
 @runtime_checkable
 class EngineClient(Protocol):
-    """Submit, stream, abort, stats (and `call` / `close`); see the module docstring for the contract."""
+    """Submit, stream, abort, stats, snapshot (and `call` / `close`); see the module docstring for the contract."""
 
     def submit(self, prompt: Any, **options: Any) -> str: ...
 
@@ -50,6 +56,8 @@ class EngineClient(Protocol):
     def abort(self, request_id: str) -> None: ...
 
     def stats(self) -> dict[str, Any]: ...
+
+    def snapshot(self, blocks: bool = True) -> EngineView: ...
 
     def call(self, fn: Callable[[Engine], T]) -> T: ...
 
@@ -117,6 +125,9 @@ class InProcessClient:
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
+    def snapshot(self, blocks: bool = True) -> EngineView:
+        return self.engine.snapshot(blocks)
+
     def call(self, fn: Callable[[Engine], T]) -> T:
         return fn(self.engine)
 
@@ -175,6 +186,9 @@ class ThreadedClient:
 
     def stats(self) -> dict[str, Any]:
         return self.threaded.call(lambda engine: engine.stats())
+
+    def snapshot(self, blocks: bool = True) -> EngineView:
+        return self.threaded.call(lambda engine: engine.snapshot(blocks))
 
     def call(self, fn: Callable[[Engine], T]) -> T:
         return self.threaded.call(fn)

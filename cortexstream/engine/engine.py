@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Iterable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,6 +27,7 @@ from cortexstream.engine.chunk_budget import AdaptivePrefillBudget
 from cortexstream.engine.runner import ModelRunner
 from cortexstream.engine.scheduler import Scheduler, SchedulerConfig
 from cortexstream.engine.sequence import Sequence
+from cortexstream.engine.snapshot import EngineView, take_snapshot
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.engine.single_thread import single_threaded
 from cortexstream.engine.prompt import prompt_to_tokens
@@ -175,6 +176,12 @@ class Engine:
         if seq is not None:
             self.runner.drop(seq)
         return seq is not None
+
+    @single_threaded
+    def drop_cached(self, owners: Iterable[int]) -> int:
+        """Forget the prefix-cache blocks allocated by these sequences (`SequenceView.owner` ids), e.g. a UI's
+        "clear conversation"; returns how many blocks became free (blocks a live sequence holds stay its own)."""
+        return self.block_manager.drop_cached(set(owners))
 
     @property
     def has_unfinished(self) -> bool:
@@ -341,7 +348,13 @@ class Engine:
         return RequestOutput(seq.request_id, None, "", None, len(seq.prompt_ids), len(seq.output_ids),
                              seq.finish_reason, seq.error)
 
-    # --- stats ------------------------------------------------------------------------------------------------
+    # --- views ------------------------------------------------------------------------------------------------
+    @single_threaded
+    def snapshot(self, blocks: bool = True) -> EngineView:
+        """A read-only `EngineView` of this engine now (live sequences, block counts, counters; with `blocks`,
+        the per-block reference counts and owners and the prefix cache's blocks). See engine/snapshot.py."""
+        return take_snapshot(self, blocks)
+
     def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = dict(self.arena.stats())
         stats.update(

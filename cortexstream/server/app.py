@@ -55,13 +55,14 @@ def create_app(model: Any, tokenizer: Any, config: ServerConfig | None = None, e
     config = config or ServerConfig()
     engine = engine if engine is not None else build_engine(model, tokenizer, config)
     metrics = Metrics(config.model_name)
+    view = engine.snapshot(blocks=False)  # the engine thread has not started: read it here
     bridge = EngineBridge(engine, handoff=config.handoff, on_events=metrics.on_event)
     from cortexstream.policies import parse_policy
 
     state = ServerState(
         config=config, model_name=config.model_name, tokenizer=tokenizer, bridge=bridge,
         keys=KeyRing(config.api_keys), metrics=metrics,
-        arena_limits=ArenaLimits(engine.arena.allocator.num_total_blocks, engine.arena.config.block_size),
+        arena_limits=ArenaLimits(view.num_blocks, view.block_size),
         default_policy=parse_policy(config.kv_policy) if config.kv_policy else None,
         token_text=token_text_for(tokenizer), started=int(time.time()),
     )

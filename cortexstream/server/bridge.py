@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import mlx.core as mx
+import numpy as np
 
 from cortexstream.engine.engine import Engine, RequestOutput
 from cortexstream.engine.fork import add_forking_request
@@ -69,9 +70,7 @@ class EngineBridge:
 
     @property
     def engine_alive(self) -> bool:
-        threaded = self.client.threaded
-        running = getattr(threaded, "running", None)
-        return bool(running) if running is not None else threaded._thread.is_alive()
+        return self.client.threaded.running
 
     @property
     def num_active(self) -> int:
@@ -241,8 +240,7 @@ class EngineBridge:
     def _prune_owner_tenants(self, engine: Engine) -> None:
         """Forget the tenants of sequences that no longer own any block (cached blocks keep theirs)."""
         self._finished_since_prune = 0
-        allocator = engine.arena.allocator
-        owners = {allocator.owner_of(b) for b in range(allocator.num_total_blocks)}
+        owners = set(np.unique(engine.snapshot().block_owners).tolist())
         self.owner_tenants = {o: t for o, t in self.owner_tenants.items() if o in owners}
 
     def _on_failure(self, exc: BaseException) -> None:

@@ -1,14 +1,15 @@
 """Prometheus text-format metrics (names after vLLM's, prefixed `cortexstream:`).
 
-Counters and histograms are updated on the event loop as token events are delivered; gauges are read from the
-engine when scraped (list lengths and the allocator's counts, which are safe to read from another thread).
+Counters and histograms are updated on the event loop as token events are delivered; gauges come from an
+`EngineView` taken when scraped (`EngineClient.snapshot(blocks=False)`, between two engine steps). Should the
+engine thread be gone, the last view taken is shown again (no gauges before a first one).
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import Any
 
+from cortexstream.engine.snapshot import EngineView
 from cortexstream.server.jobs import RequestHandle, TokenEvent
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -56,6 +57,7 @@ class Metrics:
                              "Time between consecutive tokens of one completion.", ITL_BUCKETS)
         self.e2e = Histogram("cortexstream:e2e_request_latency_seconds",
                              "Time from request arrival to its last token.", TTFT_BUCKETS)
+        self._last_view: EngineView | None = None
 
     def on_accepted(self, prompt_tokens: int) -> None:
         self.prompt_tokens += prompt_tokens
@@ -76,31 +78,34 @@ class Metrics:
             self.finished[event.finish_reason] = self.finished.get(event.finish_reason, 0) + 1
             self.e2e.observe(event.time - handle.arrival)
 
-    def render(self, engine: Any) -> str:
-        allocator = engine.arena.allocator
+    def render(self, view: EngineView | None) -> str:
+        """`view`: the engine now, or None when it cannot be had (the last one is used, if any)."""
+        view = self._last_view = view if view is not None else self._last_view
         m = f'model_name="{self.model}"'
 
         def single(name: str, kind: str, help_text: str, value: float) -> list[str]:
             return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{{{m}}} {value}"]
 
         lines: list[str] = []
-        lines += single("cortexstream:num_requests_running", "gauge", "Sequences in the running batch.",
-                        len(engine.scheduler.running))
-        lines += single("cortexstream:num_requests_waiting", "gauge", "Sequences waiting for admission.",
-                        len(engine.scheduler.waiting))
-        lines += single("cortexstream:kv_blocks_used", "gauge", "KV arena blocks in use (incl. prefix cache).",
-                        allocator.num_used_blocks)
-        lines += single("cortexstream:kv_blocks_total", "gauge", "KV arena blocks.", allocator.num_total_blocks)
-        lines += single("cortexstream:kv_cache_usage_perc", "gauge", "Fraction of KV arena blocks in use.",
-                        allocator.num_used_blocks / max(1, allocator.num_total_blocks))
+        if view is not None:
+            lines += single("cortexstream:num_requests_running", "gauge", "Sequences in the running batch.",
+                            len(view.running))
+            lines += single("cortexstream:num_requests_waiting", "gauge", "Sequences waiting for admission.",
+                            len(view.waiting))
+            lines += single("cortexstream:kv_blocks_used", "gauge", "KV arena blocks in use (incl. prefix cache).",
+                            view.num_used_blocks)
+            lines += single("cortexstream:kv_blocks_total", "gauge", "KV arena blocks.", view.num_blocks)
+            lines += single("cortexstream:kv_cache_usage_perc", "gauge", "Fraction of KV arena blocks in use.",
+                            view.num_used_blocks / max(1, view.num_blocks))
         lines += single("cortexstream:prefix_cache_hit_tokens_total", "counter",
                         "Prompt tokens served from the prefix cache.", self.prefix_hit_tokens)
         lines += single("cortexstream:prompt_tokens_total", "counter", "Prompt tokens of accepted requests.",
                         self.prompt_tokens)
         lines += single("cortexstream:generation_tokens_total", "counter", "Generated tokens.",
                         self.generation_tokens)
-        lines += single("cortexstream:num_preemptions_total", "counter", "Sequences preempted for KV blocks.",
-                        engine.scheduler.num_preemptions)
+        if view is not None:
+            lines += single("cortexstream:num_preemptions_total", "counter", "Sequences preempted for KV blocks.",
+                            view.num_preemptions)
         name = "cortexstream:request_success_total"
         lines += [f"# HELP {name} Finished completions by finish reason.", f"# TYPE {name} counter"]
         for reason, count in sorted(self.finished.items()):

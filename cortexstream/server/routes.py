@@ -37,8 +37,11 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> PlainTextResponse:
     state = _state(request)
-    return PlainTextResponse(state.metrics.render(state.bridge.engine),
-                             media_type="text/plain; version=0.0.4; charset=utf-8")
+    try:
+        view = await asyncio.to_thread(state.bridge.client.snapshot, False)
+    except CortexStreamError:  # the engine thread is gone: Metrics shows the last view it had
+        view = None
+    return PlainTextResponse(state.metrics.render(view), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 @router.get("/v1/models")
@@ -52,9 +55,10 @@ async def models(request: Request, tenant: str | None = Depends(require_tenant))
 async def kv(request: Request, tenant: str | None = Depends(require_tenant)) -> dict[str, Any]:
     state = _state(request)
     bridge = state.bridge
-    return await asyncio.to_thread(
-        bridge.client.call,
-        lambda engine: kv_snapshot(engine, dict(bridge.owner_tenants), state.keys.enabled, viewer=tenant))
+    # The view and the owner -> tenant map in one engine-thread turn (the engine thread updates the map).
+    view, owner_tenants = await asyncio.to_thread(
+        bridge.client.call, lambda engine: (engine.snapshot(), dict(bridge.owner_tenants)))
+    return kv_snapshot(view, owner_tenants, state.keys.enabled, viewer=tenant)
 
 
 @router.post("/v1/chat/completions")
