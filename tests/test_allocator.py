@@ -243,3 +243,77 @@ def test_thread_safety() -> None:
 def test_allocator_does_not_import_mlx() -> None:
     code = "import sys, cortexstream.kv.allocator; assert not [m for m in sys.modules if m.startswith('mlx')]"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)
+
+
+# ------------------------------------------------------------------ high water (what a growing arena must back)
+def test_high_water_is_one_past_the_highest_block_in_use() -> None:
+    a = BlockAllocator(32)
+    assert a.high_water == 0
+    first = a.allocate(3, contiguous=True)
+    second = a.allocate(4)
+    assert first == [0, 1, 2] and second == [3, 4, 5, 6] and a.high_water == 7
+    a.free(first)
+    assert a.high_water == 7  # a hole below the top does not lower it
+    assert a.allocate(2, contiguous=True) == [0, 1] and a.high_water == 7  # the hole is reused first
+    a.free(second)
+    assert a.high_water == 2
+    a.allocate(30)
+    assert a.high_water == 32 and a.num_free_blocks == 0
+
+
+def test_on_high_water_hears_every_allocation_before_its_ids_are_handed_out() -> None:
+    heard: list[tuple[int, int]] = []
+    a = BlockAllocator(16)
+    a.on_high_water = lambda high: heard.append((high, a.num_used_blocks))
+    run = a.allocate(2, owner=1, contiguous=True)
+    assert heard[-1] == (2, 2)
+    assert a.extend_contiguous(run, 3) == [2, 3, 4] and heard[-1] == (5, 5)
+    a.allocate(4)
+    assert heard[-1] == (9, 9)
+    a.share([0])
+    new, copied = a.copy_on_write(0, owner=2)
+    assert copied and new == 9 and heard[-1] == (10, 10)
+    assert len(heard) == 4  # frees and shares announce nothing
+    a.free(run + [2, 3, 4])
+    assert len(heard) == 4
+
+
+def test_a_failing_high_water_callback_undoes_the_allocation() -> None:
+    a = BlockAllocator(16)
+    run = a.allocate(2, owner=1, contiguous=True)
+    a.share(run[:1])
+    before = a.block_map().copy()
+    refs = [a.ref_count(b) for b in range(16)]
+
+    def refuse(high: int) -> None:
+        raise MemoryError(f"cannot back {high} blocks")
+
+    a.on_high_water = refuse
+    for attempt in (lambda: a.allocate(3, contiguous=True), lambda: a.allocate(5),
+                    lambda: a.extend_contiguous(run, 2), lambda: a.copy_on_write(run[0])):
+        with pytest.raises(MemoryError):
+            attempt()
+        np.testing.assert_array_equal(a.block_map(), before)
+        assert [a.ref_count(b) for b in range(16)] == refs
+        a.check_invariants()
+
+
+def test_best_fit_keeps_the_high_water_near_the_live_blocks_under_churn() -> None:
+    """Holes are reused before the free tail, so in a pool far larger than what is live the high water (what a
+    growing arena backs) stays within a small factor of the most blocks ever live at once."""
+    for seed in range(3):
+        rng = random.Random(seed)
+        a = BlockAllocator(50_000)
+        live: list[list[int]] = []
+        used = peak_used = peak_high = 0
+        for _ in range(4000):
+            if live and (used > 900 or rng.random() < 0.45):
+                handle = live.pop(rng.randrange(len(live)))
+                used -= len(handle)
+                a.free(handle)
+            else:
+                n = rng.randint(1, 64)
+                live.append(a.allocate(n, contiguous=rng.random() < 0.7))
+                used += n
+            peak_used, peak_high = max(peak_used, used), max(peak_high, a.high_water)
+        assert peak_high < 1.6 * peak_used, (seed, peak_used, peak_high)

@@ -64,7 +64,7 @@ def test_paged_and_relocated_sequences_in_a_shared_arena_match_mlx_lm(model):
 
 def test_contiguous_decode_reads_views_not_copies(model):
     """With a large arena, a copy of the layer buffers per step would show up in peak memory."""
-    arena = KVArena(ArenaConfig.for_model(model, num_tokens=1 << 20, block_size=16))  # 128 MiB per buffer
+    arena = KVArena(ArenaConfig.for_model(model, num_tokens=1 << 20, block_size=16), preallocate=True)  # 128 MiB
     buffer_bytes = arena.keys[0].nbytes
     cache = make_prompt_cache(model, arena=arena, max_tokens=64)
     mx.eval(model(mx.array([PROMPT]), cache=cache))

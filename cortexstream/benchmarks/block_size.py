@@ -37,7 +37,8 @@ LAYOUTS = ("contiguous", "interleaved")
 
 def sequences(inp, block_size: int, layout: str, capacity: int) -> tuple[KVArena, list[SequenceKV]]:  # noqa: ANN001
     per_seq = -(-capacity // block_size)
-    arena = KVArena(ArenaConfig(1, KV_HEADS, HEAD_DIM, int(per_seq * BATCH * (1 + SPARE)), block_size, "float32"))
+    arena = KVArena(ArenaConfig(1, KV_HEADS, HEAD_DIM, int(per_seq * BATCH * (1 + SPARE)), block_size, "float32"),
+                    preallocate=True)
     if layout == "contiguous":
         seqs = [SequenceKV(arena, owner=i, contiguous=True) for i in range(BATCH)]
         for seq in seqs:
@@ -85,8 +86,10 @@ def engine_decode(cases: list[tuple[int, int]], repeats: int, progress: Progress
         prompts = prompt_token_lists(tokenizer, BATCH, prompt_tokens)
 
         def run(block_size: int) -> float:
-            engine = Engine(model, tokenizer, kv_tokens=BATCH * (prompt_tokens + new_tokens + 128),
-                            max_num_seqs=BATCH, prefix_caching=False, block_size=block_size)
+            arena = KVArena(ArenaConfig.for_model(model, num_tokens=BATCH * (prompt_tokens + new_tokens + 128),
+                                                  block_size=block_size), preallocate=True)  # timed: no growth
+            engine = Engine(model, tokenizer, arena=arena, max_num_seqs=BATCH, prefix_caching=False,
+                            block_size=block_size)
             client = InProcessClient(engine)
             for prompt in prompts:
                 client.submit(prompt, max_tokens=new_tokens)

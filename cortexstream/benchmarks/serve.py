@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rate", type=float, default=8.0, help="workload 1 Poisson arrival rate (requests/s)")
     parser.add_argument("--kv-tokens", type=int, default=20480,
-                        help="cortexstream serve's arena (tokens; preallocated, so it counts in its peak RSS)")
+                        help="cortexstream serve's arena budget (tokens; its buffers grow on demand up to it)")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--workloads", default="shared_system_chat,multi_turn,unrelated")
     parser.add_argument("--systems", default=",".join(SYSTEMS))

@@ -32,13 +32,17 @@ def _stats(intervals: list[float]) -> dict[str, float | int]:
 def _one_round(model: Any, tokenizer: Any, streams: int, stream_prompt_tokens: int,
                admit_tokens: int) -> dict[str, Any]:
     from cortexstream.engine.engine import Engine
+    from cortexstream.kv.arena import KVArena
+    from cortexstream.kv.arena_config import ArenaConfig
 
     texts = text_windows(tokenizer, streams + 1, max(stream_prompt_tokens, admit_tokens))
     running_prompts = [t[:stream_prompt_tokens] for t in texts[:streams]]
     long_prompt = texts[streams][:admit_tokens]
     budget = WARM_TOKENS + AFTER_TOKENS + admit_tokens  # more than the steps the window can take; aborted below
-    engine = Engine(model, tokenizer, kv_tokens=streams * (stream_prompt_tokens + budget) + admit_tokens + 256,
-                    max_num_seqs=streams + 1, prefix_caching=False)
+    # Preallocated, so that no arena growth lands among the inter-token latencies measured.
+    arena = KVArena(ArenaConfig.for_model(model, num_tokens=streams * (stream_prompt_tokens + budget) + admit_tokens
+                                          + 256), preallocate=True)
+    engine = Engine(model, tokenizer, arena=arena, max_num_seqs=streams + 1, prefix_caching=False)
     ids = [engine.add_request(p, max_tokens=budget) for p in running_prompts]
     stamps: dict[str, list[float]] = {i: [] for i in ids}
     long_id: str | None = None

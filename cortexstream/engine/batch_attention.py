@@ -63,8 +63,7 @@ class DecodeBatch(Protocol):
     @property
     def paged(self) -> Any: ...  # `PagedRows` of the paged rows, or None
 
-    @property
-    def block_indices(self) -> tuple[mx.array, mx.array, mx.array]: ...
+    def block_indices(self, num_blocks: int) -> tuple[mx.array, mx.array, mx.array]: ...
 
     def lengths_array(self) -> mx.array: ...
 
@@ -194,18 +193,20 @@ def strided_attention(queries: mx.array, keys: mx.array, values: mx.array, scale
 def block_matmul_attention(batch: "DecodeBatch", layer: int, queries: mx.array, scale: float) -> mx.array:
     """Decode attention through the block table with two `gather_mm`s, K/V read in place: [B, Hq, 1, DV].
 
-    The layer's buffers [1, H, S, D] are viewed as H * num_blocks matrices of one block each (free reshapes), so
-    `batch.block_indices[1][b, h, j]` = h * num_blocks + table[b, j] picks KV head h's rows of block j of sequence b.
+    The layer's buffers [1, H, S, D] are viewed as H * NB matrices of one block each (free reshapes; NB = S / bs,
+    the buffer's own size, which can be below the arena's budget while it grows), so
+    `batch.block_indices(NB)[1][b, h, j]` = h * NB + table[b, j] picks KV head h's rows of block j of sequence b.
     """
     cfg = batch.arena.config
     size, q_heads, _, dim = queries.shape
-    heads, bs, blocks = cfg.num_kv_heads, cfg.block_size, cfg.num_blocks
+    heads, bs = cfg.num_kv_heads, cfg.block_size
+    blocks = batch.arena.keys[layer].shape[2] // bs
     group, max_blocks = q_heads // heads, batch.table.shape[1]
     keys = batch.arena.keys[layer].reshape(heads * blocks, bs, dim).swapaxes(-1, -2)  # [H * NB, D, bs] view
     values = batch.arena.values[layer].reshape(heads * blocks, bs, -1)
     # query head h * G + g reads KV head h (mlx-lm's GQA mapping); scaled first, as mx.fast's SDPA does
     q = (queries * scale).astype(keys.dtype).reshape(size * heads, group, dim)
-    query_index, block_index, prob_index = batch.block_indices
+    query_index, block_index, prob_index = batch.block_indices(blocks)
     scores = mx.gather_mm(q, keys, query_index, block_index)  # [B, H, MB, G, bs]
     scores = scores.transpose(0, 1, 3, 2, 4).reshape(size, heads, group, max_blocks * bs)
     scores = mx.where(batch.mask, scores, mx.array(-mx.inf, scores.dtype))  # padding and unused slots

@@ -76,6 +76,9 @@ class DecodeBatch:
         longest = int(self.lengths_after.max())
         self.strided = strided_layout(self.firsts, longest, bs, arena.config.num_slots)
         self.strategy = choose_strategy(attention, arena.dtype, strided=self.strided is not None, num_keys=longest)
+        if self.strategy == STRIDED:  # the last window may reach past the blocks in use: back it (the budget allows)
+            first, pitch = self.strided
+            arena.ensure_blocks(-(-(first + pitch * (len(sequences) - 1) + longest) // bs))
         # The mask make_mask hands the model. A strided batch's K/V are views only as wide as the longest sequence,
         # so its mask is cut to that width, and there is none at all when every sequence is that long.
         self.step_mask: mx.array | None = self.mask
@@ -83,11 +86,13 @@ class DecodeBatch:
             self.step_mask = None if bool((self.lengths_after == longest).all()) else self.mask[..., :longest]
         self._table_np = table
         self._lengths_array: mx.array | None = None
+        self._block_indices: dict[int, tuple[mx.array, mx.array, mx.array]] = {}
         if self.strategy != GATHER:
             install_attention_hook()  # route mlx-lm's SDPA through dispatch_sdpa (idempotent, cheap)
         # Built here, once for all layers (not inside the first layer's attention).
-        if self.strategy == BLOCKS:
-            _ = self.block_indices
+        if self.strategy == BLOCKS:  # per buffer size: layers differ while the arena grows a layer at a time
+            for num_blocks in {k.shape[2] // bs for k in arena.keys}:
+                self.block_indices(num_blocks)
         elif self.strategy == PER_SEQUENCE:
             _ = self.paged
 
@@ -109,18 +114,22 @@ class DecodeBatch:
         return PagedRows(rows, mx.array(np.asarray(rows, dtype=np.int32)), mx.array(self._table_np[rows, :used]),
                          mx.array(lengths.astype(np.int32)))
 
-    @cached_property
-    def block_indices(self) -> tuple[mx.array, mx.array, mx.array]:
-        """`gather_mm` indices of the `blocks` strategy, [B, H, MB] uint32 each: the query matrix (b * H + h), the
-        K/V block matrix (h * num_blocks + table[b, j]) and the probability matrix ((b * H + h) * MB + j)."""
+    def block_indices(self, num_blocks: int) -> tuple[mx.array, mx.array, mx.array]:
+        """`gather_mm` indices of the `blocks` strategy over a layer buffer of `num_blocks` blocks, [B, H, MB]
+        uint32 each: the query matrix (b * H + h), the K/V block matrix (h * num_blocks + table[b, j]) and the
+        probability matrix ((b * H + h) * MB + j). Built once per step and buffer size."""
+        cached = self._block_indices.get(num_blocks)
+        if cached is not None:
+            return cached
         cfg = self.arena.config
         batch, max_blocks = self._table_np.shape
         heads = np.arange(cfg.num_kv_heads, dtype=np.uint32)
         query = np.arange(batch * cfg.num_kv_heads, dtype=np.uint32).reshape(batch, -1, 1)
-        block = heads[None, :, None] * cfg.num_blocks + self._table_np.astype(np.uint32)[:, None, :]
+        block = heads[None, :, None] * num_blocks + self._table_np.astype(np.uint32)[:, None, :]
         probs = query * max_blocks + np.arange(max_blocks, dtype=np.uint32)
         query = np.broadcast_to(query, block.shape)
-        return mx.array(query), mx.array(block), mx.array(probs)
+        indices = self._block_indices[num_blocks] = (mx.array(query), mx.array(block), mx.array(probs))
+        return indices
 
     def caches(self) -> list["BatchLayerCache"]:
         return [BatchLayerCache(self, layer) for layer in range(self.arena.config.num_layers)]
@@ -189,7 +198,7 @@ class BatchLayerCache:
     def _gather(self, buffer: mx.array) -> mx.array:
         _, heads, _, dim = buffer.shape
         cfg = self.batch.arena.config
-        blocked = buffer.reshape(heads, cfg.num_blocks, cfg.block_size, dim)
+        blocked = buffer.reshape(heads, -1, cfg.block_size, dim)  # the buffer's own size (the arena grows)
         gathered = blocked[:, self.batch.table]  # [H, B, max_blocks, bs, D]
         batch, max_blocks = self.batch.table.shape
         return gathered.transpose(1, 0, 2, 3, 4).reshape(batch, heads, max_blocks * cfg.block_size, dim)

@@ -1,10 +1,10 @@
 """How big a private engine's KV arena should be: what the job needs, within the model's context and the memory
 this machine has, with an error that gives the numbers when even one request cannot fit.
 
-The public calls (`generate`, `stream_generate`, `batch_generate`) build a private engine per call. An arena is
-allocated and zero-filled up front (first-touch page faults cost about 2.5 s per GB on this class of machine),
-so it is sized to the job: each request's prompt plus max_tokens (or its policy's bound), in blocks, plus one
-block each for a copy-on-write of a shared last block.
+The public calls (`generate`, `stream_generate`, `batch_generate`) build a private engine per call. An arena's
+buffers grow to what its requests reserve (first-touch page faults cost about 2.5 s per GB on this class of
+machine, and each growth copies), so its budget is sized to the job: each request's prompt plus max_tokens (or its
+policy's bound), in blocks, plus one block each for a copy-on-write of a shared last block.
 """
 
 from __future__ import annotations

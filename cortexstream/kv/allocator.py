@@ -25,13 +25,19 @@ Design choices (see ``free_runs.py`` for the run index itself):
   validates fully before mutating, so a raised error leaves the allocator unchanged.
 * One ``threading.Lock`` guards every public method; internal ``_..._locked`` helpers never
   re-acquire it.
+* ``high_water`` is one past the highest block in use. Both policies above keep it low in a
+  fresh pool: best fit and smallest-runs-first take the free tail (the largest run while the pool
+  is far from full) only when no hole serves the request, and carve it from its front. A KV arena
+  whose buffers grow on demand backs only blocks below its high water: ``on_high_water`` is
+  called (outside the lock) after every allocation with the new mark, before its ids are handed
+  out; if the callback raises, the allocation is undone and the error propagates.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -54,7 +60,7 @@ __all__ = ["ANONYMOUS", "FREE", "SHARED", "BlockAllocator"]
 class BlockAllocator:
     """Thread-safe allocator of ``num_blocks`` KV blocks; see the module docstring."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_high_water: Callable[[int], None] | None = None) -> None:
         num_blocks = as_count(num_blocks, "num_blocks")
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
@@ -65,6 +71,7 @@ class BlockAllocator:
         # cost ~0.1 us and every NumPy call ~1 us (measured: NumPy made free() 5x slower).
         self._refcount: list[int] = [0] * num_blocks
         self._owner: list[int] = [FREE] * num_blocks
+        self.on_high_water = on_high_water
 
     # ----------------------------------------------------------------- counters
     @property
@@ -80,6 +87,12 @@ class BlockAllocator:
     def num_used_blocks(self) -> int:
         with self._lock:
             return self._n - self._runs.num_free
+
+    @property
+    def high_water(self) -> int:
+        """One past the highest block id in use (0 when none is): ids handed out so far are all below it."""
+        with self._lock:
+            return self._runs.high_water()
 
     def largest_free_run(self) -> int:
         with self._lock:
@@ -120,14 +133,17 @@ class BlockAllocator:
                     raise self._oob_locked(n, contiguous=True)
                 self._runs.carve_front(start, n)
                 self._mark_used_locked(start, n, owner)
-                return list(range(start, start + n))
-            if n > self._runs.num_free:
-                raise self._oob_locked(n, contiguous=False)
-            out: list[int] = []
-            for start, length in self._runs.take_smallest(n):
-                self._mark_used_locked(start, length, owner)
-                out.extend(range(start, start + length))
-            return out
+                out = list(range(start, start + n))
+            else:
+                if n > self._runs.num_free:
+                    raise self._oob_locked(n, contiguous=False)
+                out = []
+                for start, length in self._runs.take_smallest(n):
+                    self._mark_used_locked(start, length, owner)
+                    out.extend(range(start, start + length))
+            high = self._runs.high_water()
+        self._announce(high, lambda: self.free(out))
+        return out
 
     def extend_contiguous(self, blocks: list[int], extra: int, owner: int = -1) -> list[int] | None:
         """Grow the contiguous run ``blocks`` by ``extra`` blocks in place.
@@ -157,7 +173,10 @@ class BlockAllocator:
                 owner = self._owner[first_new - 1]
             self._runs.carve_front(first_new, extra)
             self._mark_used_locked(first_new, extra, owner)
-            return list(range(first_new, first_new + extra))
+            out = list(range(first_new, first_new + extra))
+            high = self._runs.high_water()
+        self._announce(high, lambda: self.free(out))
+        return out
 
     # --------------------------------------------------------- ref counting / free
     def free(self, blocks: Iterable[int]) -> int:
@@ -242,7 +261,15 @@ class BlockAllocator:
             ((new, _),) = self._runs.take_smallest(1)
             self._mark_used_locked(new, 1, owner)
             self._refcount[b] -= 1  # stays >= 1: it was > 1
-            return new, True
+            high = self._runs.high_water()
+
+        def undo() -> None:
+            self.free([new])
+            with self._lock:
+                self._refcount[b] += 1
+
+        self._announce(high, undo)
+        return new, True
 
     def owner_of(self, block: int) -> int:
         """Owner passed at allocation (-1 for a free block, or for one allocated without owner)."""
@@ -292,6 +319,18 @@ class BlockAllocator:
             self._runs.check(free_mask)
 
     # ------------------------------------------------------------------ helpers
+    def _announce(self, high: int, undo: Callable[[], object]) -> None:
+        """Tell ``on_high_water`` the mark after an allocation (not under the lock: it may read the allocator);
+        undo the allocation if it raises."""
+        callback = self.on_high_water
+        if callback is None:
+            return
+        try:
+            callback(high)
+        except BaseException:
+            undo()
+            raise
+
     def _mark_used_locked(self, start: int, n: int, owner: int) -> None:
         self._refcount[start : start + n] = [1] * n
         self._owner[start : start + n] = [owner] * n

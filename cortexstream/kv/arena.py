@@ -11,6 +11,21 @@ slot `b * block_size + i` is token `i` of block `b`. Why this layout (see bench/
 - one buffer per layer (not one for all layers) because MLX updates a buffer in place only when nothing else
   holds it: with a single all-layer buffer, layer l's write would find layer l-1's view still alive in the same
   forward pass and copy the whole arena.
+
+Growth on demand. The budget is `config.num_blocks`: the allocator hands out ids from all of it, and admission,
+preemption, sizing and the stats see all of it. The buffers back only the blocks below the allocator's high water
+(one past the highest id in use; its placement keeps ids low), starting at `MIN_PHYSICAL_SLOTS`, so building an
+arena neither zero-fills nor commits the budget. Every allocation reports its high water (`on_high_water`) before
+its ids reach anyone, and `ensure_blocks` pads the buffers of every layer that does not reach it (to twice the
+size, at least what is needed, at most the budget); growth appends, so block ids and slot numbers stay valid.
+A pad is lazy and takes the layer's current buffer array as its input, so writes already in the graph (a
+pipelined step in flight) are ordered before it, and views taken before it keep reading the old array. To spread
+the cost (a doubling copies the buffer and faults in new pages: about as much as zero-filling the new size), the
+engine calls `grow_ahead` once per forward pass: once the high water passes `GROW_AHEAD_AT` of the buffers, one
+layer at a time is padded to the next size, so that a long-lived engine commits its memory a layer per step rather
+than in one stall, and the old and new buffer coexist for one layer at a time. Layers may therefore differ in size
+for a while: code that views a buffer takes its block count from the buffer's own shape, never from the config.
+`preallocate=True` builds the whole budget up front (benchmarks that measure steady state).
 """
 
 from __future__ import annotations
@@ -26,6 +41,8 @@ from cortexstream.kv.arena_config import ArenaConfig
 
 _UNKNOWN = object()  # sentinel: contiguity of a block table not known by the caller
 _MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+MIN_PHYSICAL_SLOTS = 1024  # token slots an arena starts with (unless its budget is smaller or preallocated)
+GROW_AHEAD_AT = 0.75  # high water / physical blocks above which `grow_ahead` starts the next doubling
 
 
 def as_dtype(array: mx.array, dtype: mx.Dtype) -> mx.array:
@@ -37,16 +54,29 @@ def as_dtype(array: mx.array, dtype: mx.Dtype) -> mx.array:
 class KVArena:
     """Block-granular KV storage shared by all sequences of one model."""
 
-    def __init__(self, config: ArenaConfig) -> None:
+    def __init__(self, config: ArenaConfig, *, preallocate: bool = False, initial_blocks: int | None = None) -> None:
+        """`initial_blocks`: blocks the buffers start with (default `MIN_PHYSICAL_SLOTS` worth; at most the
+        budget); `preallocate`: the whole budget at once, never grown."""
+        if initial_blocks is not None and (not isinstance(initial_blocks, int) or initial_blocks <= 0):
+            raise ValueError(f"initial_blocks: {initial_blocks!r} must be a positive integer")
         self.config = config
-        self.allocator = BlockAllocator(config.num_blocks)
+        # Serialises buffer mutation from several sequences (e.g. an engine thread and a stats reader).
+        self.lock = threading.RLock()
+        if preallocate:
+            initial = config.num_blocks
+        else:
+            initial = initial_blocks or max(1, MIN_PHYSICAL_SLOTS // config.block_size)
+        initial = min(initial, config.num_blocks)
         dtype = _MX_DTYPES[config.dtype]
-        heads, slots = config.num_kv_heads, config.num_slots
+        heads, slots = config.num_kv_heads, initial * config.block_size
         self.keys = [mx.zeros((1, heads, slots, config.head_dim), dtype) for _ in range(config.num_layers)]
         self.values = [mx.zeros((1, heads, slots, config.value_head_dim), dtype) for _ in range(config.num_layers)]
         mx.eval(self.keys, self.values)
-        # Serialises buffer mutation from several sequences (e.g. an engine thread and a stats reader).
-        self.lock = threading.RLock()
+        self._layer_blocks = [initial] * config.num_layers  # blocks each layer's buffers hold
+        self._physical = initial  # min(_layer_blocks): every block id below it is backed in every layer
+        self._target = initial  # the size layers are being grown to
+        self.num_growths = 0  # layer buffers padded so far (K and V of one layer count once)
+        self.allocator = BlockAllocator(config.num_blocks, on_high_water=self.ensure_blocks)
         self.num_evicted_tokens = 0
         self.num_compressed_tokens = 0
 
@@ -54,8 +84,60 @@ class KVArena:
     def dtype(self) -> mx.Dtype:
         return _MX_DTYPES[self.config.dtype]
 
+    # --- physical size ---------------------------------------------------------------------------------------
+    @property
+    def num_physical_blocks(self) -> int:
+        """Blocks backed by every layer's buffers (block ids below it may be written and read)."""
+        return self._physical
+
+    @property
+    def physical_bytes(self) -> int:
+        """Bytes of the K and V buffers as they are now (the budget is `config.total_bytes`)."""
+        return sum(self._layer_blocks) * (self.config.bytes_per_block // self.config.num_layers)
+
+    def ensure_blocks(self, num_blocks: int) -> None:
+        """Back block ids [0, num_blocks) in every layer, padding the layers that fall short to twice the present
+        size (at least `num_blocks`, at most the budget). The allocator calls this with its high water after every
+        allocation, so no id it hands out lies beyond the buffers. Lazy: costs nothing until the next evaluation."""
+        if num_blocks <= self._physical:
+            return
+        if num_blocks > self.config.num_blocks:
+            raise ValueError(f"ensure_blocks: {num_blocks} blocks exceed the arena's {self.config.num_blocks}")
+        with self.lock:
+            self._target = max(self._target, min(self.config.num_blocks, max(num_blocks, 2 * self._physical)))
+            for layer, blocks in enumerate(self._layer_blocks):
+                if blocks < num_blocks:
+                    self._grow_layer(layer)
+
+    def grow_ahead(self, max_layers: int = 1) -> int:
+        """Pad up to `max_layers` more layers towards the next size once the high water has passed `GROW_AHEAD_AT`
+        of the buffers (the engine calls this once per forward pass); returns how many layers it padded."""
+        if self._target == self._physical and (
+            self._physical >= self.config.num_blocks
+            or self.allocator.high_water <= GROW_AHEAD_AT * self._physical
+        ):
+            return 0
+        with self.lock:
+            if self._target == self._physical:
+                self._target = min(self.config.num_blocks, 2 * self._physical)
+            short = [layer for layer, blocks in enumerate(self._layer_blocks) if blocks < self._target]
+            for layer in short[:max_layers]:
+                self._grow_layer(layer)
+            return min(len(short), max_layers)
+
+    def _grow_layer(self, layer: int) -> None:
+        """Pad one layer's K and V buffers to `_target` blocks (lazily, zeros at the end). Caller holds the lock."""
+        extra = (self._target - self._layer_blocks[layer]) * self.config.block_size
+        widths = [(0, 0), (0, 0), (0, extra), (0, 0)]
+        self.keys[layer] = mx.pad(self.keys[layer], widths)
+        self.values[layer] = mx.pad(self.values[layer], widths)
+        self._layer_blocks[layer] = self._target
+        self._physical = min(self._layer_blocks)
+        self.num_growths += 1
+
     def layer_buffers(self, layer: int) -> tuple[mx.array, mx.array]:
-        """This layer's K and V storage as `[H, num_slots, D]` (free reshapes) for kernels and gathers to read.
+        """This layer's K and V storage as `[H, S, D]` (free reshapes; S: its physical slots, at least
+        `num_physical_blocks * block_size`) for kernels and gathers to read.
         Writes go through the arena's methods, which update the `[1, H, S, D]` buffers in place."""
         keys, values = self.keys[layer], self.values[layer]
         return keys.reshape(keys.shape[1:]), values.reshape(values.shape[1:])
@@ -101,7 +183,7 @@ class KVArena:
     def _gather_blocks(self, buffer: mx.array, table: mx.array, length: int) -> mx.array:
         _, heads, _, dim = buffer.shape
         bs = self.config.block_size
-        blocked = buffer.reshape(heads, self.config.num_blocks, bs, dim)
+        blocked = buffer.reshape(heads, -1, bs, dim)  # the buffer's own block count (see the module docstring)
         return blocked[:, table, :, :].reshape(heads, -1, dim)[:, :length, :]
 
     def gather_slots(self, layer: int, slots: np.ndarray | mx.array) -> tuple[mx.array, mx.array]:
@@ -190,6 +272,8 @@ class KVArena:
             "block_size": self.config.block_size,
             "bytes_used": self.bytes_used,
             "bytes_free": self.bytes_free,
+            "num_physical_blocks": self.num_physical_blocks,
+            "physical_bytes": self.physical_bytes,
             "fragmentation": alloc.fragmentation(),
             "evicted_tokens": self.num_evicted_tokens,
             "compressed_tokens": self.num_compressed_tokens,

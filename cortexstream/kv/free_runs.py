@@ -139,6 +139,10 @@ class FreeRunIndex:
         key = self._keys.first_ge(n * self._k)
         return None if key is None else key % self._k
 
+    def high_water(self) -> int:
+        """One past the highest block not free (0 when all are): the start of the free run that ends the pool."""
+        return self._start_by_end.get(self._k, self._k)
+
     def runs(self) -> list[tuple[int, int]]:
         """All free runs as (start, length), ordered by start."""
         return sorted(self._len_by_start.items())

@@ -121,7 +121,7 @@ class SequenceKV:
         cfg = old.config
         blocks = max(cfg.blocks_for_tokens(num_tokens), 2 * cfg.num_blocks)
         arena = KVArena(ArenaConfig(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, blocks, cfg.block_size,
-                                    cfg.dtype, cfg.v_head_dim))
+                                    cfg.dtype, cfg.v_head_dim), preallocate=True)
         new_blocks = arena.allocator.allocate(cfg.blocks_for_tokens(num_tokens), owner=self.owner, contiguous=True)
         used = self.num_tokens
         for layer in range(cfg.num_layers):
@@ -259,6 +259,7 @@ def private_sequence(
     blocks = max(1, -(-max(num_tokens, 1) // block_size))
     config = ArenaConfig(num_layers, kv_heads, head_dim, blocks, block_size, dtype,
                          None if v_head_dim == head_dim else v_head_dim)
-    seq = SequenceKV(KVArena(config), owner=0, contiguous=True, private=True)
+    # Preallocated: the sequence takes the whole arena at once (below), so growing it would only add a copy.
+    seq = SequenceKV(KVArena(config, preallocate=True), owner=0, contiguous=True, private=True)
     seq.ensure_capacity(num_tokens)
     return seq

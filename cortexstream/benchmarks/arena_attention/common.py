@@ -117,7 +117,8 @@ class Variant:
 
 
 def make_arena(num_blocks: int) -> KVArena:
-    return KVArena(ArenaConfig(1, KV_HEADS, HEAD_DIM, num_blocks, BLOCK, "float32"))
+    # Preallocated: the experiments measure (and report) a buffer of the whole arena's size, never a growing one.
+    return KVArena(ArenaConfig(1, KV_HEADS, HEAD_DIM, num_blocks, BLOCK, "float32"), preallocate=True)
 
 
 def arena_blocks(batch: int, tokens_per_seq: int) -> tuple[int, int]:
