@@ -205,6 +205,10 @@ def test_an_engine_that_grows_mid_generation_matches_a_preallocated_one(tiny, mo
     # A short first request, then waves of longer ones sharing two prefixes: the arena grows as they arrive.
     waves = [[([5, 6, 7], 5)]] + [[(prefixes[int(rng.integers(2))] + [int(x) for x in rng.integers(
         3, 250, size=int(rng.integers(0, 9)))], int(rng.integers(8, 40))) for _ in range(size)] for size in (1, 2, 5, 5)]
+    ahead: list[int] = []
+    original = KVArena.grow_ahead
+    monkeypatch.setattr(KVArena, "grow_ahead", lambda self, max_layers=1: ahead.append(original(self, max_layers))
+                        or ahead[-1])
     results = []
     for arena_kwargs in ({"preallocate": True}, {"initial_blocks": 1}):
         config = ArenaConfig.for_model(model, num_tokens=160, block_size=4)  # 40 blocks: preemption
@@ -217,6 +221,7 @@ def test_an_engine_that_grows_mid_generation_matches_a_preallocated_one(tiny, mo
     assert results[0] == results[1]
     arena = engine.arena
     assert arena.num_growths >= 4 * arena.config.num_layers  # every layer grew at least four times
+    assert sum(ahead) > 0  # some of them a layer at a time, between forward passes
     assert growths[0] < growths[1] < growths[-1], growths  # while earlier requests were generating
     assert arena.stats()["num_blocks"] == 40
 

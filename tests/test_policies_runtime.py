@@ -90,13 +90,14 @@ def test_budget_at_least_the_context_gives_exactly_full_results(sharp, monkeypat
     assert not np.allclose(small, full)  # the comparison can fail: eviction does change the model's view
 
     prompts = [token_stream(40, seed=1), token_stream(23, seed=2)]
-    # Evicting sequences prefill one per forward pass; full-cache ones may share a padded forward, which rounds
-    # differently: compare with batched prefill off, so that only the policy can make a difference.
+    # Evicting sequences prefill one per forward pass; full-cache ones may share a padded forward or ride in a
+    # decode pass (mixed prefill), which round differently: compare with both off, so that only the policy can
+    # make a difference.
     ref_tokens, ref_logprobs, _, _ = engine_run(model, tokenizer, prompts, [None, None], max_tokens=10,
-                                                batch_prefill=False)
+                                                batch_prefill=False, mixed_prefill=False)
     for policy in (FullCache(), StreamingLLM(budget=1.0), H2O(budget=1.0), "h2o:budget=60"):
         got_tokens, got_logprobs, _, _ = engine_run(model, tokenizer, prompts, [policy, policy], max_tokens=10,
-                                                    batch_prefill=False)
+                                                    batch_prefill=False, mixed_prefill=False)
         assert got_tokens == ref_tokens, policy
         for got, ref in zip(got_logprobs, ref_logprobs):
             assert np.array_equal(got, ref), policy

@@ -5,7 +5,9 @@ inter-token latency. On a CPU a prompt token costs about as much as a decode ste
 grows with the KV it attends to, so a fixed token budget is either too small early (a long prompt waits many
 steps for its first token) or too large late (running streams stall). `AdaptivePrefillBudget` keeps the chunk's
 expected time at `ratio` x a decode step's, from running averages of both, so running streams see their
-inter-token latency rise by at most about that factor while a long prompt is admitted.
+inter-token latency rise by about 1 + that factor while a long prompt is admitted. When the chunks ride in the
+decode pass (engine/mixed_batch.py) a token's cost is what it adds to that pass (`observe_mixed`), without the
+fixed cost of a pass of its own.
 """
 
 from __future__ import annotations
@@ -16,11 +18,19 @@ from dataclasses import dataclass
 @dataclass
 class AdaptivePrefillBudget:
     max_tokens: int  # the step's whole prefill budget (prefill_step_size)
-    ratio: float = 1.5  # chunk time / decode step time: running streams see about 2.5x their usual latency
-    min_tokens: int = 16  # progress for the prompt even when decode steps are very cheap
+    # chunk time / decode step time: running streams see about 2x their usual latency while a prompt is admitted.
+    # Measured (8 streams, a 2,048-token prompt, chunks in the decode pass): 1.5 put the window's p99 near 3x the
+    # steady median, 1.0 near 2x; bench/results/throughput_itl_single.md.
+    ratio: float = 1.0
+    # Progress for the prompt even when its tokens are dear. A floor of 16 overshot the ratio at long contexts
+    # (16 chunk tokens attending to 2,000 keys cost about two decode steps on a 2-core CPU), so it is small.
+    min_tokens: int = 4
     smoothing: float = 0.5  # weight of the newest observation: costs change as the context grows
     decode_seconds: float | None = None  # running average of one decode step
-    seconds_per_token: float | None = None  # running average of one prefill token
+    seconds_per_token: float | None = None  # running average of one prefill token in a pass of its own
+    # Running average of what one prompt token adds to a decode pass it rides in (engine/mixed_batch.py): no
+    # fixed cost of a pass of its own, so several times cheaper than `seconds_per_token` for small chunks.
+    mixed_seconds_per_token: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1 or self.min_tokens < 1 or self.ratio <= 0 or not 0 < self.smoothing <= 1:
@@ -36,9 +46,17 @@ class AdaptivePrefillBudget:
         if decode_seconds is not None and decode_seconds > 0:
             self.decode_seconds = self._average(self.decode_seconds, decode_seconds)
 
-    def tokens(self) -> int:
-        """The budget for the next step that also decodes."""
-        if self.decode_seconds is None or self.seconds_per_token is None:
+    def observe_mixed(self, prefill_tokens: int, step_seconds: float) -> None:
+        """Record a decode pass that also computed `prefill_tokens` prompt tokens: their cost is the pass's time
+        beyond an average decode step (not recorded as a decode step itself)."""
+        if prefill_tokens > 0 and self.decode_seconds is not None:
+            extra = max(step_seconds - self.decode_seconds, 0.05 * self.decode_seconds)
+            self.mixed_seconds_per_token = self._average(self.mixed_seconds_per_token, extra / prefill_tokens)
+
+    def tokens(self, mixed: bool = False) -> int:
+        """The budget for the next step that also decodes; `mixed`: its chunks ride in the decode pass."""
+        per_token = self.mixed_seconds_per_token if mixed and self.mixed_seconds_per_token else self.seconds_per_token
+        if self.decode_seconds is None or per_token is None:
             return min(self.max_tokens, 4 * self.min_tokens)  # nothing measured yet: a cautious start
-        budget = int(self.ratio * self.decode_seconds / self.seconds_per_token)
+        budget = int(self.ratio * self.decode_seconds / per_token)
         return max(self.min_tokens, min(self.max_tokens, budget))

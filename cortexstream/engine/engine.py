@@ -25,7 +25,7 @@ from cortexstream.engine.block_manager import BlockManager
 from cortexstream.engine.bound_cache import BoundCache
 from cortexstream.engine.chunk_budget import AdaptivePrefillBudget
 from cortexstream.engine.runner import ModelRunner
-from cortexstream.engine.scheduler import Scheduler, SchedulerConfig
+from cortexstream.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from cortexstream.engine.sequence import Sequence
 from cortexstream.engine.snapshot import EngineView, take_snapshot
 from cortexstream.errors import InvalidArgumentError
@@ -86,6 +86,7 @@ class Engine:
         kv_policy: Any = None,
         pipeline: bool = True,
         batch_prefill: bool = True,
+        mixed_prefill: bool = True,
     ) -> None:
         if arena is None:
             if kv_tokens is None and kv_bytes is None:
@@ -122,6 +123,8 @@ class Engine:
         self.pipeline = pipeline
         # Several sequences' prefill chunks in one forward pass (False: one per pass, bit-for-bit as before).
         self.batch_prefill = batch_prefill
+        # Prefill chunks packed into the decode forward of a step that decodes (see engine/mixed_batch.py).
+        self.mixed_prefill = mixed_prefill
         # request id -> (sequence, lazy sampled token [1], lazy logprobs [V]) of the decode step in flight
         self._inflight: dict[str, tuple[Sequence, mx.array, mx.array]] = {}
 
@@ -202,32 +205,24 @@ class Engine:
                 self._inflight.pop(seq.request_id)  # failed by the scheduler: its unread token goes with it
                 seq.num_inflight = 0
             self.runner.drop(seq)
-        sampled: list[tuple[Sequence, mx.array]] = []
+        # Chunks that ride in the decode forward (engine/mixed_batch.py); the others get passes of their own.
+        mixed = [item for item in step.prefill if self.runner.can_mix(step.decode, item[0])] \
+            if self.mixed_prefill and step.decode else []
         tic = time.perf_counter()
-        for group in step.prefill_groups() if self.batch_prefill else [[item] for item in step.prefill]:
-            for (seq, chunk), logits in zip(group, self.runner.prefill_batch(group)):
-                self.num_prompt_tokens_computed += chunk
-                if seq.hook is None and not seq.kv_policy.evicts:
-                    # Full prompt blocks enter the prefix cache as soon as they are computed, so a request
-                    # waiting on the same prefix starts from them (see BlockManager.waits_for_shared_prefix).
-                    self.block_manager.register_full_blocks(seq)
-                if logits is not None:
-                    sampled.append((seq, logits))
-        if sampled:
-            draws = [self._sample(self._states[seq.request_id], logits) for seq, logits in sampled]
-            mx.eval([token for token, _ in draws])
-            outputs.extend(self._emit(seq, int(token.item()), logprobs) for (seq, _), (token, logprobs)
-                           in zip(sampled, draws))
+        outputs.extend(self._prefill([item for item in step.prefill if item not in mixed]))
         toc = time.perf_counter()
         self.prefill_time += toc - tic
         decode_seconds = None
         if step.decode or self._inflight:
-            outputs.extend(self._decode(step.decode))
+            outputs.extend(self._decode(step.decode, mixed))
             decode_seconds = time.perf_counter() - toc
             self.decode_time += decode_seconds
         if self._adaptive is not None:
-            self._adaptive.observe(sum(n for _, n in step.prefill), toc - tic, decode_seconds if step.decode else None)
-            budget = self._adaptive.tokens()
+            separate = sum(n for _, n in step.prefill) - sum(n for _, n in mixed)
+            self._adaptive.observe(separate, toc - tic, decode_seconds if step.decode and not mixed else None)
+            if mixed and decode_seconds is not None:
+                self._adaptive.observe_mixed(sum(n for _, n in mixed), decode_seconds)
+            budget = self._adaptive.tokens(mixed=self.mixed_prefill)
             if budget != self.scheduler.config.prefill_tokens_while_decoding:
                 self.scheduler.config = replace(self.scheduler.config, prefill_tokens_while_decoding=budget)
         return outputs
@@ -249,12 +244,36 @@ class Engine:
                 need += 2
         return allocator.num_free_blocks >= need
 
-    def _decode(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        """Launch one decode step on the (possibly still lazy) pending tokens, then read the previous step's."""
+    def _prefill(self, items: list[tuple[Sequence, int]]) -> list[RequestOutput]:
+        """Prefill chunks in passes of their own (batched by length); first tokens of finished prompts are read."""
+        sampled: list[tuple[Sequence, mx.array]] = []
+        for group in ScheduledStep(prefill=items).prefill_groups() if self.batch_prefill else [[i] for i in items]:
+            logits_per_item = self.runner.prefill_batch(group)
+            self._computed(group)
+            sampled += [(seq, logits) for (seq, _), logits in zip(group, logits_per_item) if logits is not None]
+        if not sampled:
+            return []
+        draws = [self._sample(self._states[seq.request_id], logits) for seq, logits in sampled]
+        mx.eval([token for token, _ in draws])
+        return [self._emit(seq, int(token.item()), logprobs) for (seq, _), (token, logprobs) in zip(sampled, draws)]
+
+    def _computed(self, items: list[tuple[Sequence, int]]) -> None:
+        for seq, chunk in items:
+            self.num_prompt_tokens_computed += chunk
+            if seq.hook is None and not seq.kv_policy.evicts:
+                # Full prompt blocks enter the prefix cache as soon as they are computed, so a request
+                # waiting on the same prefix starts from them (see BlockManager.waits_for_shared_prefix).
+                self.block_manager.register_full_blocks(seq)
+
+    def _decode(self, seqs: list[Sequence], chunks: list[tuple[Sequence, int]] = ()) -> list[RequestOutput]:  # type: ignore[assignment]
+        """Launch one decode step on the (possibly still lazy) pending tokens, with `chunks` of prompts packed
+        into the same forward (`runner.mixed`), then read the previous step's tokens."""
         previous, self._inflight = self._inflight, {}
         # An unread token that is its request's last by length needs no step after it.
         seqs = [s for s in seqs if not (s.num_inflight and len(s.output_ids) + 1 >= s.sampling.max_tokens)]
         launched = []
+        early = self._prefill(list(chunks)) if chunks and not seqs else []  # nothing left to mix with
+        chunks = chunks if seqs else []
         if seqs:
             pending = [previous[s.request_id][1] if s.num_inflight else None for s in seqs]
             tokens = None
@@ -264,13 +283,24 @@ class Engine:
                     else mx.array([s.token_at(s.num_computed)], dtype=mx.uint32)
                     for s, p in zip(seqs, pending)
                 ]).reshape(-1, 1)
-            logits = self.runner.decode(seqs, tokens)
+            firsts: list[tuple[Sequence, mx.array]] = []
+            if chunks:
+                logits, chunk_logits = self.runner.mixed(seqs, tokens, chunks)
+                self._computed(chunks)
+                firsts = [(seq, out) for (seq, _), out in zip(chunks, chunk_logits) if out is not None]
+            else:
+                logits = self.runner.decode(seqs, tokens)
             draws = [self._sample(self._states[s.request_id], logits[i : i + 1], p)
                      for i, (s, p) in enumerate(zip(seqs, pending))]
-            mx.async_eval([token for token, _ in draws])  # log-probabilities: only what sampling needed
-            launched = list(zip(seqs, draws))
+            # A prompt finished in the mixed pass: its first token is in flight like the decode tokens.
+            first_draws = [self._sample(self._states[seq.request_id], out) for seq, out in firsts]
+            # Log-probabilities: only what sampling needed. A mixed pass is computed now, not overlapped with the next
+            # step: the next step reads its tokens first anyway (a prompt was prefilling), and the adaptive budget
+            # needs the pass's real time.
+            (mx.eval if chunks else mx.async_eval)([token for token, _ in draws + first_draws])
+            launched = list(zip(seqs, draws)) + list(zip([seq for seq, _ in firsts], first_draws))
             self.num_decode_tokens += len(seqs)
-        outputs = self._resolve(previous)
+        outputs = early + self._resolve(previous)
         for seq, (token, logprobs) in launched:
             if seq.is_finished or seq.request_id not in self._states:
                 continue  # the token it was launched on ended the request: discard this one

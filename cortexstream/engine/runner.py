@@ -5,6 +5,9 @@ prefill chunk or the decode step, never in the middle of one, so the causal mask
 runner evaluates the logits first (so no lazy graph still reads the arena buffers the eviction rewrites in place),
 then lets the policy evict through `SequenceKV.keep`, which frees surplus blocks at once, and sets
 `seq.num_physical` from the sequence's physical length. Sequences without such a policy take the unchanged path.
+
+Each forward pass over the arena first lets it grow one layer ahead (`KVArena.grow_ahead`, see kv/arena.py), so a
+growing arena's copies and page faults are spread over steps instead of stalling one.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import mlx.nn as nn
 import numpy as np
 
 from cortexstream.engine.batch_cache import DecodeBatch
+from cortexstream.engine.mixed_batch import MixedBatch
 from cortexstream.engine.prefill_batch import PrefillBatch
 from cortexstream.engine.sequence import Sequence
 from cortexstream.kv.arena import KVArena
@@ -105,6 +109,7 @@ class ModelRunner:
         """Compute KV for the next `num_tokens` pending tokens; logits of the last one if the prompt is done."""
         if not seq.uses_arena:
             return self._bound_forward(seq, seq.all_ids[seq.num_computed : seq.num_computed + num_tokens])
+        self.arena.grow_ahead()
         kv = self.kv(seq)
         start = seq.num_computed
         tokens = mx.array(seq.all_ids[start : start + num_tokens], dtype=mx.uint32)
@@ -133,6 +138,7 @@ class ModelRunner:
         gets its KV computed, and the logits `[1, V]` of its last token when its prompt is done, else None."""
         if len(items) == 1:
             return [self.prefill(*items[0])]
+        self.arena.grow_ahead()
         kvs = [self.kv(seq) for seq, _ in items]
         chunks = [seq.all_ids[seq.num_computed : seq.num_computed + n] for seq, n in items]
         for kv, (_, n) in zip(kvs, items):
@@ -158,6 +164,7 @@ class ModelRunner:
             tokens = mx.array(np.array([[seq.token_at(seq.num_computed)] for seq in seqs], dtype=np.uint32))
         if not all(seq.uses_arena for seq in seqs):
             return self._decode_with_bound(seqs, tokens)
+        self.arena.grow_ahead()
         kvs = [self.kv(seq) for seq in seqs]
         states = [self.policy_state(seq) for seq in seqs]
         for kv in kvs:
@@ -180,6 +187,46 @@ class ModelRunner:
             seq.num_computed += 1
             self._evict(seq, kv)
         return logits
+
+    def can_mix(self, decode: list[Sequence], chunk: Sequence) -> bool:
+        """Whether `chunk`'s prefill may ride in the decode forward of `decode` (see engine/mixed_batch.py)."""
+        if head_of(self.model) is None or not chunk.uses_arena or chunk.prefills_alone or chunk.hook is not None:
+            return False
+        return all(seq.uses_arena and not seq.kv_policy.evicts for seq in decode)
+
+    def mixed(self, seqs: list[Sequence], tokens: mx.array | None,
+              items: list[tuple[Sequence, int]]) -> tuple[mx.array, list[mx.array | None]]:
+        """One forward that decodes `seqs` (one pending token each; `tokens` `[B, 1]` possibly lazy, as for
+        `decode`) and computes the next prefill chunk of each item (`can_mix` said yes for all). Returns the
+        decode logits `[B, V]` and, per item, the logits `[1, V]` of its last token when its prompt is done."""
+        if tokens is None:
+            tokens = mx.array(np.array([[seq.token_at(seq.num_computed)] for seq in seqs], dtype=np.uint32))
+        self.arena.grow_ahead()
+        kvs = [self.kv(seq) for seq in seqs]
+        for kv in kvs:
+            kv.make_writable(kv.num_tokens, kv.num_tokens + 1)
+        chunk_kvs = [self.kv(seq) for seq, _ in items]
+        for kv, (_, n) in zip(chunk_kvs, items):
+            kv.make_writable(kv.num_tokens, kv.num_tokens + n)
+        batch = MixedBatch(DecodeBatch(self.arena, kvs), [
+            (kv, seq.all_ids[seq.num_computed : seq.num_computed + n]) for kv, (seq, n) in zip(chunk_kvs, items)])
+        hidden = self.model.model(batch.tokens(tokens), cache=batch.caches())  # [T, 1, hidden]
+        batch.commit()
+        for seq, kv in zip(seqs, kvs):
+            seq.num_computed += 1
+            seq.num_physical = kv.num_tokens
+        for (seq, n), kv in zip(items, chunk_kvs):
+            seq.num_computed += n
+            seq.num_physical = kv.num_tokens
+        done = [seq.num_pending == 0 for seq, _ in items]
+        rows = batch.logit_rows(done)
+        logits = head_of(self.model)(hidden[mx.array(np.asarray(rows, dtype=np.int32))])[:, 0, :]
+        chunk_logits: list[mx.array | None] = []
+        row = len(seqs)
+        for finished in done:
+            chunk_logits.append(logits[row : row + 1] if finished else None)
+            row += int(finished)
+        return logits[: len(seqs)], chunk_logits
 
     # --- sequences bound to a caller's prompt cache -------------------------------------------------------------
     def _bound_forward(self, seq: Sequence, tokens: list[int] | mx.array) -> mx.array | None:

@@ -1,0 +1,147 @@
+"""mlx-lm cache protocol for one forward pass that decodes some sequences and prefills chunks of others.
+
+Without it, a step that decodes while a prompt is admitted runs two forward passes, and each pass pays the fixed
+cost of reading every weight (about 50 ms for SmolLM2 on this CPU, as much as half a decode step). Here the
+decode tokens and the prompt chunks share one pass, packed one token per batch row: the input is `[T, 1]` with
+the D decode tokens first, then each chunk's tokens in order. RoPE takes a per-row offset (`offset` is an array),
+so every row, a decode token or a chunk token, is rotated to its own position; the projections and the MLP see
+T rows, the same work as T tokens in any other layout, and no padding.
+
+Per layer, `update_and_fetch` writes all T new keys/values into their arena slots with one scatter per buffer,
+before anything reads the buffer (a read followed by a write of the same buffer would make MLX copy it). Then
+attention, through the layer's `attention_hook` (see `attention_hook.dispatch_sdpa`), is split:
+- the D decode queries attend exactly as in a decode-only step: the same `DecodeBatch` and strategy
+  (`batch_cache.BatchLayerCache.attend`), over the same views;
+- each chunk's queries, regrouped as `[1, Hq, n, Dh]`, attend with one causal SDPA over that sequence's earlier
+  KV and the chunk (a zero-copy view when its table is contiguous, else a block gather), the same operation as
+  its prefill alone (`ArenaKVCache`).
+
+Used only for sequences on the arena without an evicting policy or a sequence hook, on the mlx-lm model families
+whose attention goes through the hook (`runner.head_of` knows them); everything else keeps its own passes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from cortexstream.engine.attention_hook import install_attention_hook
+from cortexstream.engine.batch_attention import GATHER, STRIDED, strided_view
+from cortexstream.engine.batch_cache import BatchLayerCache, DecodeBatch
+from cortexstream.kv.arena import as_dtype
+from cortexstream.kv.sequence_kv import SequenceKV
+
+
+class MixedBatch:
+    """Addressing for one packed decode + prefill forward; `commit()` advances every sequence's counters."""
+
+    def __init__(self, decode: DecodeBatch, chunks: list[tuple[SequenceKV, list[int]]]) -> None:
+        if not chunks or any(not ids for _, ids in chunks) or not decode.sequences:
+            raise ValueError("MixedBatch needs at least one decoding sequence and one non-empty prompt chunk")
+        arena = decode.arena
+        self.decode = decode
+        self.arena = arena
+        self.chunks = [kv for kv, _ in chunks]
+        self.chunk_lengths = [len(ids) for _, ids in chunks]
+        self.num_decode = len(decode.sequences)
+        self.histories = [kv.num_tokens for kv in self.chunks]
+        # rows [start, end) of each chunk in the packed batch
+        ends = self.num_decode + np.cumsum(self.chunk_lengths)
+        self.row_ranges = [(int(e - n), int(e)) for e, n in zip(ends, self.chunk_lengths)]
+        self.chunk_tokens = mx.array(np.concatenate([np.asarray(ids, dtype=np.uint32) for _, ids in chunks]))
+        chunk_offsets = np.concatenate([kv.offsets[0] + np.arange(n) for kv, n in zip(self.chunks, self.chunk_lengths)])
+        self.offsets = mx.concatenate([decode.offsets, mx.array(chunk_offsets.astype(np.int32))])
+        chunk_slots = np.concatenate([arena.slot_indices(kv.blocks, h, h + n)
+                                      for kv, h, n in zip(self.chunks, self.histories, self.chunk_lengths)])
+        self.slots = mx.concatenate([decode.slots, mx.array(chunk_slots.astype(np.int32))])
+        self.firsts = [kv.contiguous_first() for kv in self.chunks]
+        install_attention_hook()  # attention must reach the hook below (idempotent, cheap)
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_decode + sum(self.chunk_lengths)
+
+    def tokens(self, decode_tokens: mx.array) -> mx.array:
+        """The packed input `[T, 1]`: the decode tokens (`[D, 1]`, possibly lazy) then the chunks' tokens."""
+        return mx.concatenate([decode_tokens.astype(mx.uint32).reshape(-1), self.chunk_tokens]).reshape(-1, 1)
+
+    def logit_rows(self, done: list[bool]) -> list[int]:
+        """Rows whose logits the step needs: every decode row, and the last row of each chunk that ends its prompt."""
+        return list(range(self.num_decode)) + [end - 1 for (_, end), last in zip(self.row_ranges, done) if last]
+
+    def caches(self) -> list["MixedLayerCache"]:
+        return [MixedLayerCache(self, layer) for layer in range(self.arena.config.num_layers)]
+
+    def commit(self) -> None:
+        """Advance the counters once the forward pass has been built."""
+        self.decode.commit()
+        for kv, n in zip(self.chunks, self.chunk_lengths):
+            for layer in range(len(kv.lengths)):
+                kv.lengths[layer] += n
+                kv.offsets[layer] += n
+
+
+class MixedLayerCache:
+    def __init__(self, batch: MixedBatch, layer: int) -> None:
+        self.batch = batch
+        self.layer = layer
+        self._decode = BatchLayerCache(batch.decode, layer)
+        self._decode_kv: tuple[mx.array, mx.array] | None = None
+        self._chunk_kv: list[tuple[mx.array, mx.array]] = []
+
+    @property
+    def offset(self) -> mx.array:
+        return self.batch.offsets
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        if n != 1 or window_size is not None:
+            raise ValueError("MixedBatch caches take one token per row and no sliding window")
+        return self.batch.decode.step_mask
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        batch, arena = self.batch, self.batch.arena
+        keys_buf, values_buf = arena.keys[self.layer], arena.values[self.layer]
+        rows, heads = keys.shape[0], keys.shape[1]
+        # [T, H, 1, D] -> [H, T, D], broadcast into the [1, H, T, D] target: every write before any read
+        keys_buf[:, :, batch.slots, :] = as_dtype(keys.reshape(rows, heads, -1).swapaxes(0, 1), keys_buf.dtype)
+        values_buf[:, :, batch.slots, :] = as_dtype(values.reshape(rows, heads, -1).swapaxes(0, 1),
+                                                     values_buf.dtype)
+        decode = batch.decode
+        if decode.strategy == STRIDED:
+            width = int(decode.lengths_after.max())
+            self._decode_kv = (strided_view(keys_buf, batch.num_decode, decode.strided, width),
+                               strided_view(values_buf, batch.num_decode, decode.strided, width))
+        else:  # lazy: read only by the `gather` strategy
+            self._decode_kv = (self._decode._gather(keys_buf), self._decode._gather(values_buf))
+        self._chunk_kv = []
+        for kv, first, history, n in zip(batch.chunks, batch.firsts, batch.histories, batch.chunk_lengths):
+            if first is not None:
+                self._chunk_kv.append(arena.run_view(self.layer, first, history + n))
+            else:
+                k, v = arena.read(self.layer, kv.blocks, history + n)
+                self._chunk_kv.append((k[None], v[None]))
+        return keys, values  # what attention reads comes from the views above, through the hook
+
+    def attention_hook(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
+                       sinks: mx.array | None = None) -> mx.array:
+        batch = self.batch
+        if sinks is not None or queries.ndim != 4 or queries.shape[0] != batch.num_rows or queries.shape[2] != 1:
+            raise RuntimeError("MixedBatch: the model's attention is not the plain one-token-per-row call it packs "
+                               f"(queries {tuple(queries.shape)}, sinks {sinks is not None})")
+        outs = []
+        if batch.num_decode:
+            decode_keys, decode_values = self._decode_kv  # type: ignore[misc]
+            decode_queries = queries[: batch.num_decode]
+            if batch.decode.strategy == GATHER:  # the padded gather + one masked SDPA, as without the hook
+                outs.append(mx.fast.scaled_dot_product_attention(decode_queries, decode_keys, decode_values,
+                                                                 scale=scale, mask=batch.decode.step_mask))
+            else:
+                outs.append(self._decode.attend(decode_queries, decode_keys, decode_values, scale,
+                                                batch.decode.step_mask))
+        for (start, end), (k, v) in zip(batch.row_ranges, self._chunk_kv):
+            q = queries[start:end].transpose(2, 1, 0, 3)  # [n, Hq, 1, D] -> [1, Hq, n, D]
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
+            outs.append(out.transpose(2, 1, 0, 3))
+        return mx.concatenate(outs, axis=0)
