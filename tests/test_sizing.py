@@ -19,8 +19,10 @@ def spy_arena_tokens(monkeypatch) -> list[int]:
     original = engine_module.Engine.__init__
 
     def spy(self, *args, **kwargs):
-        sizes.append(kwargs.get("kv_tokens"))
         original(self, *args, **kwargs)
+        sizes.append(self.arena.config.num_slots)
+        # A private engine's job-sized arena is committed at once (one zero-fill, never grown in doublings).
+        assert self.arena.stats()["num_physical_blocks"] == self.arena.config.num_blocks
 
     monkeypatch.setattr(engine_module.Engine, "__init__", spy)
     return sizes

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.kv.arena_config import ArenaConfig
 from cortexstream.policies.base import KVPolicy
+
+if TYPE_CHECKING:
+    from cortexstream.kv.arena import KVArena
 
 # Of the memory available when the call starts, the most a private arena may take (the rest: weights already
 # loaded aside, activations and the allocator's cache).
@@ -95,3 +98,13 @@ def private_arena_tokens(model: Any, requests: Sequence[tuple[int, int, KVPolicy
             "prompt, or use a KV policy with a budget (kv_policy='h2o:budget=...')"
         )
     return max(largest, budget // per_token // block_size * block_size)
+
+
+def private_arena(model: Any, requests: Sequence[tuple[int, int, KVPolicy]], *, block_size: int,
+                  prefill_step_size: int) -> KVArena:
+    """The arena of a private engine (`private_arena_tokens` slots), committed at once: a job-sized arena is
+    used in full, so one zero-fill costs less than growing it in doublings (each a copy)."""
+    from cortexstream.kv.arena import KVArena
+
+    tokens = private_arena_tokens(model, requests, block_size=block_size, prefill_step_size=prefill_step_size)
+    return KVArena(ArenaConfig.for_model(model, num_tokens=tokens, block_size=block_size), preallocate=True)

@@ -61,7 +61,7 @@ def batch_generate(
     """
     from cortexstream.engine.engine import Engine
     from cortexstream.engine.prompt import prompt_to_tokens
-    from cortexstream.engine.sizing import fit_to_context, private_arena_tokens
+    from cortexstream.engine.sizing import fit_to_context, private_arena
     from cortexstream.policies.parsing import parse_policy
 
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
@@ -90,8 +90,9 @@ def batch_generate(
         jobs = [(len(t), s.max_tokens, parse_policy(k)) for t, s, k in zip(prompt_ids, samplings, policies)]
         engine = Engine(
             model, tokenizer,
-            kv_tokens=kv_tokens or private_arena_tokens(model, jobs, block_size=16,
-                                                        prefill_step_size=prefill_step_size),
+            kv_tokens=kv_tokens,
+            arena=None if kv_tokens else private_arena(model, jobs, block_size=16,
+                                                       prefill_step_size=prefill_step_size),
             max_num_seqs=max_num_seqs or len(prompts),
             prefill_step_size=prefill_step_size,
             prefill_tokens_while_decoding=None,

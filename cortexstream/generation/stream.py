@@ -76,7 +76,7 @@ def _engine_generate(
     prefill_step_size: int, context_overflow: str, prompt_cache: list[Any] | None, sampler: Any,
 ) -> Iterator[GenerationResponse]:
     from cortexstream.engine.engine import Engine
-    from cortexstream.engine.sizing import fit_to_context, private_arena_tokens
+    from cortexstream.engine.sizing import fit_to_context, private_arena
 
     sampling = replace(sampling, max_tokens=fit_to_context(model, len(tokens), sampling.max_tokens,
                                                            context_overflow))
@@ -86,10 +86,10 @@ def _engine_generate(
         kv_policy = parse_policy(kv_policy)
         job = [(len(tokens), sampling.max_tokens, kv_policy)]
         # A request on the caller's prompt cache keeps its KV there: its engine needs no arena to speak of.
-        kv_tokens = 16 if prompt_cache is not None else private_arena_tokens(
+        arena = None if prompt_cache is not None else private_arena(
             model, job, block_size=16, prefill_step_size=prefill_step_size)
         engine = Engine(model, tokenizer, max_num_seqs=1, prefill_step_size=prefill_step_size,
-                        prefix_caching=False, kv_tokens=kv_tokens)
+                        prefix_caching=False, kv_tokens=16 if arena is None else None, arena=arena)
     if sampling.max_tokens == 0:
         return
     start = time.perf_counter()
