@@ -137,9 +137,7 @@ class DecodeBatch:
     def commit(self) -> None:
         """Advance every sequence's counters once the forward pass has been built."""
         for seq in self.sequences:
-            for layer in range(len(seq.lengths)):
-                seq.lengths[layer] += 1
-                seq.offsets[layer] += 1
+            seq.advance(1)
 
 
 class BatchLayerCache:

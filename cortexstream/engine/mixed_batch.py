@@ -78,9 +78,7 @@ class MixedBatch:
         """Advance the counters once the forward pass has been built."""
         self.decode.commit()
         for kv, n in zip(self.chunks, self.chunk_lengths):
-            for layer in range(len(kv.lengths)):
-                kv.lengths[layer] += n
-                kv.offsets[layer] += n
+            kv.advance(n)
 
 
 class MixedLayerCache:

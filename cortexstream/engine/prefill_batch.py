@@ -81,9 +81,7 @@ class PrefillBatch:
     def commit(self) -> None:
         """Advance every sequence's counters once the forward pass has been built."""
         for seq, n in zip(self.sequences, self.chunk_lengths):
-            for layer in range(len(seq.lengths)):
-                seq.lengths[layer] += n
-                seq.offsets[layer] += n
+            seq.advance(n)
 
 
 class PrefillLayerCache:

@@ -58,6 +58,13 @@ class SequenceKV:
         """Physical tokens held (the maximum over layers; equal between forward passes)."""
         return max(self.lengths)
 
+    def advance(self, num_tokens: int) -> None:
+        """Count `num_tokens` new tokens in every layer (physical and logical) once a forward pass that writes them
+        has been built; the batched passes write the arena themselves and call this."""
+        for layer in range(len(self.lengths)):
+            self.lengths[layer] += num_tokens
+            self.offsets[layer] += num_tokens
+
     @property
     def logical_length(self) -> int:
         return max(self.offsets)
