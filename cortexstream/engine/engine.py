@@ -206,8 +206,7 @@ class Engine:
                 seq.num_inflight = 0
             self.runner.drop(seq)
         # Chunks that ride in the decode forward (engine/mixed_batch.py); the others get passes of their own.
-        mixed = [item for item in step.prefill if self.runner.can_mix(step.decode, item[0])] \
-            if self.mixed_prefill and step.decode else []
+        mixed = self.runner.mixable(step.decode, step.prefill) if self.mixed_prefill else []
         tic = time.perf_counter()
         outputs.extend(self._prefill([item for item in step.prefill if item not in mixed]))
         toc = time.perf_counter()

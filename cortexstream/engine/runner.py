@@ -188,16 +188,18 @@ class ModelRunner:
             self._evict(seq, kv)
         return logits
 
-    def can_mix(self, decode: list[Sequence], chunk: Sequence) -> bool:
-        """Whether `chunk`'s prefill may ride in the decode forward of `decode` (see engine/mixed_batch.py)."""
-        if head_of(self.model) is None or not chunk.uses_arena or chunk.prefills_alone or chunk.hook is not None:
-            return False
-        return all(seq.uses_arena and not seq.kv_policy.evicts for seq in decode)
+    def mixable(self, decode: list[Sequence], items: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """The prefill items that may ride in the decode forward of `decode` (see engine/mixed_batch.py): none
+        unless every decode row can, then those on the arena that prefill with others and have no hook."""
+        if not decode or head_of(self.model) is None or not all(
+                seq.uses_arena and not seq.kv_policy.evicts for seq in decode):
+            return []
+        return [(seq, n) for seq, n in items if seq.uses_arena and not seq.prefills_alone and seq.hook is None]
 
     def mixed(self, seqs: list[Sequence], tokens: mx.array | None,
               items: list[tuple[Sequence, int]]) -> tuple[mx.array, list[mx.array | None]]:
         """One forward that decodes `seqs` (one pending token each; `tokens` `[B, 1]` possibly lazy, as for
-        `decode`) and computes the next prefill chunk of each item (`can_mix` said yes for all). Returns the
+        `decode`) and computes the next prefill chunk of each item (all of them `mixable`). Returns the
         decode logits `[B, V]` and, per item, the logits `[1, V]` of its last token when its prompt is done."""
         if tokens is None:
             tokens = mx.array(np.array([[seq.token_at(seq.num_computed)] for seq in seqs], dtype=np.uint32))
