@@ -20,7 +20,7 @@ from cortexstream.kv import arena as arena_module
 from cortexstream.kv.arena import MIN_PHYSICAL_SLOTS, KVArena
 from cortexstream.kv.arena_config import ArenaConfig
 from cortexstream.kv.sequence_kv import SequenceKV
-from test_batch_attention import DIM, KV_HEADS, LAYERS, LENGTHS, batched_step, reference
+from test_batch_attention import DIM, KV_HEADS, LAYERS, LENGTHS, batched_step, fill, reference
 
 BS = 4  # test_batch_attention's block size
 
@@ -124,25 +124,8 @@ def build_batch(seed: int, layout: list[bool], initial_blocks: int = 1, capaciti
                 lengths: list[int] = LENGTHS) -> tuple[KVArena, list[SequenceKV], dict]:
     """test_batch_attention's batch (`lengths` tokens; paged tables shuffled, contiguous ones `capacities` tokens
     long) in an arena of 64 blocks that started at `initial_blocks` and grew as they were allocated."""
-    rng = np.random.default_rng(seed)
     arena = KVArena(ArenaConfig(LAYERS, KV_HEADS, DIM, 64, BS), initial_blocks=initial_blocks)
-    seqs = []
-    for length, paged, capacity in zip(lengths, layout, capacities or [16] * len(lengths)):
-        seq = SequenceKV(arena, contiguous=not paged)
-        if paged:
-            seq.blocks.extend(int(b) for b in rng.permutation(arena.allocator.allocate(4))[::-1])
-        else:
-            seq.ensure_capacity(capacity)
-        for layer in range(LAYERS):
-            k, v = (mx.array(rng.standard_normal((KV_HEADS, length, DIM)).astype(np.float32)) for _ in "kv")
-            arena.write(layer, seq.blocks, 0, k, v)
-        seq.lengths = [length] * LAYERS
-        seq.offsets = [length] * LAYERS
-        seqs.append(seq)
-    batch = len(LENGTHS)
-    step = {name: [mx.array(rng.standard_normal(shape).astype(np.float32)) for _ in range(LAYERS)]
-            for name, shape in (("k", (batch, KV_HEADS, 1, DIM)), ("v", (batch, KV_HEADS, 1, DIM)),
-                                ("q", (batch, KV_HEADS * 3, 1, DIM)))}
+    seqs, step = fill(arena, np.random.default_rng(seed), layout, lengths, capacities)
     return arena, seqs, step
 
 

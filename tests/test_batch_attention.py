@@ -35,28 +35,35 @@ needs_gxx = pytest.mark.skipif(compiler() is None, reason="no C++ compiler (g++)
 def build(seed: int = 0, layout: list[bool] = PAGED, dtype: str = "float32") -> tuple[KVArena, list[SequenceKV], dict]:
     """An arena with one sequence per LENGTHS entry holding random K/V, plus the step's new K/V and queries.
     layout[i]: whether sequence i gets a shuffled (non-contiguous) block table."""
-    rng = np.random.default_rng(seed)
     arena = KVArena(ArenaConfig(LAYERS, KV_HEADS, DIM, 40, BS, dtype))
+    seqs, step = fill(arena, np.random.default_rng(seed), layout)
+    assert [s.contiguous_first() is None for s in seqs] == layout
+    mx.eval(arena.keys, arena.values)
+    return arena, seqs, step
+
+
+def fill(arena: KVArena, rng: np.random.Generator, layout: list[bool], lengths: list[int] = LENGTHS,
+         capacities: list[int] | None = None) -> tuple[list[SequenceKV], dict]:
+    """One sequence per `lengths` entry holding random K/V (paged tables shuffled, contiguous ones `capacities`
+    tokens long, default 16), plus the step's new K/V and queries."""
     seqs = []
-    for length, paged in zip(LENGTHS, layout):
+    for length, paged, capacity in zip(lengths, layout, capacities or [16] * len(lengths)):
         seq = SequenceKV(arena, contiguous=not paged)
         if paged:
             seq.blocks.extend(int(b) for b in rng.permutation(arena.allocator.allocate(4))[::-1])
         else:
-            seq.ensure_capacity(16)
+            seq.ensure_capacity(capacity)
         for layer in range(LAYERS):
             k, v = (mx.array(rng.standard_normal((KV_HEADS, length, DIM)).astype(np.float32)) for _ in "kv")
             arena.write(layer, seq.blocks, 0, k, v)
         seq.lengths = [length] * LAYERS
         seq.offsets = [length] * LAYERS
         seqs.append(seq)
-    assert [s.contiguous_first() is None for s in seqs] == layout
-    batch = len(LENGTHS)
+    batch = len(lengths)
     step = {name: [mx.array(rng.standard_normal(shape).astype(np.float32)).astype(arena.dtype) for _ in range(LAYERS)]
             for name, shape in (("k", (batch, KV_HEADS, 1, DIM)), ("v", (batch, KV_HEADS, 1, DIM)),
                                 ("q", (batch, KV_HEADS * GROUP, 1, DIM)))}
-    mx.eval(arena.keys, arena.values)
-    return arena, seqs, step
+    return seqs, step
 
 
 def batched_step(arena: KVArena, seqs: list[SequenceKV], step: dict, strategy: str | None) -> list[mx.array]:
