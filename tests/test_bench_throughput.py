@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+from dataclasses import replace
 
 import pytest
 
@@ -105,3 +107,111 @@ def test_profile_cells_and_name_are_checked():
     throughput.add_arguments(p)
     with pytest.raises(InvalidArgumentError, match="--name"):
         throughput.run_from_args(p.parse_args(["--name", "../x", "--parts", "single"]))
+
+
+# Partial reports and --resume, on the tiny model with the measurement replaced by a fake (fast, deterministic).
+
+class _Killed(Exception):
+    """Stands in for the timeout that kills a long run mid-cell."""
+
+
+def _fake_cell(kind, concurrency, prompt_tokens, max_tokens, rounds, run_id):
+    side = {"wall_median_s": 1.0, "peak_memory_gb": 0.1, "peak_rss_gb": 0.2, "decode_tps": 10.0}
+    return {"kind": kind, "concurrency": concurrency, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
+            "rounds": rounds, "prompts": {"min": prompt_tokens, "max": prompt_tokens},
+            "cortexstream": {**side, "ttft_p50_s": 0.1, "ttft_p99_s": 0.2}, "mlx_lm": {**side, "prompt_time_s": 0.3},
+            "ratio_median": 1.1, "ratio_best": 1.2, "ratio_paired_median": 1.1, "outputs": concurrency,
+            "identical_outputs": concurrency, "first_mismatches": [], "ratio_target": 1.0,
+            "meets_ratio_target": True, "meets_memory_target": True, "run": run_id}
+
+
+@pytest.fixture
+def fake_matrix(monkeypatch, tmp_path):
+    """`measure(run_id, stop_after=None)` runs a 6-cell matrix into tmp_path with fake cells; returns the cells this
+    call measured. Before each cell it checks that the JSON on disk holds every cell finished before it."""
+    from cortexstream.benchmarks import throughput_matrix
+
+    monkeypatch.setattr(throughput_matrix, "warm_up", lambda *args: None)
+    settings = throughput.Settings(concurrency=(1, 2), prompt_tokens=(8,), max_tokens=2, rounds=2,
+                                   parts=("matrix",))
+
+    def measure(run_id, stop_after=None, resume=False, **changes):
+        measured = []
+        path = tmp_path / "throughput.json"
+
+        def cell(model, tokenizer, kind, c, n, max_tokens, rounds, seed=0):
+            if stop_after is not None and len(measured) == stop_after:
+                raise _Killed
+            if measured:  # the cells of this run so far are on disk already
+                assert json.loads(path.read_text())["matrix"][-1]["run"] == run_id
+            measured.append((kind, c, n))
+            return _fake_cell(kind, c, n, max_tokens, rounds, run_id)
+
+        monkeypatch.setattr(throughput_matrix, "measure_cell", cell)
+        model, tokenizer = changes.pop("tiny")
+        throughput.run(None, str(tmp_path), replace(settings, **changes), model=model, tokenizer=tokenizer,
+                       progress=False, resume=resume)
+        return measured
+
+    return measure
+
+
+PLANNED = [("equal", 1, 8), ("ragged", 1, 8), ("shared", 1, 8), ("equal", 2, 8), ("ragged", 2, 8), ("shared", 2, 8)]
+
+
+def _cells(data):
+    return [(c["kind"], c["concurrency"], c["prompt_tokens"]) for c in data["matrix"]]
+
+
+def test_interrupted_run_leaves_a_partial_report_of_the_finished_cells(tiny, tmp_path, fake_matrix):
+    with pytest.raises(_Killed):
+        fake_matrix("first", stop_after=4, tiny=tiny)
+    data = json.loads((tmp_path / "throughput.json").read_text())
+    assert data["complete"] is False and data["planned_cells"] == 6 and _cells(data) == PLANNED[:4]
+    assert data["settings"]["rounds"] == 2 and data["elapsed_minutes"] >= 0
+    md = (tmp_path / "throughput.md").read_text()
+    assert "**Partial results: 4 of 6 planned matrix cells done**" in md and "| shared | 1 | 8 |" in md
+    assert data["heatmap"] == "throughput.png" and (tmp_path / "throughput.png").stat().st_size > 0
+    assert sorted(os.listdir(tmp_path)) == ["throughput.json", "throughput.md", "throughput.png"]  # no temp files
+
+
+def test_resume_measures_only_the_missing_cells(tiny, tmp_path, fake_matrix):
+    with pytest.raises(_Killed):
+        fake_matrix("first", stop_after=4, tiny=tiny)
+    assert fake_matrix("second", resume=True, tiny=tiny, max_minutes=60.0) == PLANNED[4:]  # a new budget is fine
+    data = json.loads((tmp_path / "throughput.json").read_text())
+    assert data["complete"] is True and _cells(data) == PLANNED and data["resumed_cells"] == 4
+    assert [c["run"] for c in data["matrix"]] == ["first"] * 4 + ["second"] * 2
+    md = (tmp_path / "throughput.md").read_text()
+    assert "Partial results" not in md and "4 matrix cells measured by an earlier run" in md
+    assert "| shared | 2 | 8 |" in md
+    assert fake_matrix("third", resume=True, tiny=tiny) == []  # a complete report: nothing left to measure
+    assert fake_matrix("fourth", tiny=tiny) == PLANNED  # without --resume the run starts over
+    assert json.loads((tmp_path / "throughput.json").read_text())["resumed_cells"] == 0
+
+
+def test_resume_refuses_another_configuration(tiny, tmp_path, fake_matrix):
+    from cortexstream.errors import InvalidArgumentError
+
+    with pytest.raises(_Killed):
+        fake_matrix("first", stop_after=2, tiny=tiny)
+    path = tmp_path / "throughput.json"
+    before = path.read_text()
+    with pytest.raises(InvalidArgumentError, match=rf"{path}: its setting rounds is 2, this run's is 3; --resume"):
+        fake_matrix("second", resume=True, tiny=tiny, rounds=3)
+    with pytest.raises(InvalidArgumentError, match=r"its setting kinds is \['equal', 'ragged', 'shared'\], this"):
+        fake_matrix("second", resume=True, tiny=tiny, kinds=("equal",))
+    data = json.loads(before)
+    data["model"]["source"] = "another.gguf"
+    path.write_text(json.dumps(data))
+    with pytest.raises(InvalidArgumentError, match=r"its model field source is 'another.gguf', this run's is"):
+        fake_matrix("second", resume=True, tiny=tiny)
+    path.write_text(before)
+    # From the command line the check comes before the model is loaded (this model does not exist).
+    p = argparse.ArgumentParser()
+    throughput.add_arguments(p)
+    args = p.parse_args(["--resume", "--out", str(tmp_path), "--parts", "matrix", "--concurrency", "1,2",
+                         "--prompt-tokens", "8", "--max-tokens", "3", "--rounds", "2", "--model", "/never.gguf"])
+    with pytest.raises(InvalidArgumentError, match=rf"{path}: its setting max_tokens is 2, this run's is 3"):
+        throughput.run_from_args(args)
+    assert path.read_text() == before

@@ -6,7 +6,9 @@ Parts (`--parts`):
   tokens; per-cell peak memory, TTFT, identical outputs; a heat map of the ratio per cell.
 - itl: inter-token latency of 8 running streams while a 2,048-token prompt is admitted (throughput_itl.py).
 - single: `cortexstream.generate` vs `mlx_lm.generate`, whole-call wall time, 32- and 2,048-token prompts.
-Targets are reported, never enforced.
+Targets are reported, never enforced. The report is rewritten after every finished cell (marked partial until
+the end), and `--resume` measures only what an interrupted run of the same configuration left out
+(throughput_progress.py).
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ import argparse
 import os
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cortexstream.benchmarks.throughput_prompts import KINDS
+
+if TYPE_CHECKING:
+    from cortexstream.benchmarks.throughput_progress import ThroughputResults
 
 PARTS = ("matrix", "itl", "single")
 
@@ -62,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench/results", help="output folder")
     p.add_argument("--name", default=None,
                    help="file name stem of the results (default throughput, or throughput_quick with --quick)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the finished cells of <out>/<name>.json (same configuration, else an error) and "
+                        "measure only the rest")
 
 
 def _ints(flag: str, text: str, minimum: int = 1) -> tuple[int, ...]:
@@ -139,18 +147,21 @@ def _label(part: str, what: Any) -> str:
 
 
 def run(model_source: str | None, out_dir: str, settings: Settings, model: Any = None, tokenizer: Any = None,
-        progress: bool = True, name: str | None = None) -> dict[str, Any]:
-    """Run the selected parts and write `<out>/<name>.{json,md,png}` (default name: throughput[_quick]); returns
-    the payload."""
+        progress: bool = True, name: str | None = None, resume: bool = False) -> dict[str, Any]:
+    """Run the selected parts and write `<out>/<name>.{json,md,png}` (default name: throughput[_quick]) after
+    every finished unit, partial until the end; `resume` keeps the units an earlier run of the same configuration
+    finished. Returns the payload."""
     from cortexstream.atomic_files import check_output_dir
     from cortexstream.backend import ensure_buffer_cache
     from cortexstream.benchmarks.machine import machine
+    from cortexstream.benchmarks.throughput_progress import ThroughputResults
     from cortexstream.benchmarks.throughput_prompts import text_windows
     from cortexstream.benchmarks.throughput_matrix import warm_up
-    from cortexstream.benchmarks.throughput_report import write_report
     from cortexstream.benchmarks.throughput_single import warm_up_single
 
     check_output_dir(out_dir)  # fail in a second, not after a 30-minute run
+    name = name or ("throughput_quick" if settings.quick else "throughput")
+    results = ThroughputResults(out_dir, name, asdict(settings), resume)  # a mismatch fails before loading
     if model is None:
         from cortexstream.models.loader import load
 
@@ -163,31 +174,34 @@ def run(model_source: str | None, out_dir: str, settings: Settings, model: Any =
     if "single" in settings.parts:
         warm_up_single(model, tokenizer)
     payload: dict[str, Any] = {
-        "benchmark": name or ("throughput_quick" if settings.quick else "throughput"),
+        "benchmark": name,
         "machine": machine(),
         "model": model_description(model, model_source),
         "settings": asdict(settings),
         "matrix": [], "itl": None, "single": [], "skipped": [],
     }
     units = _units(settings)
+    results.begin(payload, sum(part == "matrix" for part, _ in units))
     bar = _Progress(progress, len(units))
     try:
-        _run_units(model, tokenizer, settings, units, payload, bar, started)
+        _run_units(model, tokenizer, settings, units, payload, bar, started, results)
     finally:
         bar.close()
-    payload["elapsed_minutes"] = (time.perf_counter() - started) / 60
-    write_report(payload, out_dir)
+    results.save(payload, started, complete=True)
     return payload
 
 
 def _run_units(model: Any, tokenizer: Any, settings: Settings, units: list[tuple[str, Any]],
-               payload: dict[str, Any], bar: "_Progress", started: float) -> None:
+               payload: dict[str, Any], bar: "_Progress", started: float, results: "ThroughputResults") -> None:
     from cortexstream.benchmarks.throughput_itl import measure_itl
     from cortexstream.benchmarks.throughput_matrix import measure_cell
     from cortexstream.benchmarks.throughput_single import measure_single
 
     for part, what in units:
         label = _label(part, what)
+        if results.take_earlier(payload, part, what):
+            bar.advance(label + " (kept from the earlier run)")
+            continue
         minutes = (time.perf_counter() - started) / 60
         if settings.max_minutes is not None and minutes >= settings.max_minutes:
             payload["skipped"].append(label)
@@ -196,13 +210,13 @@ def _run_units(model: Any, tokenizer: Any, settings: Settings, units: list[tuple
         bar.describe(label)
         if part == "matrix":
             kind, c, n = what
-            payload["matrix"].append(measure_cell(model, tokenizer, kind, c, n, settings.max_tokens,
-                                                  settings.rounds, settings.seed))
+            result = measure_cell(model, tokenizer, kind, c, n, settings.max_tokens, settings.rounds, settings.seed)
         elif part == "itl":
-            payload["itl"] = measure_itl(model, tokenizer, settings.itl_streams, settings.itl_stream_prompt_tokens,
-                                         settings.admit_tokens, settings.rounds)
+            result = measure_itl(model, tokenizer, settings.itl_streams, settings.itl_stream_prompt_tokens,
+                                 settings.admit_tokens, settings.rounds)
         else:
-            payload["single"].append(measure_single(model, tokenizer, what, settings.max_tokens, settings.rounds))
+            result = measure_single(model, tokenizer, what, settings.max_tokens, settings.rounds)
+        results.add(payload, part, result, started)  # the partial report, rewritten atomically
         bar.advance(label)
 
 
@@ -238,7 +252,7 @@ def run_from_args(a: argparse.Namespace) -> int:
         from cortexstream.errors import InvalidArgumentError
 
         raise InvalidArgumentError(f"--name: '{name}' must be a plain file name stem (no '/', '\\' or '.')")
-    payload = run(a.model, a.out, settings, name=name)
+    payload = run(a.model, a.out, settings, name=name, resume=getattr(a, "resume", False))
     with open(os.path.join(a.out, f"{payload['benchmark']}.md"), encoding="utf-8") as f:
         print(f.read())
     return 0

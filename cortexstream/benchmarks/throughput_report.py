@@ -152,8 +152,22 @@ def _single(rows: list[dict[str, Any]]) -> list[str]:
     return lines + [""]
 
 
+def _progress(payload: dict[str, Any]) -> list[str]:
+    """A report written mid-run says so (reports without "complete" predate partial writes); a resumed one says
+    how many cells an earlier run measured."""
+    lines = []
+    if not payload.get("complete", True):
+        done, planned = len(payload["matrix"]), payload.get("planned_cells", len(payload["matrix"]))
+        lines.append(f"**Partial results: {done} of {_count(planned, 'planned matrix cell')} done** (the run was "
+                     "stopped or is still going; `--resume` measures the rest). Parts not yet run are missing.")
+    if payload.get("resumed_cells"):
+        lines.append(f"{_count(payload['resumed_cells'], 'matrix cell')} measured by an earlier run of the same "
+                     "configuration (`--resume`); the minutes above include that run.")
+    return lines + [""] if lines else []
+
+
 def markdown(payload: dict[str, Any]) -> str:
-    lines = _header(payload) + _summary(payload) + _matrix(payload) + _itl(payload.get("itl"))
+    lines = _header(payload) + _progress(payload) + _summary(payload) + _matrix(payload) + _itl(payload.get("itl"))
     lines += _single(payload["single"])
     if payload["skipped"]:
         lines += ["## Not measured (--max-minutes reached)", "", *[f"- {s}" for s in payload["skipped"]], ""]
