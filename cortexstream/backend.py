@@ -45,24 +45,34 @@ def loaded_blas() -> str:
     return "not loaded yet"
 
 
+def preload_libraries() -> list[str]:
+    """The libraries this process should start with in LD_PRELOAD, in order: the small-batch matmul interposer
+    (kernels/small_gemm.py; it must come before the BLAS whose cblas_sgemm it wraps), then OpenBLAS."""
+    from cortexstream.kernels.small_gemm import library_path
+
+    return [lib for lib in (library_path(), find_openblas()) if lib is not None]
+
+
 def maybe_reexec_with_openblas() -> None:
-    """Replace this process with the same command line plus OpenBLAS in LD_PRELOAD, when that helps and is possible.
+    """Replace this process with the same command line plus OpenBLAS and the small-batch matmul interposer in
+    LD_PRELOAD, when that helps and is possible.
 
     Must run before `mlx.core` is imported (the CLI's entry point, the test suite's conftest). Returns normally when
-    there is nothing to do: not Linux, already done, opted out (CORTEXSTREAM_NO_OPENBLAS=1), or no OpenBLAS.
+    there is nothing to do: not Linux, already done, opted out (CORTEXSTREAM_NO_OPENBLAS=1 for both, or
+    CORTEXSTREAM_NO_SMALL_GEMM=1 for the interposer), or neither library here.
     """
     if not sys.platform.startswith("linux") or os.environ.get(REEXEC_MARKER) or os.environ.get(DISABLE_ENV):
         return
     if "mlx.core" in sys.modules:
         return
-    lib = find_openblas()
-    if lib is None:
-        return
-    preload = os.environ.get("LD_PRELOAD", "")
-    if lib in preload.split(":"):
+    preload = [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p]
+    missing = [lib for lib in preload_libraries() if lib not in preload]
+    if not missing:
         return
     env = dict(os.environ)
-    env["LD_PRELOAD"] = f"{lib}:{preload}" if preload else lib
+    # The wanted libraries first, in their order, so the interposer precedes the BLAS even if the BLAS was there.
+    wanted = preload_libraries()
+    env["LD_PRELOAD"] = ":".join(wanted + [p for p in preload if p not in wanted])
     env[REEXEC_MARKER] = "1"
     sys.stdout.flush()
     sys.stderr.flush()

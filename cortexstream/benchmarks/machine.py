@@ -32,6 +32,7 @@ def machine() -> dict[str, Any]:
     import numpy as np
 
     from cortexstream.backend import backend_info
+    from cortexstream.kernels.small_gemm import interposer
 
     info = backend_info()
     return {
@@ -43,6 +44,8 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "device": info.device,
         "blas": info.blas,
+        # The engine's CPU small-batch matmul (engine/small_batch_kernel.py) was preloaded in this process.
+        "small_batch_kernel": interposer() is not None,
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
         "numpy": np.__version__,

@@ -19,6 +19,8 @@ SCRIPTS: dict[str, tuple[str, str]] = {
                            "strided vs blocks vs mlx-lm batched attention from 256 to 12288 keys"),
     "throughput-profile": ("cortexstream.benchmarks.throughput_profile",
                            "where a batch_generate call's wall time goes, ours and mlx-lm's, per matrix cell"),
+    "small-gemm": ("cortexstream.benchmarks.small_gemm",
+                   "the CPU small-batch matmul kernel vs MLX's BLAS matmul on a decode step's Linear layers"),
     "decode-floor": ("cortexstream.benchmarks.decode_floor",
                      "how much of a batched decode step any engine running mlx-lm's model code can change"),
 }

@@ -25,12 +25,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _blas_env() -> dict[str, str]:
-    """Both servers get the same BLAS: OpenBLAS preloaded when installed (cortexstream would re-exec into it)."""
-    from cortexstream.backend import find_openblas
+def _blas_env(system: str) -> dict[str, str]:
+    """Both servers get the same BLAS: OpenBLAS preloaded when installed. cortexstream also gets what its own
+    command would re-exec into: the small-batch matmul interposer in front of it (engine/small_batch_kernel.py)."""
+    from cortexstream.backend import find_openblas, preload_libraries
 
-    lib = None if os.environ.get("CORTEXSTREAM_NO_OPENBLAS") else find_openblas()
-    return {"LD_PRELOAD": lib, "CORTEXSTREAM_NO_OPENBLAS": "1"} if lib else {"CORTEXSTREAM_NO_OPENBLAS": "1"}
+    if os.environ.get("CORTEXSTREAM_NO_OPENBLAS"):
+        libs = []
+    else:
+        libs = preload_libraries() if system == "cortexstream" else [lib for lib in [find_openblas()] if lib]
+    return {"LD_PRELOAD": ":".join(libs), "CORTEXSTREAM_NO_OPENBLAS": "1"} if libs else {"CORTEXSTREAM_NO_OPENBLAS": "1"}
 
 
 def command(system: str, model_dir: str, port: int, kv_tokens: int, max_num_seqs: int) -> list[str]:
@@ -99,7 +103,7 @@ def rss_bytes(pid: int, peak: bool) -> int:
 def start_server(system: str, model_dir: str, kv_tokens: int, max_num_seqs: int, log_dir: Path,
                  timeout: float = 180.0) -> ServerProcess:
     port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **_blas_env()}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **_blas_env(system)}
     # mlx_lm.server lists models from the hub cache and answers /v1/models only when that directory exists.
     Path(os.path.expanduser("~/.cache/huggingface/hub")).mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{system}.log"

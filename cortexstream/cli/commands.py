@@ -43,6 +43,12 @@ def run_info(args: argparse.Namespace) -> int:
     from cortexstream.kernels.dispatch import kernel_backend_description
 
     print(f"kernels: {kernel_backend_description()}")
+    if not backend.metal:
+        from cortexstream.kernels.small_gemm import interposer, library_path
+
+        state = ("preloaded: the engine's decode matmuls with up to 12 rows use it" if interposer() is not None
+                 else "not preloaded" + ("" if library_path() else " (no C compiler, or CORTEXSTREAM_NO_SMALL_GEMM)"))
+        print(f"small-batch matmul: {state}")
     if not backend.metal and "OpenBLAS" not in backend.blas:
         lib = find_openblas()
         hint = f"set LD_PRELOAD={lib}" if lib else "apt-get install libopenblas0-pthread"

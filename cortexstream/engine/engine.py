@@ -14,7 +14,7 @@ a prompt in progress, few free blocks) first read every token in flight, so reco
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Iterable
 
 import mlx.core as mx
@@ -25,46 +25,18 @@ from cortexstream.engine.block_manager import BlockManager
 from cortexstream.engine.bound_cache import BoundCache
 from cortexstream.engine.chunk_budget import AdaptivePrefillBudget
 from cortexstream.engine.runner import ModelRunner
+from cortexstream.engine.small_batch_kernel import KernelHold, resolve_small_batch_rows, with_row_limit
 from cortexstream.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from cortexstream.engine.sequence import Sequence
 from cortexstream.engine.snapshot import EngineView, take_snapshot
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.engine.single_thread import single_threaded
 from cortexstream.engine.prompt import prompt_to_tokens
+from cortexstream.engine.request_state import RequestOutput, _RequestState
 from cortexstream.engine.sampling import SamplingParams, sampling_from_kwargs
-from cortexstream.engine.text_stream import TextStream
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_config import ArenaConfig
 from cortexstream.policies.parsing import parse_policy
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    token: int | None
-    text: str
-    logprobs: mx.array | None
-    prompt_tokens: int
-    generation_tokens: int
-    finish_reason: str | None = None
-    error: str | None = None
-    ttft: float | None = None  # seconds from arrival to the first token
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-class _RequestState:
-    def __init__(self, seq: Sequence, tokenizer: Any, eos_ids: set[int], sampler: Any = None) -> None:
-        self.seq = seq
-        self.text = TextStream(tokenizer, seq.sampling.stop)
-        self.custom_sampler = sampler is not None  # a caller's sampler(logprobs) -> token, mlx-lm style
-        self.sampler = sampler if sampler is not None else seq.sampling.make_sampler()
-        self.processors = seq.sampling.make_logits_processors()
-        self.eos_ids = eos_ids
 
 
 class Engine:
@@ -87,6 +59,7 @@ class Engine:
         pipeline: bool = True,
         batch_prefill: bool = True,
         mixed_prefill: bool = True,
+        small_batch_matmul: int | str = "auto",
     ) -> None:
         if arena is None:
             if kv_tokens is None and kv_bytes is None:
@@ -112,6 +85,7 @@ class Engine:
             config = replace(config, prefill_tokens_while_decoding=self._adaptive.tokens())
         self.scheduler = Scheduler(self.block_manager, config)
         self.runner = ModelRunner(model, arena)
+        self.kernel_hold = KernelHold(resolve_small_batch_rows(small_batch_matmul))  # engine/small_batch_kernel.py
         self._states: dict[str, _RequestState] = {}
         self._eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
         self.num_generated_tokens = 0
@@ -190,8 +164,13 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or bool(self._inflight)
 
+    @property
+    def has_in_flight(self) -> bool:
+        return bool(self._inflight)
+
     # --- the step ---------------------------------------------------------------------------------------------
     @single_threaded
+    @with_row_limit
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         if self._inflight and not self._may_pipeline():

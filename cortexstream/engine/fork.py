@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable, Sequence as TypingSequence
 
-from cortexstream.engine.engine import Engine, _RequestState
+from cortexstream.engine.engine import Engine
+from cortexstream.engine.request_state import _RequestState
 from cortexstream.engine.seeded import install_seeded_sampler
 from cortexstream.engine.sequence import Sequence, SequenceHook, SequenceStatus
 from cortexstream.engine.sampling import SamplingParams

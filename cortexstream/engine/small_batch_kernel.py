@@ -1,0 +1,96 @@
+"""The engine's decode matmuls on the CPU: the small-batch kernel (kernels/small_gemm.c) on during its steps.
+
+A decode step multiplies one row per running sequence by every weight of the model. BLAS sgemm packs each weight
+before multiplying, which for a few rows costs about as much as the multiply; the kernel streams each weight once
+(measured on this 2-core machine: `bench/results/small_gemm.md`). It sits in front of the BLAS as a process-wide
+interposer whose row limit is 0 (plain BLAS) unless an engine is inside `Engine.step`: the engine owns this choice,
+so mlx-lm's functions called on the same model between steps keep MLX's own matmul. The limit is one value per
+process, so another thread running the model *while* an engine steps gets the kernel for its few-row matmuls too:
+the same products up to float rounding order.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Callable
+
+from cortexstream.errors import InvalidArgumentError
+from cortexstream.kernels import small_gemm
+
+# Rows up to which the kernel beats OpenBLAS on this CPU (bench/results/small_gemm.md).
+DEFAULT_MAX_ROWS = 12
+
+_lock = threading.Lock()
+_active_steps = 0  # engines (any thread) holding the kernel; the limit drops to 0 when none does
+
+
+def usable() -> bool:
+    """True when this process has the interposer preloaded and runs MLX on the CPU."""
+    if small_gemm.interposer() is None:
+        return False
+    import mlx.core as mx
+
+    return mx.default_device() == mx.cpu
+
+
+def resolve_small_batch_rows(value: int | str) -> int:
+    """`Engine(small_batch_matmul=...)` as a row limit: "auto" is DEFAULT_MAX_ROWS where the kernel is usable and
+    0 (off) elsewhere; an int >= 0 is the limit itself (0: off)."""
+    if value == "auto":
+        return DEFAULT_MAX_ROWS if usable() else 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgumentError(f"small_batch_matmul: {value!r} must be 'auto' or an integer >= 0 (0 turns the "
+                                   "small-batch kernel off)")
+    if value > 0 and not usable():
+        raise InvalidArgumentError(
+            f"small_batch_matmul: {value} asks for the CPU small-batch kernel, which this process does not have "
+            "(it is preloaded by the cortexstream command and the test suite on Linux with a C compiler, and only "
+            "used on the CPU backend); use 'auto' or 0")
+    return min(value, small_gemm.MAX_ROWS)
+
+
+class KernelHold:
+    """One engine's claim on the kernel. Held from a step's start until the engine has no decode step in flight:
+    with pipelining a step's graph is evaluated asynchronously, partly after `step()` returns, and every matmul
+    of the engine must take the same path (the kernel and BLAS round differently), whatever the timing."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self.held = False
+
+    def acquire(self) -> None:
+        global _active_steps
+        if self.rows <= 0 or self.held:
+            return
+        with _lock:
+            _active_steps += 1
+            small_gemm.set_row_limit(self.rows)
+        self.held = True
+
+    def release(self) -> None:
+        global _active_steps
+        if not self.held:
+            return
+        with _lock:
+            _active_steps -= 1
+            if _active_steps == 0:
+                small_gemm.set_row_limit(0)
+        self.held = False
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def with_row_limit(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate `Engine.step`: the engine's `kernel_hold` is acquired for the step and released once nothing of
+    the engine is in flight (also when the step raises)."""
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self.kernel_hold.acquire()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            if not self.has_in_flight:
+                self.kernel_hold.release()
+    return wrapper

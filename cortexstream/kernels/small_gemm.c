@@ -1,0 +1,182 @@
+/* y[m, n] = alpha * sum_k x[m, k] * w[n, k] + beta * y[m, n] for a handful of rows m: a decode step's Linears.
+ *
+ * Why: on MLX's CPU backend a Linear is one BLAS sgemm. With 1-12 rows (one per running sequence) sgemm packs the
+ * whole weight matrix into its own buffers before multiplying, so every weight byte is read, written and read again;
+ * a decode step is bound by reading weights, so that copy costs about as much as the multiply. This kernel streams
+ * each weight row once from memory and multiplies it with all rows of x while it sits in registers and L1.
+ *
+ * Blocking: 4 weight rows x 2 rows of x per register block (8 accumulators + 4 weight vectors + 1 x vector fits
+ * AVX2's 16 registers); an odd last row of x gets a 4 x 1 block. The weight rows are prefetched a few lines ahead
+ * on the first pass only; later passes over the same 4 rows hit L1. Threads split the output columns (n).
+ *
+ * Every output element is one dot product summed in the same order whatever the number of rows, so a sequence's
+ * result does not depend on which other sequences share its batch. Without AVX2+FMA (other CPUs, Apple arm64) the
+ * portable loop below computes the same sums with the compiler's vectorisation.
+ */
+#define _GNU_SOURCE
+#include <stddef.h>
+#include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_hadd_ps(lo, lo);
+    lo = _mm_hadd_ps(lo, lo);
+    return _mm_cvtss_f32(lo);
+}
+
+#define PREFETCH_FLOATS 256
+
+typedef struct {
+    const float *x, *w;
+    float *y;
+    int64_t ldx, ldw, ldy;
+    float alpha, beta;
+    int M, N, K;
+} Gemm;
+
+static inline void store(const Gemm *g, int m, int n, float dot) {
+    float *out = g->y + (size_t)m * g->ldy + n;
+    *out = g->beta == 0.0f ? g->alpha * dot : g->alpha * dot + g->beta * *out;  /* beta 0: y is not read (BLAS) */
+}
+
+/* rows_x (1 or 2) rows of x starting at m against nr (1..4) weight rows starting at n. */
+static void block(const Gemm *g, int m, int rows_x, int n, int nr, int prefetch) {
+    const int K = g->K;
+    const float *wr[4];
+    for (int i = 0; i < 4; i++) wr[i] = g->w + (size_t)(n + (i < nr ? i : 0)) * g->ldw;
+    const float *x0 = g->x + (size_t)m * g->ldx, *x1 = rows_x > 1 ? x0 + g->ldx : x0;
+    __m256 a00 = _mm256_setzero_ps(), a10 = a00, a20 = a00, a30 = a00, a01 = a00, a11 = a00, a21 = a00, a31 = a00;
+    int k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 v0 = _mm256_loadu_ps(wr[0] + k), v1 = _mm256_loadu_ps(wr[1] + k);
+        __m256 v2 = _mm256_loadu_ps(wr[2] + k), v3 = _mm256_loadu_ps(wr[3] + k);
+        if (prefetch && (k & 15) == 0) {
+            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(wr[i] + k + PREFETCH_FLOATS), _MM_HINT_T0);
+        }
+        __m256 u = _mm256_loadu_ps(x0 + k);
+        a00 = _mm256_fmadd_ps(v0, u, a00); a10 = _mm256_fmadd_ps(v1, u, a10);
+        a20 = _mm256_fmadd_ps(v2, u, a20); a30 = _mm256_fmadd_ps(v3, u, a30);
+        if (rows_x > 1) {
+            u = _mm256_loadu_ps(x1 + k);
+            a01 = _mm256_fmadd_ps(v0, u, a01); a11 = _mm256_fmadd_ps(v1, u, a11);
+            a21 = _mm256_fmadd_ps(v2, u, a21); a31 = _mm256_fmadd_ps(v3, u, a31);
+        }
+    }
+    float r[4][2] = {{hsum8(a00), hsum8(a01)}, {hsum8(a10), hsum8(a11)},
+                     {hsum8(a20), hsum8(a21)}, {hsum8(a30), hsum8(a31)}};
+    for (int i = 0; i < nr; i++) {
+        for (int j = 0; j < rows_x; j++) {
+            const float *xj = j ? x1 : x0;
+            float s = r[i][j];
+            for (int kk = k; kk < K; kk++) s += wr[i][kk] * xj[kk];
+            store(g, m + j, n + i, s);
+        }
+    }
+}
+
+static void columns(const Gemm *g, int n0, int n1) {
+    for (int n = n0; n < n1; n += 4) {
+        int nr = n1 - n < 4 ? n1 - n : 4;
+        for (int m = 0; m < g->M; m += 2) block(g, m, g->M - m < 2 ? g->M - m : 2, n, nr, m == 0);
+    }
+}
+
+#else /* portable: one dot product per output, the inner loop left to the compiler */
+
+static void columns(const Gemm *g, int n0, int n1) {
+    for (int n = n0; n < n1; n++) {
+        const float *wn = g->w + (size_t)n * g->ldw;
+        for (int m = 0; m < g->M; m++) {
+            const float *xm = g->x + (size_t)m * g->ldx;
+            float s = 0.0f;
+            for (int k = 0; k < g->K; k++) s += wn[k] * xm[k];
+            store(g, m, n, s);
+        }
+    }
+}
+#endif
+
+static void run(const Gemm *g, int num_threads) {
+#ifdef _OPENMP
+    /* Columns split in multiples of 4 so register blocks never straddle two threads. */
+    if (num_threads > 1 && g->N >= 64) {
+#pragma omp parallel num_threads(num_threads)
+        {
+            int t = omp_get_thread_num(), T = omp_get_num_threads();
+            int per = ((g->N + T - 1) / T + 3) & ~3;
+            int n0 = t * per, n1 = n0 + per > g->N ? g->N : n0 + per;
+            if (n0 < n1) columns(g, n0, n1);
+        }
+        return;
+    }
+#endif
+    (void)num_threads;
+    columns(g, 0, g->N);
+}
+
+static int threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+/* Direct entry (tests, benchmarks): y[M, N] = x[M, K] @ w[N, K]^T, all row-major and contiguous. Returns 0 on
+ * success, 1 on arguments out of range (the Python side checks first; this is the last guard). */
+int cs_small_gemm(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K, int num_threads) {
+    if (!x || !w || !y || M < 1 || N < 1 || K < 1 || M > 4096 || N > (1 << 30) || K > (1 << 30)) return 1;
+    Gemm g = {x, w, y, K, K, N, 1.0f, 0.0f, (int)M, (int)N, (int)K};
+    run(&g, num_threads < 1 ? 1 : num_threads);
+    return 0;
+}
+
+int cs_small_gemm_abi_version(void) { return 2; }
+
+/* ---- the BLAS interposer --------------------------------------------------------------------------------------
+ * Loaded in LD_PRELOAD ahead of the BLAS (backend.py), this library's cblas_sgemm is the one MLX's CPU matmul
+ * calls. It takes the calls of an nn.Linear with at most cs_small_gemm_rows rows (row-major x [M, K] times a
+ * transposed row-major weight [N, K], as MLX issues them) while that limit is above zero, and hands every other
+ * call, unchanged, to the next cblas_sgemm in the search order (OpenBLAS or the reference BLAS).
+ * The limit is 0 (off) until the engine sets it around its steps (engine/small_batch_kernel.py). */
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <stdatomic.h>
+
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int, float, float *,
+                         int);
+
+_Atomic int cs_small_gemm_rows = 0;
+_Atomic long long cs_small_gemm_calls = 0;  /* calls the kernel took: tests check the path is really used */
+
+void cs_set_small_gemm_rows(int rows) { atomic_store(&cs_small_gemm_rows, rows < 0 ? 0 : rows); }
+int cs_get_small_gemm_rows(void) { return atomic_load(&cs_small_gemm_rows); }
+long long cs_small_gemm_call_count(void) { return atomic_load(&cs_small_gemm_calls); }
+int cs_small_gemm_interposed(void) { return 1; }
+
+void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha, const float *A, int lda,
+                 const float *B, int ldb, float beta, float *C, int ldc) {
+    static sgemm_fn next = 0;
+    int limit = atomic_load_explicit(&cs_small_gemm_rows, memory_order_relaxed);
+    if (limit > 0 && order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && M >= 1 && M <= limit &&
+        N >= 64 && K >= 8 && lda >= K && ldb >= K && ldc >= N) {
+        Gemm g = {A, B, C, lda, ldb, ldc, alpha, beta, M, N, K};
+        run(&g, threads());
+        atomic_fetch_add_explicit(&cs_small_gemm_calls, 1, memory_order_relaxed);
+        return;
+    }
+    if (!next) next = (sgemm_fn)dlsym(RTLD_NEXT, "cblas_sgemm");
+    if (!next) {
+        fputs("cortexstream small_gemm: no BLAS cblas_sgemm after the interposer in the search order\n", stderr);
+        abort();
+    }
+    next(order, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
