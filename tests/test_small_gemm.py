@@ -67,9 +67,10 @@ import json, mlx.core as mx, mlx.nn as nn, numpy as np
 from cortexstream.kernels import small_gemm as sg
 mx.random.seed(0)
 out = {"interposed": sg.interposer() is not None}
-lin = nn.Linear(96, 160)            # bias: MLX issues addmm (beta = 1 on a bias-filled output)
-head = nn.Linear(96, 200, bias=False)
-x8, x40 = mx.random.normal((8, 96)), mx.random.normal((40, 96))
+lin = nn.Linear(384, 160)           # bias: MLX issues addmm (beta = 1 on a bias-filled output)
+head = nn.Linear(384, 200, bias=False)
+narrow = nn.Linear(64, 160)         # K = 64: shaped like attention's q @ k^T, left to BLAS
+x8, x40, n8 = mx.random.normal((8, 384)), mx.random.normal((40, 384)), mx.random.normal((8, 64))
 ref = lambda l, x: np.asarray(x, np.float64) @ np.asarray(l.weight, np.float64).T + (
     np.asarray(l.bias, np.float64) if "bias" in l else 0)
 def run(limit, l, x):
@@ -79,7 +80,8 @@ out["off"] = run(0, lin, x8)
 out["bias"] = run(12, lin, x8)
 out["no_bias"] = run(12, head, x8)
 out["too_many_rows"] = run(12, lin, x40)
-sg.set_row_limit(12); b = sg.call_count(); y = x8.T @ mx.random.normal((8, 70)); mx.eval(y)  # transposed A
+out["narrow"] = run(12, narrow, n8)
+sg.set_row_limit(12); b = sg.call_count(); y = x8.T @ mx.random.normal((8, 400)); mx.eval(y)  # transposed A
 out["other_layout_calls"] = sg.call_count() - b; sg.set_row_limit(0)
 print(json.dumps(out))
 """
@@ -95,9 +97,9 @@ def test_interposer_takes_only_small_linear_calls_and_only_when_on():
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["interposed"]
-    for case in ("off", "bias", "no_bias", "too_many_rows"):
+    for case in ("off", "bias", "no_bias", "too_many_rows", "narrow"):
         assert out[case][0] < 1e-3, (case, out[case])
-    assert out["off"][1] == 0 and out["too_many_rows"][1] == 0
+    assert out["off"][1] == 0 and out["too_many_rows"][1] == 0 and out["narrow"][1] == 0
     assert out["bias"][1] == 1 and out["no_bias"][1] == 1
     assert out["other_layout_calls"] == 0
 
@@ -105,11 +107,13 @@ def test_interposer_takes_only_small_linear_calls_and_only_when_on():
 @needs_interposer
 def test_engine_uses_the_kernel_only_inside_its_steps(tiny):
     import mlx.core as mx
+    from tiny_models import tiny_model
 
     import cortexstream
     from cortexstream.engine.engine import Engine
 
-    model, tok = tiny
+    # Wide enough (K >= 320) for the kernel to take its weight products; the tiny tokenizer.
+    model, tok = tiny_model(seed=3, hidden_size=384, intermediate_size=512, head_dim=96), tiny[1]
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [3, 3, 3, 3]]
     before = small_gemm.call_count()
     with_kernel = cortexstream.batch_generate(model, tok, prompts, max_tokens=12, return_token_ids=True)

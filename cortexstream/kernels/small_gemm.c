@@ -105,7 +105,7 @@ static void columns(const Gemm *g, int n0, int n1) {
 static void run(const Gemm *g, int num_threads) {
 #ifdef _OPENMP
     /* Columns split in multiples of 4 so register blocks never straddle two threads. */
-    if (num_threads > 1 && g->N >= 64) {
+    if (num_threads > 1 && (int64_t)g->N * g->K >= (1 << 16)) {  /* smaller: a thread start costs more */
 #pragma omp parallel num_threads(num_threads)
         {
             int t = omp_get_thread_num(), T = omp_get_num_threads();
@@ -151,6 +151,10 @@ int cs_small_gemm_abi_version(void) { return 2; }
 #include <stdatomic.h>
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+/* Only weight products: their K is a model width (576 and up in real models). Attention's q @ k^T has the same
+ * layout but K = head_dim (at most 256): thousands of tiny calls per step (one per sequence and KV head), which
+ * BLAS handles and which would only pay this kernel's thread start-up. */
+#define MIN_WEIGHT_K 320
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int, float, float *,
                          int);
 
@@ -167,7 +171,7 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float
     static sgemm_fn next = 0;
     int limit = atomic_load_explicit(&cs_small_gemm_rows, memory_order_relaxed);
     if (limit > 0 && order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && M >= 1 && M <= limit &&
-        N >= 64 && K >= 8 && lda >= K && ldb >= K && ldc >= N) {
+        N >= 64 && K >= MIN_WEIGHT_K && lda >= K && ldb >= K && ldc >= N) {
         Gemm g = {A, B, C, lda, ldb, ldc, alpha, beta, M, N, K};
         run(&g, threads());
         atomic_fetch_add_explicit(&cs_small_gemm_calls, 1, memory_order_relaxed);
