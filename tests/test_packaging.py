@@ -91,6 +91,7 @@ def test_the_wheel_carries_metal_sources_tui_and_weights(wheel_files):
             assert f"cortexstream/{folder}/weights/{weights.name}" in wheel_files
     assert "cortexstream/compression/weights/manifest.json" in wheel_files
     assert "cortexstream/kernels/cpp_shim/metal_shim.h" in wheel_files
+    assert "cortexstream/kernels/small_gemm.c" in wheel_files  # built on the user's machine on first use
 
 
 def test_the_wheel_installs_nothing_outside_cortexstream(wheel_files):
