@@ -31,6 +31,7 @@ from cortexstream.benchmarks.common import write_results
 from cortexstream.benchmarks.machine import machine, machine_sentence
 from cortexstream.errors import OutOfBlocksError
 from cortexstream.kv.allocator import BlockAllocator
+from cortexstream.benchmarks.script_main import run_as_script
 
 SIZES = (4096, 16384, 65536)
 WORKLOADS = {"steady": (0.75, 64), "pressure": (0.95, 256)}  # name: (target occupancy, max request)
@@ -214,9 +215,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    run_from_args(parser.parse_args(argv))
+    run_as_script(__doc__, add_arguments, run_from_args, argv)
 
 
 def to_markdown(meta: dict, results: list[dict]) -> str:

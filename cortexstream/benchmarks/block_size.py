@@ -28,6 +28,7 @@ from cortexstream.benchmarks.common import write_results
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_config import ArenaConfig
 from cortexstream.kv.sequence_kv import SequenceKV
+from cortexstream.benchmarks.script_main import run_as_script
 
 BATCH = 8
 BLOCK_SIZES = (16, 32, 64, 128)
@@ -166,9 +167,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    run_from_args(parser.parse_args(argv))
+    run_as_script(__doc__, add_arguments, run_from_args, argv)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import mlx.core as mx
 
 from cortexstream.benchmarks.common import prompt_token_lists, write_results
 from cortexstream.benchmarks.machine import machine, model_record
+from cortexstream.benchmarks.script_main import run_as_script
 
 
 def _mlx_lm_stepper(model: Any, prompts: list[list[int]]) -> Callable[[], None]:
@@ -186,9 +187,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    run_from_args(parser.parse_args(argv))
+    run_as_script(__doc__, add_arguments, run_from_args, argv)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from rich.progress import Progress
+from cortexstream.benchmarks.script_main import run_as_script
 
 LAYERS, HIDDEN, INTERMEDIATE, KV, VOCAB = 30, 576, 1536, 192, 49152
 ROWS = (1, 2, 4, 8, 12, 16, 24, 32)
@@ -120,9 +121,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    run_from_args(parser.parse_args(argv))
+    run_as_script(__doc__, add_arguments, run_from_args, argv)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from rich.progress import Progress
 
 from cortexstream.benchmarks.common import write_results
 from cortexstream.engine import batch_attention
+from cortexstream.benchmarks.script_main import run_as_script
 
 CONTEXTS = (256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288)
 STRATEGIES = ("strided", "blocks")
@@ -101,9 +102,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    run_from_args(parser.parse_args(argv))
+    run_as_script(__doc__, add_arguments, run_from_args, argv)
 
 
 def write(data: dict, args: argparse.Namespace) -> None:

@@ -23,6 +23,7 @@ from .common import BIG_CACHE, OPENBLAS, SEED
 from .layout import experiment_buffer_per_layer, experiment_layout, experiment_write_in_place
 from .meta import machine_meta, openblas_loaded
 from .report import conclusions, to_markdown
+from cortexstream.benchmarks.script_main import run_as_script
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,9 +67,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    run_from_args(parser.parse_args(argv))
+    run_as_script(__doc__, add_arguments, run_from_args, argv)
 
 
 def write(data: dict[str, Any], args: argparse.Namespace) -> None:
