@@ -33,7 +33,7 @@ from cortexstream.errors import InvalidArgumentError
 from cortexstream.engine.single_thread import single_threaded
 from cortexstream.engine.prompt import prompt_to_tokens
 from cortexstream.engine.request_state import RequestOutput, _RequestState
-from cortexstream.engine.sampling import SamplingParams, sampling_from_kwargs
+from cortexstream.engine.sampling import SamplingParams, keep_random_state, sampling_from_kwargs
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_config import ArenaConfig
 from cortexstream.policies.parsing import parse_policy
@@ -307,6 +307,11 @@ class Engine:
 
     def _sample(self, state: _RequestState, logits: mx.array,
                 pending: mx.array | None = None) -> tuple[mx.array, mx.array]:
+        with keep_random_state():  # a sampler that raises must not leave MLX's random state broken for others
+            return self._sample_unguarded(state, logits, pending)
+
+    def _sample_unguarded(self, state: _RequestState, logits: mx.array,
+                          pending: mx.array | None) -> tuple[mx.array, mx.array]:
         if state.processors:
             history = mx.array(state.seq.all_ids, dtype=mx.uint32)
             if pending is not None:  # the token in flight is part of the history

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from cortexstream.errors import InvalidArgumentError
 
@@ -55,9 +57,15 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def make_sampler(self) -> Callable:
+        """mlx-lm's sampler for these parameters. A `top_k` not below the vocabulary keeps every token (mlx-lm
+        would raise), so it is applied only when it filters something."""
         from mlx_lm.sample_utils import make_sampler
 
-        return make_sampler(temp=self.temperature, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k)
+        without_k = make_sampler(temp=self.temperature, top_p=self.top_p, min_p=self.min_p)
+        if self.top_k <= 0:
+            return without_k
+        with_k = make_sampler(temp=self.temperature, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k)
+        return lambda logprobs: with_k(logprobs) if self.top_k < logprobs.shape[-1] else without_k(logprobs)
 
     def make_logits_processors(self) -> list[Callable]:
         from mlx_lm.sample_utils import make_logits_processors
@@ -111,3 +119,26 @@ def sampling_from_kwargs(
         stop=stops,
         seed=seed,
     )
+
+
+@contextmanager
+def keep_random_state() -> Iterator[None]:
+    """Restore MLX's global random state if the block raises.
+
+    mlx-lm's samplers are `mx.compile`d with `mx.random.state` as input and output: an exception while one is
+    traced (a `top_k` not below the vocabulary size, say) leaves a placeholder array in the state, and every later
+    random draw in the process then fails ("Attempting to eval an array without a primitive"). One request's bad
+    parameters must not break the others, so the key from before the block is put back.
+    """
+    import mlx.core as mx
+
+    saved = mx.random.state[0]  # the array object from before the block: a real (possibly lazy) key
+    try:
+        yield
+    except BaseException:
+        # The state cannot be assigned from Python, but a key is two uint32 words and `seed(hi << 32 | lo)` sets
+        # exactly that key. Only this failure path pays the evaluation.
+        high, low = (int(word) for word in saved.tolist())
+        mx.random.seed((high << 32) | low)
+        raise
+
