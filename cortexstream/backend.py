@@ -66,12 +66,11 @@ def maybe_reexec_with_openblas() -> None:
     if "mlx.core" in sys.modules:
         return
     preload = [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p]
-    missing = [lib for lib in preload_libraries() if lib not in preload]
-    if not missing:
+    wanted = preload_libraries()
+    if all(lib in preload for lib in wanted):
         return
     env = dict(os.environ)
     # The wanted libraries first, in their order, so the interposer precedes the BLAS even if the BLAS was there.
-    wanted = preload_libraries()
     env["LD_PRELOAD"] = ":".join(wanted + [p for p in preload if p not in wanted])
     env[REEXEC_MARKER] = "1"
     sys.stdout.flush()

@@ -44,9 +44,11 @@ def run_info(args: argparse.Namespace) -> int:
 
     print(f"kernels: {kernel_backend_description()}")
     if not backend.metal:
+        from cortexstream.engine.small_batch_kernel import DEFAULT_MAX_ROWS
         from cortexstream.kernels.small_gemm import interposer, library_path
 
-        state = ("preloaded: the engine's decode matmuls with up to 12 rows use it" if interposer() is not None
+        state = (f"preloaded: the engine's decode matmuls with up to {DEFAULT_MAX_ROWS} rows use it"
+                 if interposer() is not None
                  else "not preloaded" + ("" if library_path() else " (no C compiler, or CORTEXSTREAM_NO_SMALL_GEMM)"))
         print(f"small-batch matmul: {state}")
     if not backend.metal and "OpenBLAS" not in backend.blas:

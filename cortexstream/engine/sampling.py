@@ -65,7 +65,11 @@ class SamplingParams:
         if self.top_k <= 0:
             return without_k
         with_k = make_sampler(temp=self.temperature, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k)
-        return lambda logprobs: with_k(logprobs) if self.top_k < logprobs.shape[-1] else without_k(logprobs)
+        return lambda logprobs: with_k(logprobs) if self.top_k_filters(logprobs.shape[-1]) else without_k(logprobs)
+
+    def top_k_filters(self, vocab_size: int) -> bool:
+        """Whether `top_k` removes anything from a vocabulary of this size (one not below it keeps every token)."""
+        return 0 < self.top_k < vocab_size
 
     def make_logits_processors(self) -> list[Callable]:
         from mlx_lm.sample_utils import make_logits_processors

@@ -31,7 +31,7 @@ def seeded_sampler(sampling: SamplingParams, seed: int) -> Callable[[mx.array], 
             logprobs = apply_top_p(logprobs, sampling.top_p)
         if sampling.min_p > 0.0:
             logprobs = apply_min_p(logprobs, sampling.min_p)
-        if 0 < sampling.top_k < logprobs.shape[-1]:  # a top_k not below the vocabulary keeps every token
+        if sampling.top_k_filters(logprobs.shape[-1]):
             logprobs = apply_top_k(logprobs, sampling.top_k)
         return mx.random.categorical(logprobs * inverse_temperature, key=draw_key)
 

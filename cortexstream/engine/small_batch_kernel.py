@@ -15,6 +15,7 @@ import functools
 import threading
 from typing import Any, Callable
 
+from cortexstream.backend import on_cpu
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.kernels import small_gemm
 
@@ -27,11 +28,7 @@ _active_steps = 0  # engines (any thread) holding the kernel; the limit drops to
 
 def usable() -> bool:
     """True when this process has the interposer preloaded and runs MLX on the CPU."""
-    if small_gemm.interposer() is None:
-        return False
-    import mlx.core as mx
-
-    return mx.default_device() == mx.cpu
+    return small_gemm.interposer() is not None and on_cpu()
 
 
 def resolve_small_batch_rows(value: int | str) -> int:

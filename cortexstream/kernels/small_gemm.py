@@ -94,8 +94,10 @@ def _direct() -> ctypes.CDLL | None:
     return lib
 
 
+@lru_cache(maxsize=1)
 def interposer() -> ctypes.CDLL | None:
-    """The preloaded interposer's controls when this process started with it in LD_PRELOAD, else None."""
+    """The preloaded interposer's controls when this process started with it in LD_PRELOAD, else None (what a
+    process preloaded never changes, so this is looked up once, not at every engine step)."""
     process = ctypes.CDLL(None)
     if not hasattr(process, "cs_small_gemm_interposed"):
         return None
