@@ -23,3 +23,8 @@ class EngineNotRunningError(CortexStreamError, RuntimeError):
 
 class OutOfBlocksError(CortexStreamError, MemoryError):
     """The KV arena has no room for the requested blocks; nothing was allocated."""
+
+
+class GenerationError(CortexStreamError, RuntimeError):
+    """One request failed while generating (its sampler or a logits processor raised, a hook failed); the message
+    gives the reason. Other requests in the same engine are not affected."""

@@ -14,8 +14,9 @@ from cortexstream.engine.engine import Engine
 from cortexstream.engine.sampling import keep_random_state
 
 
-def _run(engine: Engine, tokens: dict[str, list[int]]) -> list[BaseException]:
-    """Step until done (at most 40 steps), collecting tokens per request and the exceptions steps raised."""
+def _run(engine: Engine, tokens: dict[str, list[int]], reasons: dict[str, str] | None = None) -> list[BaseException]:
+    """Step until done (at most 40 steps), collecting tokens per request, finish reasons (with the error, if any)
+    and the exceptions steps raised."""
     errors: list[BaseException] = []
     for _ in range(40):
         if not engine.has_unfinished:
@@ -28,6 +29,8 @@ def _run(engine: Engine, tokens: dict[str, list[int]]) -> list[BaseException]:
         for out in outputs:
             if out.token is not None and out.request_id in tokens:
                 tokens[out.request_id].append(out.token)
+            if out.finished and reasons is not None:
+                reasons[out.request_id] = out.finish_reason + (f": {out.error}" if out.error else "")
     return errors
 
 
@@ -60,8 +63,10 @@ def test_a_sampler_failing_inside_mlx_compile_leaves_sampling_working_for_others
 
     model, tok = tiny
     engine = Engine(model, tok, kv_tokens=512)
-    engine.add_request([1, 2, 3, 4], max_tokens=4, sampler=lambda logprobs: apply_top_k(logprobs, 10**6))
-    assert _run(engine, {})  # that request's own failure
+    bad = engine.add_request([1, 2, 3, 4], max_tokens=4, sampler=lambda logprobs: apply_top_k(logprobs, 10**6))
+    reasons: dict[str, str] = {}
+    assert not _run(engine, {}, reasons)  # no step raises: the request itself ends with an error
+    assert reasons[bad].startswith("error: sampling failed: ValueError")
     mx.eval(mx.random.state)
     # A sampled (not greedy) request afterwards: it draws from the global random state.
     engine = Engine(model, tok, kv_tokens=512)

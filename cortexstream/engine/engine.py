@@ -101,6 +101,7 @@ class Engine:
         self.mixed_prefill = mixed_prefill
         # request id -> (sequence, lazy sampled token [1], lazy logprobs [V]) of the decode step in flight
         self._inflight: dict[str, tuple[Sequence, mx.array, mx.array]] = {}
+        self._failures: list[RequestOutput] = []  # requests ended by a failed sampler during this step
 
     # --- requests ---------------------------------------------------------------------------------------------
     @single_threaded
@@ -203,6 +204,8 @@ class Engine:
             budget = self._adaptive.tokens(mixed=self.mixed_prefill)
             if budget != self.scheduler.config.prefill_tokens_while_decoding:
                 self.scheduler.config = replace(self.scheduler.config, prefill_tokens_while_decoding=budget)
+        outputs.extend(self._failures)
+        self._failures = []
         return outputs
 
     def _may_pipeline(self) -> bool:
@@ -231,9 +234,10 @@ class Engine:
             sampled += [(seq, logits) for (seq, _), logits in zip(group, logits_per_item) if logits is not None]
         if not sampled:
             return []
-        draws = [self._sample(self._states[seq.request_id], logits) for seq, logits in sampled]
-        mx.eval([token for token, _ in draws])
-        return [self._emit(seq, int(token.item()), logprobs) for (seq, _), (token, logprobs) in zip(sampled, draws)]
+        drawn = [(seq, self._sample(self._states[seq.request_id], logits)) for seq, logits in sampled]
+        drawn = [(seq, draw) for seq, draw in drawn if draw is not None]  # a failed sampler ended its request
+        mx.eval([token for _, (token, _) in drawn])
+        return [self._emit(seq, int(token.item()), logprobs) for seq, (token, logprobs) in drawn]
 
     def _computed(self, items: list[tuple[Sequence, int]]) -> None:
         for seq, chunk in items:
@@ -275,8 +279,9 @@ class Engine:
             # Log-probabilities: only what sampling needed. A mixed pass is computed now, not overlapped with the next
             # step: the next step reads its tokens first anyway (a prompt was prefilling), and the adaptive budget
             # needs the pass's real time.
-            (mx.eval if chunks else mx.async_eval)([token for token, _ in draws + first_draws])
-            launched = list(zip(seqs, draws)) + list(zip([seq for seq, _ in firsts], first_draws))
+            (mx.eval if chunks else mx.async_eval)([d[0] for d in draws + first_draws if d is not None])
+            launched = [(seq, draw) for seq, draw in zip(seqs + [seq for seq, _ in firsts], draws + first_draws)
+                        if draw is not None]  # a failed sampler ended its request
             self.num_decode_tokens += len(seqs)
         outputs = early + self._resolve(previous)
         for seq, (token, logprobs) in launched:
@@ -306,25 +311,29 @@ class Engine:
         return outputs
 
     def _sample(self, state: _RequestState, logits: mx.array,
-                pending: mx.array | None = None) -> tuple[mx.array, mx.array]:
-        with keep_random_state():  # a sampler that raises must not leave MLX's random state broken for others
-            return self._sample_unguarded(state, logits, pending)
+                pending: mx.array | None = None) -> tuple[mx.array, mx.array] | None:
+        """The lazy token and log-probabilities for one request, or None when its sampler (or a logits processor)
+        failed: that request then ends with finish_reason "error" (reported by this step) and the others go on."""
+        try:
+            with keep_random_state():  # a sampler that raises must not leave MLX's random state broken for others
+                token, logprobs = state.draw(logits, pending)
+            if token.size != 1 or not mx.issubdtype(token.dtype, mx.integer):
+                raise TypeError(f"the sampler returned a {token.dtype} array of shape {tuple(token.shape)}, "
+                                "expected one integer token id")
+        except Exception as exc:  # noqa: BLE001 - any failure ends this request only, with its reason
+            self._fail(state.seq, f"sampling failed: {type(exc).__name__}: {exc}")
+            return None
+        return token, logprobs
 
-    def _sample_unguarded(self, state: _RequestState, logits: mx.array,
-                          pending: mx.array | None) -> tuple[mx.array, mx.array]:
-        if state.processors:
-            history = mx.array(state.seq.all_ids, dtype=mx.uint32)
-            if pending is not None:  # the token in flight is part of the history
-                history = mx.concatenate([history, pending.astype(mx.uint32).reshape(1)])
-            for processor in state.processors:
-                logits = processor(history, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if state.seq.sampling.greedy and not state.custom_sampler:
-            # The argmax of the logits is that of the log-probabilities, so a greedy token needs no logsumexp (an
-            # exp per vocabulary entry, ~1 ms per sequence per step on CPU); its log-probabilities stay lazy and
-            # are computed only if the caller reads them (they depend on the logits alone, not on the arena).
-            return mx.argmax(logits, axis=-1), logprobs[0]
-        return state.sampler(logprobs), logprobs[0]
+    def _fail(self, seq: Sequence, reason: str) -> None:
+        """End a running request with finish_reason "error"; its output goes out with this step's."""
+        self._inflight.pop(seq.request_id, None)
+        seq.num_inflight = 0
+        self.scheduler.finish(seq, "error", reason)
+        self.runner.drop(seq)
+        self._states.pop(seq.request_id, None)
+        self._failures.append(RequestOutput(seq.request_id, None, "", None, len(seq.prompt_ids),
+                                            len(seq.output_ids), "error", reason))
 
     def _emit(self, seq: Sequence, token_id: int, logprobs: mx.array) -> RequestOutput:
         """Append one read token to its request: text, stop conditions, prefix-cache blocks, finishing."""

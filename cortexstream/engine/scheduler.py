@@ -118,9 +118,9 @@ class Scheduler:
                 return seq
         return None
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Called by the engine when a running sequence hit eos, a stop string or max_tokens."""
-        seq.finish(reason)
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """Called by the engine when a running sequence hit eos, a stop string or max_tokens, or failed."""
+        seq.finish(reason, error)
         if seq in self.running:
             self.running.remove(seq)
         self.blocks.release(seq)

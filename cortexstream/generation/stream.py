@@ -11,7 +11,7 @@ import mlx.nn as nn
 
 from cortexstream.engine.prompt import prompt_to_tokens
 from cortexstream.engine.sampling import SamplingParams, sampling_from_kwargs
-from cortexstream.errors import InvalidArgumentError
+from cortexstream.errors import GenerationError, InvalidArgumentError
 
 
 @dataclass
@@ -103,6 +103,8 @@ def _engine_generate(
                     continue
                 if output.finish_reason == "rejected":
                     raise InvalidArgumentError(f"request rejected: {output.error}")
+                if output.finish_reason == "error":
+                    raise GenerationError(f"generation failed: {output.error}")
                 now = time.perf_counter()
                 if first_token_at is None:
                     first_token_at = now
