@@ -78,7 +78,7 @@ def test_a_sampler_returning_no_token_id_is_an_error_for_that_request(tiny):
     assert finished[good][0] == "length" and len(tokens[good]) == 5
 
 
-def test_a_failing_logits_processor_is_isolated_too(tiny, monkeypatch):
+def test_a_failing_logits_processor_is_isolated_too(tiny):
     model, tok = tiny
     engine = Engine(model, tok, kv_tokens=512)
     bad = engine.add_request(PROMPTS[0], max_tokens=5, repetition_penalty=1.3)

@@ -331,9 +331,7 @@ class Engine:
         seq.num_inflight = 0
         self.scheduler.finish(seq, "error", reason)
         self.runner.drop(seq)
-        self._states.pop(seq.request_id, None)
-        self._failures.append(RequestOutput(seq.request_id, None, "", None, len(seq.prompt_ids),
-                                            len(seq.output_ids), "error", reason))
+        self._failures.append(self._final_output(seq))
 
     def _emit(self, seq: Sequence, token_id: int, logprobs: mx.array) -> RequestOutput:
         """Append one read token to its request: text, stop conditions, prefix-cache blocks, finishing."""

@@ -235,9 +235,7 @@ class Scheduler:
 
     def _fail(self, seq: Sequence, step: ScheduledStep, reason: str) -> None:
         """Finish a running sequence with finish_reason "error" (reported in this step's `finished`)."""
-        self.running.remove(seq)
-        self.blocks.release(seq)
-        seq.finish("error", reason)
+        self.finish(seq, "error", reason)
         step.finished.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
