@@ -18,6 +18,12 @@ OPENBLAS_CANDIDATES = (
 # Set in the child so a failed preload can never turn into an exec loop.
 REEXEC_MARKER = "CORTEXSTREAM_BLAS_REEXEC"
 DISABLE_ENV = "CORTEXSTREAM_NO_OPENBLAS"
+# The small-batch kernel's OpenMP threads sleep as soon as a kernel call ends instead of spinning: on a 2-core
+# machine a spinning OpenMP worker takes a core from OpenBLAS's threads (and they from it) whenever kernel calls
+# and multi-threaded BLAS calls alternate, as in a decode pass that carries prefill chunks (measured: such a pass
+# cost 2.9x a decode step with spinning workers, 1.7x with sleeping ones; bench/results/throughput_itl_single.md).
+# Only a default: a value the user set stays.
+OMP_WAIT_POLICY = ("OMP_WAIT_POLICY", "passive")
 
 
 def find_openblas() -> str | None:
@@ -73,6 +79,8 @@ def maybe_reexec_with_openblas() -> None:
     # The wanted libraries first, in their order, so the interposer precedes the BLAS even if the BLAS was there.
     env["LD_PRELOAD"] = ":".join(wanted + [p for p in preload if p not in wanted])
     env[REEXEC_MARKER] = "1"
+    if wanted and wanted[0] != find_openblas():  # the interposer (first when present) runs OpenMP threads
+        env.setdefault(*OMP_WAIT_POLICY)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, list(sys.orig_argv), env)

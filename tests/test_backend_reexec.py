@@ -1,0 +1,66 @@
+"""`backend.maybe_reexec_with_openblas`: the environment the process is re-executed with (no real exec here)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from cortexstream import backend
+
+KERNEL, BLAS = "/x/small_gemm-omp.so", "/x/openblas/libblas.so.3"
+
+
+class Exec(Exception):
+    pass
+
+
+@pytest.fixture
+def reexec(monkeypatch):
+    """Calls maybe_reexec_with_openblas as a fresh Linux process would and returns the env it would exec with."""
+    captured = {}
+
+    def fake_execve(path, argv, env):
+        captured["env"] = env
+        raise Exec
+
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.delitem(sys.modules, "mlx.core")  # as before MLX is imported; restored after the test
+    monkeypatch.setattr(backend.os, "execve", fake_execve)
+    monkeypatch.delenv(backend.REEXEC_MARKER, raising=False)
+    monkeypatch.delenv(backend.DISABLE_ENV, raising=False)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(backend, "find_openblas", lambda: BLAS)
+
+    def run(libraries):
+        monkeypatch.setattr(backend, "preload_libraries", lambda: libraries)
+        captured.clear()
+        try:
+            backend.maybe_reexec_with_openblas()
+        except Exec:
+            return captured["env"]
+        return None
+    return run
+
+
+def test_the_kernel_brings_sleeping_openmp_workers(reexec):
+    env = reexec([KERNEL, BLAS])
+    assert env["LD_PRELOAD"] == f"{KERNEL}:{BLAS}"
+    assert env["OMP_WAIT_POLICY"] == "passive"
+    assert env[backend.REEXEC_MARKER] == "1"
+
+
+def test_openblas_alone_leaves_openmp_alone(reexec):
+    env = reexec([BLAS])
+    assert env["LD_PRELOAD"] == BLAS
+    assert "OMP_WAIT_POLICY" not in env
+
+
+def test_a_users_wait_policy_is_kept(reexec, monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    assert reexec([KERNEL, BLAS])["OMP_WAIT_POLICY"] == "active"
+
+
+def test_nothing_to_preload_means_no_exec(reexec):
+    assert reexec([]) is None
