@@ -18,12 +18,15 @@ OPENBLAS_CANDIDATES = (
 # Set in the child so a failed preload can never turn into an exec loop.
 REEXEC_MARKER = "CORTEXSTREAM_BLAS_REEXEC"
 DISABLE_ENV = "CORTEXSTREAM_NO_OPENBLAS"
-# The small-batch kernel's OpenMP threads sleep as soon as a kernel call ends instead of spinning: on a 2-core
-# machine a spinning OpenMP worker takes a core from OpenBLAS's threads (and they from it) whenever kernel calls
-# and multi-threaded BLAS calls alternate, as in a decode pass that carries prefill chunks (measured: such a pass
-# cost 2.9x a decode step with spinning workers, 1.7x with sleeping ones; bench/results/throughput_itl_single.md).
-# Only a default: a value the user set stays.
-OMP_WAIT_POLICY = ("OMP_WAIT_POLICY", "passive")
+# How long the small-batch kernel's idle OpenMP worker spins before it sleeps (libgomp's GOMP_SPINCOUNT; its
+# default is 300,000). On a 2-core machine a spinning OpenMP worker takes a core from
+# OpenBLAS's threads (and they from it) whenever kernel calls and multi-threaded BLAS calls alternate, as in a
+# decode pass carrying a prefill chunk; sleeping at once (OMP_WAIT_POLICY=passive) makes every back-to-back kernel
+# call of a decode step pay a wake-up. Measured (8 decode + 4 chunk rows at 1,500 keys, and `generate`):
+# the default spin made that pass 2.9x a decode step, 20,000 spins 1.7-1.9x; passive cost single-stream `generate`
+# 1.31x -> 1.01-1.12x of mlx-lm's speed, 20,000 spins kept it (1.28-1.32x). Only a default: a user's
+# GOMP_SPINCOUNT or OMP_WAIT_POLICY stays.
+OPENMP_SPIN = ("GOMP_SPINCOUNT", "20000")
 
 
 def find_openblas() -> str | None:
@@ -79,8 +82,9 @@ def maybe_reexec_with_openblas() -> None:
     # The wanted libraries first, in their order, so the interposer precedes the BLAS even if the BLAS was there.
     env["LD_PRELOAD"] = ":".join(wanted + [p for p in preload if p not in wanted])
     env[REEXEC_MARKER] = "1"
-    if wanted and wanted[0] != find_openblas():  # the interposer (first when present) runs OpenMP threads
-        env.setdefault(*OMP_WAIT_POLICY)
+    kernel = wanted and wanted[0] != find_openblas()  # the interposer (first when present) runs OpenMP threads
+    if kernel and "OMP_WAIT_POLICY" not in env:
+        env.setdefault(*OPENMP_SPIN)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, list(sys.orig_argv), env)

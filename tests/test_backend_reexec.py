@@ -31,6 +31,7 @@ def reexec(monkeypatch):
     monkeypatch.delenv(backend.DISABLE_ENV, raising=False)
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.setattr(backend, "find_openblas", lambda: BLAS)
 
     def run(libraries):
@@ -44,22 +45,27 @@ def reexec(monkeypatch):
     return run
 
 
-def test_the_kernel_brings_sleeping_openmp_workers(reexec):
+def test_the_kernel_brings_a_short_openmp_spin(reexec):
     env = reexec([KERNEL, BLAS])
     assert env["LD_PRELOAD"] == f"{KERNEL}:{BLAS}"
-    assert env["OMP_WAIT_POLICY"] == "passive"
+    assert env["GOMP_SPINCOUNT"] == backend.OPENMP_SPIN[1]
+    assert "OMP_WAIT_POLICY" not in env
     assert env[backend.REEXEC_MARKER] == "1"
 
 
 def test_openblas_alone_leaves_openmp_alone(reexec):
     env = reexec([BLAS])
     assert env["LD_PRELOAD"] == BLAS
-    assert "OMP_WAIT_POLICY" not in env
+    assert "GOMP_SPINCOUNT" not in env
 
 
-def test_a_users_wait_policy_is_kept(reexec, monkeypatch):
-    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
-    assert reexec([KERNEL, BLAS])["OMP_WAIT_POLICY"] == "active"
+def test_a_users_openmp_settings_are_kept(reexec, monkeypatch):
+    monkeypatch.setenv("GOMP_SPINCOUNT", "7")
+    assert reexec([KERNEL, BLAS])["GOMP_SPINCOUNT"] == "7"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")  # libgomp ignores GOMP_SPINCOUNT then: nothing is added
+    env = reexec([KERNEL, BLAS])
+    assert env["OMP_WAIT_POLICY"] == "active" and "GOMP_SPINCOUNT" not in env
 
 
 def test_nothing_to_preload_means_no_exec(reexec):
