@@ -7,9 +7,11 @@ to start the process with OpenBLAS in LD_PRELOAD. The CLI re-executes itself onc
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 from dataclasses import dataclass
+from functools import lru_cache
 
 OPENBLAS_CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
@@ -129,3 +131,31 @@ def ensure_buffer_cache(min_bytes: int = 1 << 30) -> None:
     current = mx.set_cache_limit(target)  # returns the previous limit
     if current > target:
         mx.set_cache_limit(current)
+
+
+@lru_cache(maxsize=1)
+def _openblas() -> ctypes.CDLL | None:
+    """OpenBLAS's thread controls when it is loaded in this process (preloaded or linked), else None."""
+    process = ctypes.CDLL(None)
+    if not (hasattr(process, "openblas_set_num_threads") and hasattr(process, "openblas_get_num_threads")):
+        return None
+    process.openblas_get_num_threads.restype = ctypes.c_int
+    process.openblas_set_num_threads.argtypes = [ctypes.c_int]
+    return process
+
+
+def openblas_threads() -> int:
+    """How many threads OpenBLAS currently uses per call; 0 when OpenBLAS is not in this process."""
+    lib = _openblas()
+    return int(lib.openblas_get_num_threads()) if lib is not None else 0
+
+
+def set_openblas_threads(threads: int) -> int:
+    """Set OpenBLAS's threads per call (>= 1) and return the previous count; a no-op returning 0 without it."""
+    lib = _openblas()
+    if lib is None:
+        return 0
+    previous = int(lib.openblas_get_num_threads())
+    if threads != previous:
+        lib.openblas_set_num_threads(int(threads))
+    return previous

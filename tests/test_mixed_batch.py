@@ -128,3 +128,40 @@ def test_adaptive_budget_uses_the_mixed_cost_of_a_token():
     budget.observe_mixed(prefill_tokens=25, step_seconds=0.15)  # 50 ms beyond a decode step: 2 ms a token
     assert budget.tokens(mixed=True) == 50 and budget.tokens() == 16
     assert budget.decode_seconds == 0.1  # a mixed pass is not a decode step
+
+
+@pytest.mark.parametrize("q_heads,kv_heads", [(9, 3), (4, 4), (8, 2)])
+def test_chunk_attention_equals_the_fused_causal_call(q_heads, kv_heads):
+    """The folded grouped-query path (small chunks on the CPU) gives the fused SDPA's output to float rounding (BLAS
+    may sum in another order for a different row count), also over a strided view of a larger buffer, as the arena
+    hands it out; above FOLD_MAX_TOKENS it is the fused call."""
+    import mlx.core as mx
+
+    from cortexstream.engine.mixed_batch import FOLD_MAX_TOKENS, chunk_attention
+
+    rng = np.random.default_rng(q_heads * 10 + kv_heads)
+    buffer = mx.array(rng.standard_normal((1, kv_heads, 700, 64)).astype(np.float32))
+    for n in range(1, FOLD_MAX_TOKENS + 2):
+        for length in (n, 37, 300):
+            keys, values = buffer[:, :, 100 : 100 + length], buffer[:, :, 400 : 400 + length]
+            queries = mx.array(rng.standard_normal((1, q_heads, n, 64)).astype(np.float32))
+            fused = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask="causal")
+            folded = chunk_attention(queries, keys, values, 0.125)
+            assert folded.shape == fused.shape
+            if n > FOLD_MAX_TOKENS:
+                assert mx.array_equal(folded, fused).item()
+            np.testing.assert_allclose(np.array(folded), np.array(fused), atol=2e-6, rtol=1e-5, err_msg=f"{n} {length}")
+
+
+def test_floor_size_chunks_match_alone(tiny):
+    """Chunks of at most FOLD_MAX_TOKENS (the folded attention) riding in decode passes: outputs equal alone."""
+    model, tokenizer = tiny
+    first, later = random_prompts(3, seed=35, low=8, high=20), random_prompts(1, seed=36, low=30, high=60)
+    expected = [alone(model, tokenizer, p, 10) for p in first + later]
+    engine = Engine(model, tokenizer, kv_tokens=2048, block_size=4, prefix_caching=False, prefill_step_size=32,
+                    prefill_tokens_while_decoding=3)
+    calls = record_mixed(engine)
+    run = run_with_arrivals(engine, first, later, 10)
+    assert [run["results"][i]["tokens"] for i in run["ids"]] == expected
+    assert calls and all(max(chunks) <= 3 for _, chunks in calls)
+    assert engine.arena.allocator.num_used_blocks == 0

@@ -15,6 +15,7 @@ import sys
 import numpy as np
 import pytest
 
+from cortexstream import backend
 from cortexstream.kernels import small_gemm
 
 needs_kernel = pytest.mark.skipif(small_gemm.library_path() is None, reason="no C compiler or not Linux")
@@ -134,6 +135,42 @@ def test_engine_uses_the_kernel_only_inside_its_steps(tiny):
     before = small_gemm.call_count()
     mx.eval(model(mx.array([[1, 2, 3]])))
     assert small_gemm.call_count() == before
+
+
+@needs_interposer
+@pytest.mark.skipif(backend.openblas_threads() < 2, reason="needs OpenBLAS with two or more threads")
+def test_openblas_runs_one_thread_while_the_kernel_is_held_except_in_prefill_passes(tiny, monkeypatch):
+    from cortexstream.engine.engine import Engine
+
+    model, tok = tiny
+    threads = backend.openblas_threads()
+    engine = Engine(model, tok, kv_tokens=512)
+    seen = {"prefill": set(), "decode": set()}
+    prefill_batch, decode = engine.runner.prefill_batch, engine.runner.decode
+
+    def spy_prefill(group):
+        seen["prefill"].add(backend.openblas_threads())
+        return prefill_batch(group)
+
+    def spy_decode(*args, **kwargs):
+        seen["decode"].add(backend.openblas_threads())
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "prefill_batch", spy_prefill)
+    monkeypatch.setattr(engine.runner, "decode", spy_decode)
+    engine.add_request([1, 2, 3, 4, 5], max_tokens=6)
+    engine.add_request([7, 8, 9], max_tokens=6)
+    while engine.has_unfinished:
+        engine.step()
+    assert seen == {"prefill": {threads}, "decode": {1}}
+    assert backend.openblas_threads() == threads  # given back once no engine holds the kernel
+    engine_off = Engine(model, tok, kv_tokens=512, small_batch_matmul=0)
+    engine_off.add_request([1, 2, 3], max_tokens=3)
+    monkeypatch.setattr(engine_off.runner, "decode", spy_decode)
+    seen["decode"].clear()
+    while engine_off.has_unfinished:
+        engine_off.step()
+    assert seen["decode"] == {threads}  # no kernel, no contention: OpenBLAS keeps its threads
 
 
 def test_engine_refuses_a_bad_small_batch_setting(tiny):

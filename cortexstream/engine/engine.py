@@ -25,7 +25,9 @@ from cortexstream.engine.block_manager import BlockManager
 from cortexstream.engine.bound_cache import BoundCache
 from cortexstream.engine.chunk_budget import AdaptivePrefillBudget
 from cortexstream.engine.runner import ModelRunner
-from cortexstream.engine.small_batch_kernel import KernelHold, resolve_small_batch_rows, with_row_limit
+from cortexstream.engine.small_batch_kernel import (
+    KernelHold, full_blas_threads, resolve_small_batch_rows, with_row_limit,
+)
 from cortexstream.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from cortexstream.engine.sequence import Sequence
 from cortexstream.engine.snapshot import EngineView, take_snapshot
@@ -229,7 +231,8 @@ class Engine:
         """Prefill chunks in passes of their own (batched by length); first tokens of finished prompts are read."""
         sampled: list[tuple[Sequence, mx.array]] = []
         for group in ScheduledStep(prefill=items).prefill_groups() if self.batch_prefill else [[i] for i in items]:
-            logits_per_item = self.runner.prefill_batch(group)
+            with full_blas_threads():  # computed (evaluated) inside: large products, every core
+                logits_per_item = self.runner.prefill_batch(group)
             self._computed(group)
             sampled += [(seq, logits) for (seq, _), logits in zip(group, logits_per_item) if logits is not None]
         if not sampled:

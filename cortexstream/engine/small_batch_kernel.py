@@ -7,15 +7,24 @@ interposer whose row limit is 0 (plain BLAS) unless an engine is inside `Engine.
 so mlx-lm's functions called on the same model between steps keep MLX's own matmul. The limit is one value per
 process, so another thread running the model *while* an engine steps gets the kernel for its few-row matmuls too:
 the same products up to float rounding order.
+
+While the kernel is on, OpenBLAS runs one thread per call, except inside passes that prefill alone
+(`full_blas_threads`), whose large products need every core. On a 2-core machine the kernel's OpenMP worker and
+OpenBLAS's worker (which idles by yielding the CPU in a loop) otherwise take cores from each other whenever a pass
+alternates between them, as a decode pass carrying prefill chunks does. Measured per step (8 streams while a
+2,048-token prompt is admitted, one round each, a diagnostic): with two OpenBLAS threads 150-200 ms of system time
+and about 1,900 context switches in a 300 ms step, and steps at random twice their neighbours' time; with one,
+10 ms and 700, and no such steps. The benchmark: bench/results/throughput_itl_single.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from cortexstream.backend import on_cpu
+from cortexstream.backend import on_cpu, set_openblas_threads
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.kernels import small_gemm
 
@@ -24,6 +33,7 @@ DEFAULT_MAX_ROWS = 12
 
 _lock = threading.Lock()
 _active_steps = 0  # engines (any thread) holding the kernel; the limit drops to 0 when none does
+_blas_threads = 0  # OpenBLAS's own thread count while engines hold the kernel (0: OpenBLAS absent or not held)
 
 
 def usable() -> bool:
@@ -57,26 +67,47 @@ class KernelHold:
         self.held = False
 
     def acquire(self) -> None:
-        global _active_steps
+        global _active_steps, _blas_threads
         if self.rows <= 0 or self.held:
             return
         with _lock:
             _active_steps += 1
             small_gemm.set_row_limit(self.rows)
+            if _active_steps == 1:
+                _blas_threads = set_openblas_threads(1)
         self.held = True
 
     def release(self) -> None:
-        global _active_steps
+        global _active_steps, _blas_threads
         if not self.held:
             return
         with _lock:
             _active_steps -= 1
             if _active_steps == 0:
                 small_gemm.set_row_limit(0)
+                if _blas_threads:
+                    set_openblas_threads(_blas_threads)
+                _blas_threads = 0
         self.held = False
 
     def __del__(self) -> None:
         self.release()
+
+
+@contextlib.contextmanager
+def full_blas_threads() -> Iterator[None]:
+    """OpenBLAS's own thread count for the block (a pass that prefills alone), then one thread again if engines
+    still hold the kernel. Without OpenBLAS or a held kernel: nothing changes."""
+    with _lock:
+        restore = _blas_threads
+        if restore:
+            set_openblas_threads(restore)
+    try:
+        yield
+    finally:
+        with _lock:
+            if restore and _blas_threads:
+                set_openblas_threads(1)
 
 
 def with_row_limit(method: Callable[..., Any]) -> Callable[..., Any]:
