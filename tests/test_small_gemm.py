@@ -139,38 +139,34 @@ def test_engine_uses_the_kernel_only_inside_its_steps(tiny):
 
 @needs_interposer
 @pytest.mark.skipif(backend.openblas_threads() < 2, reason="needs OpenBLAS with two or more threads")
-def test_openblas_runs_one_thread_while_the_kernel_is_held_except_in_prefill_passes(tiny, monkeypatch):
+def test_openblas_runs_one_thread_only_in_passes_the_kernel_covers(tiny, monkeypatch):
+    from cortexstream.engine import small_batch_kernel
     from cortexstream.engine.engine import Engine
 
     model, tok = tiny
     threads = backend.openblas_threads()
-    engine = Engine(model, tok, kv_tokens=512)
-    seen = {"prefill": set(), "decode": set()}
-    prefill_batch, decode = engine.runner.prefill_batch, engine.runner.decode
+    seen: list[tuple[int, int]] = []  # (rows of the pass, OpenBLAS threads while it is built)
+    choose = small_batch_kernel.blas_threads_for_pass
 
-    def spy_prefill(group):
-        seen["prefill"].add(backend.openblas_threads())
-        return prefill_batch(group)
+    def spy(rows):
+        choose(rows)
+        seen.append((rows, backend.openblas_threads()))
 
-    def spy_decode(*args, **kwargs):
-        seen["decode"].add(backend.openblas_threads())
-        return decode(*args, **kwargs)
-
-    monkeypatch.setattr(engine.runner, "prefill_batch", spy_prefill)
-    monkeypatch.setattr(engine.runner, "decode", spy_decode)
-    engine.add_request([1, 2, 3, 4, 5], max_tokens=6)
-    engine.add_request([7, 8, 9], max_tokens=6)
+    monkeypatch.setattr("cortexstream.engine.engine.blas_threads_for_pass", spy)
+    engine = Engine(model, tok, kv_tokens=1024, small_batch_matmul=4, prefill_tokens_while_decoding=2)
+    for prompt in ([1, 2, 3, 4, 5, 6], [7, 8, 9], [5, 6, 7, 8, 9, 10, 11, 12, 13]):
+        engine.add_request(prompt, max_tokens=5)
     while engine.has_unfinished:
         engine.step()
-    assert seen == {"prefill": {threads}, "decode": {1}}
+    assert any(rows <= 4 for rows, _ in seen) and any(rows > 4 for rows, _ in seen)
+    assert all(used == (1 if rows <= 4 else threads) for rows, used in seen), seen
     assert backend.openblas_threads() == threads  # given back once no engine holds the kernel
+    seen.clear()
     engine_off = Engine(model, tok, kv_tokens=512, small_batch_matmul=0)
     engine_off.add_request([1, 2, 3], max_tokens=3)
-    monkeypatch.setattr(engine_off.runner, "decode", spy_decode)
-    seen["decode"].clear()
     while engine_off.has_unfinished:
         engine_off.step()
-    assert seen["decode"] == {threads}  # no kernel, no contention: OpenBLAS keeps its threads
+    assert seen and all(used == threads for _, used in seen)  # no kernel, no contention: OpenBLAS keeps its threads
 
 
 def test_engine_refuses_a_bad_small_batch_setting(tiny):

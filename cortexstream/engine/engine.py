@@ -26,7 +26,7 @@ from cortexstream.engine.bound_cache import BoundCache
 from cortexstream.engine.chunk_budget import AdaptivePrefillBudget
 from cortexstream.engine.runner import ModelRunner
 from cortexstream.engine.small_batch_kernel import (
-    KernelHold, full_blas_threads, resolve_small_batch_rows, with_row_limit,
+    KernelHold, blas_threads_for_pass, resolve_small_batch_rows, with_row_limit,
 )
 from cortexstream.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from cortexstream.engine.sequence import Sequence
@@ -231,8 +231,8 @@ class Engine:
         """Prefill chunks in passes of their own (batched by length); first tokens of finished prompts are read."""
         sampled: list[tuple[Sequence, mx.array]] = []
         for group in ScheduledStep(prefill=items).prefill_groups() if self.batch_prefill else [[i] for i in items]:
-            with full_blas_threads():  # computed (evaluated) inside: large products, every core
-                logits_per_item = self.runner.prefill_batch(group)
+            blas_threads_for_pass(sum(n for _, n in group))
+            logits_per_item = self.runner.prefill_batch(group)
             self._computed(group)
             sampled += [(seq, logits) for (seq, _), logits in zip(group, logits_per_item) if logits is not None]
         if not sampled:
@@ -269,6 +269,7 @@ class Engine:
                     for s, p in zip(seqs, pending)
                 ]).reshape(-1, 1)
             firsts: list[tuple[Sequence, mx.array]] = []
+            blas_threads_for_pass(len(seqs) + sum(n for _, n in chunks))
             if chunks:
                 logits, chunk_logits = self.runner.mixed(seqs, tokens, chunks)
                 self._computed(chunks)

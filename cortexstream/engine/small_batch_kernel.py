@@ -8,23 +8,25 @@ so mlx-lm's functions called on the same model between steps keep MLX's own matm
 process, so another thread running the model *while* an engine steps gets the kernel for its few-row matmuls too:
 the same products up to float rounding order.
 
-While the kernel is on, OpenBLAS runs one thread per call, except inside passes that prefill alone
-(`full_blas_threads`), whose large products need every core. On a 2-core machine the kernel's OpenMP worker and
-OpenBLAS's worker (which idles by yielding the CPU in a loop) otherwise take cores from each other whenever a pass
-alternates between them, as a decode pass carrying prefill chunks does. Measured per step (8 streams while a
-2,048-token prompt is admitted, one round each, a diagnostic): with two OpenBLAS threads 150-200 ms of system time
-and about 1,900 context switches in a 300 ms step, and steps at random twice their neighbours' time; with one,
-10 ms and 700, and no such steps. The benchmark: bench/results/throughput_itl_single.md.
+While an engine holds the kernel, OpenBLAS runs one thread per call in the passes whose rows all fit the kernel
+(`blas_threads_for_pass`): there the only BLAS calls left are attention's small products. Passes with more rows
+(a large batch, a long chunk, a prefill alone) keep OpenBLAS's own count, since their Linear layers go to BLAS. On a
+2-core machine the kernel's OpenMP worker and OpenBLAS's worker (which idles by yielding the CPU in a loop)
+otherwise take cores from each other whenever a pass alternates between them, as a decode pass carrying a small
+prefill chunk does. Measured per step (8 streams while a 2,048-token prompt is admitted, one round each, a
+diagnostic): with two OpenBLAS threads 150-200 ms of system time and about 1,900 context switches in a 300 ms step,
+and steps at random twice their neighbours' time; with one, 10 ms and 700, and no such steps. One thread for every
+pass of a held step was tried first: 32-row decode steps then ran their Linear layers on one core (c=32 x 128
+fell from 1.15x to 0.89x of mlx-lm). The benchmark: bench/results/throughput_itl_single.md.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-from cortexstream.backend import on_cpu, set_openblas_threads
+from cortexstream.backend import on_cpu, openblas_threads, set_openblas_threads
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.kernels import small_gemm
 
@@ -74,7 +76,7 @@ class KernelHold:
             _active_steps += 1
             small_gemm.set_row_limit(self.rows)
             if _active_steps == 1:
-                _blas_threads = set_openblas_threads(1)
+                _blas_threads = openblas_threads()  # each pass then picks its count (blas_threads_for_pass)
         self.held = True
 
     def release(self) -> None:
@@ -94,20 +96,14 @@ class KernelHold:
         self.release()
 
 
-@contextlib.contextmanager
-def full_blas_threads() -> Iterator[None]:
-    """OpenBLAS's own thread count for the block (a pass that prefills alone), then one thread again if engines
-    still hold the kernel. Without OpenBLAS or a held kernel: nothing changes."""
+def blas_threads_for_pass(rows: int) -> None:
+    """Before building a forward pass of `rows` rows (decode rows plus chunk tokens) inside a held step: one
+    OpenBLAS thread if the kernel takes all its Linear products, else OpenBLAS's own count. Without OpenBLAS or a
+    held kernel: nothing. A pass still in flight from the previous step may finish under the new count: OpenBLAS
+    splits a product's rows and columns between threads, never its sums, so only the speed can change."""
     with _lock:
-        restore = _blas_threads
-        if restore:
-            set_openblas_threads(restore)
-    try:
-        yield
-    finally:
-        with _lock:
-            if restore and _blas_threads:
-                set_openblas_threads(1)
+        if _blas_threads:
+            set_openblas_threads(1 if rows <= small_gemm.row_limit() else _blas_threads)
 
 
 def with_row_limit(method: Callable[..., Any]) -> Callable[..., Any]:

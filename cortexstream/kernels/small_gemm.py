@@ -115,6 +115,12 @@ def set_row_limit(rows: int) -> int:
     return previous
 
 
+def row_limit() -> int:
+    """The interposer's current row limit (0 without it)."""
+    lib = interposer()
+    return int(lib.cs_get_small_gemm_rows()) if lib is not None else 0
+
+
 def call_count() -> int:
     """How many sgemm calls the interposer's kernel has taken in this process (0 without it)."""
     lib = interposer()
