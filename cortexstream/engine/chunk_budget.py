@@ -21,7 +21,8 @@ class AdaptivePrefillBudget:
     # chunk time / decode step time: running streams see about 2x their usual latency while a prompt is admitted.
     # Measured (8 streams, a 2,048-token prompt, chunks in the decode pass): 1.5 put the window's p99 near 3x the
     # steady median, 1.0 near 2x (session 6, before the small-batch kernel;
-    # bench/results/throughput_itl_single_before_kernel.md; with the kernel: throughput_itl_single.md).
+    # bench/results/throughput_itl_single_before_kernel.md; with the kernel and per-pass OpenBLAS threads: 2.8x,
+    # throughput_itl.md).
     ratio: float = 1.0
     # Progress for the prompt even when its tokens are dear. A floor of 16 overshot the ratio at long contexts
     # (16 chunk tokens attending to 2,000 keys cost about two decode steps on a 2-core CPU), so it is small.
