@@ -145,7 +145,7 @@ class MixedLayerCache:
 
 
 # Chunk tokens up to which `chunk_attention` folds grouped query heads into matmul rows (the adaptive budget's
-# floor-size chunks at long contexts; bench/results/throughput_itl_single.md).
+# floor-size chunks at long contexts; bench/results/throughput_itl.md).
 FOLD_MAX_TOKENS = 4
 
 

@@ -17,7 +17,7 @@ prefill chunk does. Measured per step (8 streams while a 2,048-token prompt is a
 diagnostic): with two OpenBLAS threads 150-200 ms of system time and about 1,900 context switches in a 300 ms step,
 and steps at random twice their neighbours' time; with one, 10 ms and 700, and no such steps. One thread for every
 pass of a held step was tried first: 32-row decode steps then ran their Linear layers on one core (c=32 x 128
-fell from 1.15x to 0.89x of mlx-lm). The benchmark: bench/results/throughput_itl_single.md.
+fell from 1.15x to 0.89x of mlx-lm). The benchmark: bench/results/throughput_itl.md.
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ class KernelHold:
 def blas_threads_for_pass(rows: int) -> None:
     """Before building a forward pass of `rows` rows (decode rows plus chunk tokens) inside a held step: one
     OpenBLAS thread if the kernel takes all its Linear products, else OpenBLAS's own count. Without OpenBLAS or a
-    held kernel: nothing. A pass still in flight from the previous step may finish under the new count: OpenBLAS
-    splits a product's rows and columns between threads, never its sums, so only the speed can change."""
+    held kernel: nothing. A pass still in flight from the previous step may finish under the new count, which
+    changes its speed (OpenBLAS's threads split a product's rows and columns, not its sums)."""
     with _lock:
         if _blas_threads:
             set_openblas_threads(1 if rows <= small_gemm.row_limit() else _blas_threads)
