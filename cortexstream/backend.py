@@ -155,7 +155,7 @@ def set_openblas_threads(threads: int) -> int:
     lib = _openblas()
     if lib is None:
         return 0
-    previous = int(lib.openblas_get_num_threads())
+    previous = openblas_threads()
     if threads != previous:
         lib.openblas_set_num_threads(int(threads))
     return previous

@@ -110,7 +110,7 @@ def set_row_limit(rows: int) -> int:
     lib = interposer()
     if lib is None:
         return 0
-    previous = int(lib.cs_get_small_gemm_rows())
+    previous = row_limit()
     lib.cs_set_small_gemm_rows(int(rows))
     return previous
 
