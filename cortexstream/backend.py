@@ -66,7 +66,7 @@ def preload_libraries() -> list[str]:
 
 def maybe_reexec_with_openblas() -> None:
     """Replace this process with the same command line plus OpenBLAS and the small-batch matmul interposer in
-    LD_PRELOAD, when that helps and is possible.
+    LD_PRELOAD, when that helps and is possible, and with MLX's CPU JIT compiler wrapped (`mlx_jit.jit_environment`).
 
     Must run before `mlx.core` is imported (the CLI's entry point, the test suite's conftest). Returns normally when
     there is nothing to do: not Linux, already done, opted out (CORTEXSTREAM_NO_OPENBLAS=1 for both, or
@@ -80,6 +80,8 @@ def maybe_reexec_with_openblas() -> None:
     wanted = preload_libraries()
     if all(lib in preload for lib in wanted):
         return
+    from cortexstream.kernels.mlx_jit import jit_environment
+
     env = dict(os.environ)
     # The wanted libraries first, in their order, so the interposer precedes the BLAS even if the BLAS was there.
     env["LD_PRELOAD"] = ":".join(wanted + [p for p in preload if p not in wanted])
@@ -87,6 +89,7 @@ def maybe_reexec_with_openblas() -> None:
     kernel = wanted and wanted[0] != find_openblas()  # the interposer (first when present) runs OpenMP threads
     if kernel and "OMP_WAIT_POLICY" not in env:
         env.setdefault(*OPENMP_SPIN)
+    env.update(jit_environment(env))  # MLX's fused elementwise kernels vectorised (kernels/mlx_jit.py)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, list(sys.orig_argv), env)

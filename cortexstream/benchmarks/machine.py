@@ -32,6 +32,7 @@ def machine() -> dict[str, Any]:
     import numpy as np
 
     from cortexstream.backend import backend_info
+    from cortexstream.kernels.mlx_jit import active as jit_flags_active
     from cortexstream.kernels.small_gemm import interposer
 
     info = backend_info()
@@ -46,6 +47,8 @@ def machine() -> dict[str, Any]:
         "blas": info.blas,
         # The engine's CPU small-batch matmul (engine/small_batch_kernel.py) was preloaded in this process.
         "small_batch_kernel": interposer() is not None,
+        # MLX's CPU JIT kernels built with vectorising flags (kernels/mlx_jit.py); False before session 10.
+        "mlx_jit_flags": jit_flags_active(),
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
         "numpy": np.__version__,

@@ -24,6 +24,13 @@ peak resident memory during the call (Linux `VmHWM`, reset before each call). Be
 cache is emptied, so neither system starts with the other's buffers."""
 
 
+def _jit(m: dict[str, Any]) -> str:
+    """How MLX built its CPU JIT kernels in that run; records before session 10 do not say (MLX's own flags)."""
+    if "mlx_jit_flags" not in m:
+        return ""
+    return ", MLX CPU JIT kernels " + ("vectorised (kernels/mlx_jit.py)" if m["mlx_jit_flags"] else "with MLX's own flags")
+
+
 def _f(value: Any, digits: int = 2, suffix: str = "") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
@@ -48,7 +55,7 @@ def _header(payload: dict[str, Any]) -> list[str]:
         f"{s['max_tokens']} new tokens; {_count(s['rounds'], 'round')} in alternating order after one warm-up call "
         "per system.",
         f"Machine: {m.get('platform')}, {m.get('cpu_count')} cores, {m.get('device')}, BLAS: {m.get('blas')}, "
-        f"mlx {m.get('mlx')}. Run took {_f(payload.get('elapsed_minutes'), 1)} minutes.",
+        f"mlx {m.get('mlx')}{_jit(m)}. Run took {_f(payload.get('elapsed_minutes'), 1)} minutes.",
         "",
     ]
 

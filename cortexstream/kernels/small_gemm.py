@@ -46,7 +46,7 @@ def _flags() -> list[str]:
     return ["-O3", "-fPIC", "-shared", "-std=gnu11", "-Wall", *arch]
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     root = os.environ.get(CACHE_ENV) or os.path.join(tempfile.gettempdir(), f"cortexstream-kernels-{os.getuid()}")
     path = Path(root)
     path.mkdir(parents=True, exist_ok=True)
@@ -75,7 +75,7 @@ def library_path() -> str | None:
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *_flags()]).encode()).hexdigest()[:20]
     with _build_lock:
         for openmp in (True, False):  # without OpenMP: one thread
-            lib_path = _cache_dir() / f"small_gemm-{digest}-{'omp' if openmp else 'st'}.so"
+            lib_path = cache_dir() / f"small_gemm-{digest}-{'omp' if openmp else 'st'}.so"
             if lib_path.exists() or _compile(cc, lib_path, openmp):
                 return str(lib_path)
     return None
