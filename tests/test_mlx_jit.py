@@ -140,3 +140,17 @@ def test_a_users_kernel_cache_is_kept(tmp_path):
     extra = mlx_jit.jit_environment({"PATH": str(tmp_path), CACHE_ENV: "/users/cache"})
     if sys.platform.startswith("linux"):
         assert CACHE_ENV not in extra and "TMPDIR" in extra
+
+
+def test_an_unwritable_temp_dir_falls_back_to_mlxs_flags(tmp_path, monkeypatch, capsys):
+    fake = tmp_path / "g++"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+
+    def read_only(compiler, folder):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(mlx_jit, "write_wrapper", read_only)
+    monkeypatch.setattr(mlx_jit.sys, "platform", "linux")
+    assert mlx_jit.jit_environment({"PATH": str(tmp_path)}) == {}
+    assert "MLX JIT flags not applied" in capsys.readouterr().err

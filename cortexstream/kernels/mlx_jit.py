@@ -87,7 +87,7 @@ def pinned_caches() -> dict[str, str]:
 def jit_environment(env: Mapping[str, str]) -> dict[str, str]:
     """The variables to set for a process whose MLX should build its CPU kernels with `flags()`: PATH with the
     wrapper's folder first, TMPDIR at the wrapper's own temp dir, and `pinned_caches()` unless already set.
-    Empty where it does not apply: not Linux, no g++ on PATH, or opted out."""
+    Empty where it does not apply: not Linux, no g++ on PATH, opted out, or the wrapper cannot be written."""
     if not sys.platform.startswith("linux") or disabled(env):
         return {}
     compiler = shutil.which("g++", path=env.get("PATH"))
@@ -95,7 +95,11 @@ def jit_environment(env: Mapping[str, str]) -> dict[str, str]:
         return {}
     compiler = os.path.realpath(compiler)
     folder = wrapper_dir(compiler)
-    wrapper = write_wrapper(compiler, folder)
+    try:
+        wrapper = write_wrapper(compiler, folder)
+    except OSError as error:  # a read-only or full temp dir: MLX's own flags, never a failed start
+        print(f"cortexstream: MLX JIT flags not applied ({folder}: {error})", file=sys.stderr)
+        return {}
     result = {key: value for key, value in pinned_caches().items() if key not in env}
     result["PATH"] = os.pathsep.join([str(wrapper.parent), env.get("PATH", os.defpath)])
     result["TMPDIR"] = str(folder / "tmp")
