@@ -45,6 +45,7 @@ import mlx.core as mx
 import numpy as np
 
 from cortexstream.kernels.dispatch import METAL, resolve_backend
+from cortexstream.kernels.fast_softmax import softmax
 from cortexstream.kernels.paged_attention import paged_attention
 
 
@@ -210,7 +211,6 @@ def block_matmul_attention(batch: "DecodeBatch", layer: int, queries: mx.array, 
     scores = mx.gather_mm(q, keys, query_index, block_index)  # [B, H, MB, G, bs]
     scores = scores.transpose(0, 1, 3, 2, 4).reshape(size, heads, group, max_blocks * bs)
     scores = mx.where(batch.mask, scores, mx.array(-mx.inf, scores.dtype))  # padding and unused slots
-    probs = mx.softmax(scores, axis=-1, precise=True)
-    probs = probs.reshape(size, heads, group, max_blocks, bs).transpose(0, 1, 3, 2, 4)
+    probs = softmax(scores).reshape(size, heads, group, max_blocks, bs).transpose(0, 1, 3, 2, 4)
     out = mx.gather_mm(probs.reshape(-1, group, bs), values, prob_index, block_index)  # [B, H, MB, G, DV]
     return out.sum(axis=2).reshape(size, q_heads, 1, -1).astype(queries.dtype)

@@ -30,6 +30,7 @@ import numpy as np
 from cortexstream.engine.attention_hook import install_attention_hook
 from cortexstream.engine.batch_attention import GATHER, STRIDED, strided_view
 from cortexstream.engine.batch_cache import BatchLayerCache, DecodeBatch
+from cortexstream.kernels.fast_softmax import softmax
 from cortexstream.kv.arena import as_dtype
 from cortexstream.kv.sequence_kv import SequenceKV
 
@@ -156,8 +157,8 @@ def chunk_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: 
     On the CPU that call has no kernel of its own: with grouped query heads it broadcasts K and V to every query
     head of a group, a copy of each per layer (measured over 2,000 keys: 1.7 ms per layer for one query, 3.5 ms for
     four). Up to FOLD_MAX_TOKENS queries on the CPU, the G query heads of a KV head are instead rows of one matmul
-    (1.0 and 2.8 ms): the same operations (scale, q @ k^T, causal fill with the dtype's minimum, precise softmax,
-    @ v), equal to the fused call's output to float rounding (BLAS may sum in another order for another row
+    (1.0 and 2.8 ms): the same operations (scale, q @ k^T, causal fill with the dtype's minimum, softmax with its
+    exp compiled, kernels/fast_softmax.py, @ v), equal to the fused call's output to float rounding (BLAS may sum in another order for another row
     count), as the `blocks` decode strategy is to the unbatched decode."""
     _, q_heads, n, dim = queries.shape
     heads, length = keys.shape[1], keys.shape[2]
@@ -168,5 +169,5 @@ def chunk_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: 
     scores = (scaled @ keys.swapaxes(-1, -2)).reshape(1, heads, group, n, length)
     visible = mx.arange(length)[None, :] <= mx.arange(length - n, length)[:, None]  # [n, L]
     scores = mx.where(visible, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
-    probs = mx.softmax(scores, axis=-1, precise=True).reshape(1, heads, group * n, length)
+    probs = softmax(scores).reshape(1, heads, group * n, length)
     return (probs @ values).reshape(1, q_heads, n, -1)
