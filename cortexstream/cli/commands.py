@@ -47,7 +47,6 @@ def run_info(args: argparse.Namespace) -> int:
         from cortexstream.kernels.mlx_jit import active as jit_flags_active
 
         print(f"mlx jit: {'vectorised (g++ wrapper, kernels/mlx_jit.py)' if jit_flags_active() else 'MLX default flags'}")
-    if not backend.metal:
         from cortexstream.engine.small_batch_kernel import DEFAULT_MAX_ROWS
         from cortexstream.kernels.small_gemm import interposer, library_path
 

@@ -42,8 +42,9 @@ def disabled(env: Mapping[str, str] | None = None) -> bool:
 
 def flags() -> list[str]:
     """FLAGS plus this machine's own instruction set (the builds are cached on this machine only)."""
-    arch = "-march=native" if platform.machine().lower() in ("x86_64", "amd64") else "-mcpu=native"
-    return [arch, *FLAGS]
+    from cortexstream.kernels.small_gemm import native_arch_flag
+
+    return [native_arch_flag(), *FLAGS]
 
 
 def wrapper_dir(compiler: str, root: str | None = None) -> Path:

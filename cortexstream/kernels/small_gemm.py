@@ -41,9 +41,13 @@ def disabled() -> bool:
     return os.environ.get(DISABLE_ENV, "0") not in ("", "0")
 
 
+def native_arch_flag() -> str:
+    """gcc's flag for this machine's own instruction set (`-march` on x86, `-mcpu` on Arm)."""
+    return "-march=native" if platform.machine().lower() in ("x86_64", "amd64") else "-mcpu=native"
+
+
 def _flags() -> list[str]:
-    arch = ["-march=native"] if platform.machine().lower() in ("x86_64", "amd64") else ["-mcpu=native"]
-    return ["-O3", "-fPIC", "-shared", "-std=gnu11", "-Wall", *arch]
+    return ["-O3", "-fPIC", "-shared", "-std=gnu11", "-Wall", native_arch_flag()]
 
 
 def cache_dir() -> Path:
