@@ -154,3 +154,11 @@ def test_an_unwritable_temp_dir_falls_back_to_mlxs_flags(tmp_path, monkeypatch, 
     monkeypatch.setattr(mlx_jit.sys, "platform", "linux")
     assert mlx_jit.jit_environment({"PATH": str(tmp_path)}) == {}
     assert "MLX JIT flags not applied" in capsys.readouterr().err
+
+
+def test_the_cache_folder_follows_the_compiler_and_the_cpu(monkeypatch, tmp_path):
+    here = mlx_jit.wrapper_dir("/usr/bin/g++", str(tmp_path))
+    assert here == mlx_jit.wrapper_dir("/usr/bin/g++", str(tmp_path))
+    assert here != mlx_jit.wrapper_dir("/opt/gcc/bin/g++", str(tmp_path))
+    monkeypatch.setattr(mlx_jit, "_cpu_identity", lambda: "model name : another CPU\nflags : sse2\n")
+    assert here != mlx_jit.wrapper_dir("/usr/bin/g++", str(tmp_path))

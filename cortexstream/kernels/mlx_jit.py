@@ -47,10 +47,21 @@ def flags() -> list[str]:
     return [native_arch_flag(), *FLAGS]
 
 
+def _cpu_identity() -> str:
+    """The CPU's model and feature flags (Linux): `-march=native` builds must never run on another CPU (a temp dir
+    carried over in an image or shared between machines would otherwise crash MLX with an illegal instruction)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            lines = [line for line in cpuinfo if line.startswith(("model name", "flags", "Features", "CPU part"))]
+    except OSError:
+        return platform.processor()
+    return "".join(sorted(set(lines)))
+
+
 def wrapper_dir(compiler: str, root: str | None = None) -> Path:
     """The folder holding this compiler's wrapper (`bin/g++`) and its JIT temp dir (`tmp`), keyed by compiler,
-    flags and machine, so a change of any of them never loads an old build."""
-    key = " ".join([compiler, *flags(), platform.machine(), str(_WRAPPER_VERSION)]).encode()
+    flags and CPU, so a change of any of them never loads an old build."""
+    key = " ".join([compiler, *flags(), platform.machine(), _cpu_identity(), str(_WRAPPER_VERSION)]).encode()
     digest = hashlib.sha256(key).hexdigest()[:16]
     return Path(root or tempfile.gettempdir()) / f"{_WRAPPER_PREFIX}{os.getuid()}-{digest}"
 
