@@ -158,8 +158,8 @@ def chunk_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: 
     head of a group, a copy of each per layer (measured over 2,000 keys: 1.7 ms per layer for one query, 3.5 ms for
     four). Up to FOLD_MAX_TOKENS queries on the CPU, the G query heads of a KV head are instead rows of one matmul
     (1.0 and 2.8 ms): the same operations (scale, q @ k^T, causal fill with the dtype's minimum, softmax with its
-    exp compiled, kernels/fast_softmax.py, @ v), equal to the fused call's output to float rounding (BLAS may sum in another order for another row
-    count), as the `blocks` decode strategy is to the unbatched decode."""
+    exp compiled, kernels/fast_softmax.py, @ v), equal to the fused call's output to float rounding (BLAS may sum
+    in another order for another row count), as the `blocks` decode strategy is to the unbatched decode."""
     _, q_heads, n, dim = queries.shape
     heads, length = keys.shape[1], keys.shape[2]
     if n > FOLD_MAX_TOKENS or mx.default_device() != mx.cpu or q_heads % heads:
