@@ -163,6 +163,40 @@ class Engine:
         "clear conversation"; returns how many blocks became free (blocks a live sequence holds stay its own)."""
         return self.block_manager.drop_cached(set(owners))
 
+    @single_threaded
+    def abort_all(self) -> list[str]:
+        """Abort every waiting and running request (e.g. after a failed step); returns their ids. Their final
+        outputs come with the next `step()`."""
+        ids = [seq.request_id for seq in self.scheduler.live_sequences()]
+        for request_id in ids:
+            self.abort(request_id)
+        return ids
+
+    def lookup(self, request_id: str) -> Sequence | None:
+        """The live sequence of a waiting or running request (None once it finished or if unknown). Callers read
+        it; only the scheduler writes it."""
+        return self.scheduler.lookup(request_id)
+
+    @single_threaded
+    def set_sampler(self, request_id: str, sampler: Any) -> None:
+        """Give a queued or running request its own sampler, a callable logprobs `[1, V]` -> token `[1]` (e.g. a
+        seeded one, `engine.seeded.seeded_sampler`)."""
+        if not callable(sampler):
+            raise InvalidArgumentError(f"sampler: expected a callable logprobs -> token, got {type(sampler).__name__}")
+        state = self._states.get(request_id)
+        if state is None:
+            raise InvalidArgumentError(f"request_id: '{request_id}' is not waiting or running")
+        state.set_sampler(sampler)
+
+    @single_threaded
+    def fork(self, prompt_tokens: list[int], sampling: SamplingParams, request_ids: "list[str] | tuple[str, ...]",
+             **options: Any) -> Sequence | None:
+        """Queue `len(request_ids)` completions of one prompt computed by one prefill (n > 1): the first id is
+        the parent, the others are forked from its KV before its last prompt token. Options: `kv_policy`,
+        `tenant`, `skip_child(id) -> bool`, `on_child(id, sequence)`. See engine/fork.py."""
+        from cortexstream.engine.fork import add_forking_request
+        return add_forking_request(self, prompt_tokens, sampling, request_ids, **options)
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or bool(self._inflight)

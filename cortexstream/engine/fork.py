@@ -28,10 +28,7 @@ ChildCallback = Callable[[str, Sequence], None]
 
 def find_sequence(engine: Engine, request_id: str) -> Sequence | None:
     """The engine's sequence for `request_id` while it is waiting or running (None otherwise)."""
-    for seq in list(engine.scheduler.waiting) + engine.scheduler.running:
-        if seq.request_id == request_id:
-            return seq
-    return None
+    return engine.lookup(request_id)
 
 
 def child_sampling(parent: SamplingParams, index: int) -> SamplingParams:

@@ -39,6 +39,10 @@ class _RequestState:
         self.processors = seq.sampling.make_logits_processors()
         self.eos_ids = eos_ids
 
+    def set_sampler(self, sampler: Any) -> None:
+        self.sampler = sampler
+        self.custom_sampler = True
+
     def draw(self, logits: mx.array, pending: mx.array | None) -> tuple[mx.array, mx.array]:
         """The lazy next token and log-probabilities from this step's logits (`pending`: the token still in
         flight, part of the history the logits processors see)."""

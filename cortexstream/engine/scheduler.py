@@ -118,6 +118,19 @@ class Scheduler:
                 return seq
         return None
 
+    def live_sequences(self) -> list[Sequence]:
+        """Waiting then running sequences."""
+        return list(self.waiting) + list(self.running)
+
+    def lookup(self, request_id: str) -> Sequence | None:
+        for seq in self.running:
+            if seq.request_id == request_id:
+                return seq
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                return seq
+        return None
+
     def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         """Called by the engine when a running sequence hit eos, a stop string or max_tokens, or failed."""
         seq.finish(reason, error)

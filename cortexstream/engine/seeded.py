@@ -42,6 +42,5 @@ def install_seeded_sampler(engine: Engine, request_id: str, sampling: SamplingPa
     """Give a queued request its own seeded sampler (engine thread only). Greedy or unseeded: nothing to do."""
     if sampling.seed is None or sampling.greedy:
         return
-    state = engine._states.get(request_id)
-    if state is not None:
-        state.sampler = seeded_sampler(sampling, sampling.seed)
+    if engine.lookup(request_id) is not None:
+        engine.set_sampler(request_id, seeded_sampler(sampling, sampling.seed))
