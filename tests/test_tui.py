@@ -73,7 +73,7 @@ async def wait_until(pilot: Pilot, condition: Callable[[], bool], timeout: float
 
 async def wait_ready(pilot: Pilot) -> None:
     app = pilot.app
-    await wait_until(pilot, lambda: app.bridge is not None and app.last_snapshot is not None, what="the engine")
+    await wait_until(pilot, lambda: app.engine_link is not None and app.last_snapshot is not None, what="the engine")
 
 
 async def send(pilot: Pilot, conv_id: int, text: str, typed: bool = False) -> None:
@@ -107,7 +107,7 @@ def live_snapshots(app: RecordingApp, conv_id: int) -> list[Any]:
 def prompt_tokens(app: CortexStreamApp, conv_id: int) -> int:
     """Prompt length of the conversation's last turn, as the engine tokenized it."""
     conv = app.conversations[conv_id]
-    return len(app.bridge.engine.tokenizer.apply_chat_template(conv.messages[:-1], add_generation_prompt=True))
+    return len(app.engine_link.engine.tokenizer.apply_chat_template(conv.messages[:-1], add_generation_prompt=True))
 
 
 def map_styles(app: CortexStreamApp) -> set[str]:
@@ -291,7 +291,7 @@ def test_policy_selection_and_help_and_quit(tiny):
             assert isinstance(app.screen, HelpScreen)
             await pilot.press("q")
             assert not isinstance(app.screen, HelpScreen) and app.is_running
-            thread = app.bridge.client.threaded._thread
+            thread = app.engine_link.client.threaded._thread
             await pilot.press("ctrl+c")
             await pilot.pause()
             assert not thread.is_alive() and not app.is_running

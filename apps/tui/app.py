@@ -1,8 +1,8 @@
 """`cortexstream tui`: several conversations streaming at once, the KV arena's blocks live, and engine stats.
 
 Threading: widgets are only ever touched here, on Textual's thread. The engine runs on its own thread behind
-`EngineBridge`, which posts `ReplyDelta` / `StatsUpdate` / ... messages (see `engine_bridge.py`); the UI calls
-only the bridge's non-blocking commands. The model loads on a background thread after the UI is drawn, so the
+`EngineLink`, which posts `ReplyDelta` / `StatsUpdate` / ... messages (see `engine_link.py`); the UI calls
+only the link's non-blocking commands. The model loads on a background thread after the UI is drawn, so the
 app is usable (prompts queue up) within a second; the default model takes a few seconds more on CPU.
 """
 
@@ -18,7 +18,7 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, Header, Input, Static, TabbedContent, TabPane
 
 from cortexstream.tui.config import TuiConfig
-from cortexstream.tui.engine_bridge import EngineBridge, describe, launch
+from cortexstream.tui.engine_link import EngineLink, describe, launch
 from cortexstream.tui.messages import (
     ConversationCleared,
     EngineError,
@@ -33,6 +33,7 @@ from cortexstream.tui.widgets.chat import ChatPane, Conversation, available_poli
 from cortexstream.tui.widgets.help import HelpScreen
 from cortexstream.tui.widgets.stats import StatsPanel
 from cortexstream.engine.engine import Engine
+from cortexstream.engine.finish_reason import FinishReason
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.policies import parse_policy
 
@@ -58,7 +59,7 @@ class CortexStreamApp(App[int]):
         super().__init__()
         self.config = config or TuiConfig()
         self._preloaded = (model, tokenizer, engine)
-        self.bridge: EngineBridge | None = None
+        self.engine_link: EngineLink | None = None
         self.conversations: dict[int, Conversation] = {}
         self.policies = available_policies()
         self.fatal_error: str | None = None
@@ -139,9 +140,9 @@ class CortexStreamApp(App[int]):
             return
         if conv.conv_id in self._pending:
             self._pending.remove(conv.conv_id)
-            self._finish(conv, "aborted", None)
-        elif self.bridge is not None and conv.request_id is not None:
-            self.bridge.abort(conv.request_id)
+            self._finish(conv, FinishReason.ABORTED, None)
+        elif self.engine_link is not None and conv.request_id is not None:
+            self.engine_link.abort(conv.request_id)
             self.pane(conv.conv_id).set_status("stopping...")
 
     def action_clear_conversation(self) -> None:
@@ -154,8 +155,8 @@ class CortexStreamApp(App[int]):
         if conv.conv_id in self._pending:
             self._pending.remove(conv.conv_id)
         self.pane(conv.conv_id).clear_view()
-        if self.bridge is not None:
-            self.bridge.clear(conv.conv_id, request_id)
+        if self.engine_link is not None:
+            self.engine_link.clear(conv.conv_id, request_id)
         self._refresh_status(conv)
 
     def action_help(self) -> None:
@@ -167,9 +168,9 @@ class CortexStreamApp(App[int]):
         self.exit(0)
 
     def _stop_engine(self) -> None:
-        bridge, self.bridge = self.bridge, None
-        if bridge is not None:
-            bridge.stop()
+        link, self.engine_link = self.engine_link, None
+        if link is not None:
+            link.stop()
 
     def on_unmount(self) -> None:
         self._stop_engine()
@@ -188,28 +189,28 @@ class CortexStreamApp(App[int]):
         pane.add_user(event.text)
         pane.start_reply()
         conv.new_request_id()
-        if self.bridge is None:
+        if self.engine_link is None:
             self._pending.append(conv.conv_id)
         else:
             self._submit(conv)
         self._refresh_status(conv)
 
     def _submit(self, conv: Conversation) -> None:
-        assert self.bridge is not None and conv.request_id is not None
+        assert self.engine_link is not None and conv.request_id is not None
         try:
             policy = parse_policy(conv.policy)
         except Exception as exc:  # noqa: BLE001 - e.g. a default policy this engine does not know
-            self._finish(conv, "rejected", describe(exc))
+            self._finish(conv, FinishReason.REJECTED, describe(exc))
             return
-        self.bridge.submit(conv.conv_id, conv.request_id, conv.prompt(), kv_policy=policy,
+        self.engine_link.submit(conv.conv_id, conv.request_id, conv.prompt(), kv_policy=policy,
                            tenant=self.config.tenant(conv.conv_id), **self.config.sampling())
 
-    def _finish(self, conv: Conversation, reason: str, error: str | None) -> None:
+    def _finish(self, conv: Conversation, reason: FinishReason, error: str | None) -> None:
         """A reply ended: keep it in the history, or drop the unanswered question when it failed or was empty."""
         conv.request_id = None
         pane = self.pane(conv.conv_id)
-        failed = error is not None or reason in ("rejected", "error")
-        if failed or (reason == "aborted" and not conv.reply):
+        failed = error is not None or reason in (FinishReason.REJECTED, FinishReason.ERROR)
+        if failed or (reason == FinishReason.ABORTED and not conv.reply):
             if conv.messages and conv.messages[-1]["role"] == "user":
                 conv.messages.pop()
         else:
@@ -221,15 +222,15 @@ class CortexStreamApp(App[int]):
         else:
             if not conv.reply:
                 pane.show_reply("(empty reply)")
-            notes = {"aborted": "(stopped)", "length": "(max tokens reached)"}
-            if reason == "aborted" and not conv.reply:
-                notes["aborted"] = "(stopped before any reply: the question is dropped from the history)"
+            notes = {FinishReason.ABORTED: "(stopped)", FinishReason.LENGTH: "(max tokens reached)"}
+            if reason == FinishReason.ABORTED and not conv.reply:
+                notes[FinishReason.ABORTED] = "(stopped before any reply: the question is dropped from the history)"
             pane.end_reply(notes.get(reason))
         self._refresh_status(conv)
 
     # --- messages from the engine side --------------------------------------------------------------------------
     def on_engine_ready(self, message: EngineReady) -> None:
-        self.bridge = message.bridge
+        self.engine_link = message.engine_link
         self.sub_title = message.model_label
         self.query_one(StatsPanel).set_model(message.model_label, message.backend_label)
         self.set_statusbar("ready: F1 help, Ctrl+N new conversation, Ctrl+L clear, Esc stop")
@@ -245,7 +246,7 @@ class CortexStreamApp(App[int]):
             self.fatal_error = message.error
             self.sub_title = "no model"
             for conv_id in self._pending:
-                self._finish(self.conversations[conv_id], "error", message.error)
+                self._finish(self.conversations[conv_id], FinishReason.ERROR, message.error)
             self._pending = []
         self.set_statusbar(f"error: {message.error}", error=True)
         self.notify(message.error, title="Engine error", severity="error", timeout=10, markup=False)
@@ -253,7 +254,7 @@ class CortexStreamApp(App[int]):
     def on_request_failed(self, message: RequestFailed) -> None:
         conv = self.conversations.get(message.conv_id)
         if conv is not None and conv.request_id == message.request_id:
-            self._finish(conv, "rejected", message.error)
+            self._finish(conv, FinishReason.REJECTED, message.error)
 
     def on_reply_delta(self, message: ReplyDelta) -> None:
         conv = self.conversations.get(message.conv_id)
@@ -284,15 +285,15 @@ class CortexStreamApp(App[int]):
 
     def _check_engine(self) -> None:
         """ThreadedEngine survives a failed step by aborting everything without outputs: end those replies."""
-        failure = self.bridge.take_failure() if self.bridge is not None else None
+        failure = self.engine_link.take_failure() if self.engine_link is not None else None
         if failure is None:
             return
         self.set_statusbar(f"error: {failure}", error=True)
         for conv in self.conversations.values():
             if conv.busy and conv.conv_id not in self._pending:
-                self._finish(conv, "error", failure)
-        if self.bridge is not None:
-            self.bridge.refresh()
+                self._finish(conv, FinishReason.ERROR, failure)
+        if self.engine_link is not None:
+            self.engine_link.refresh()
 
 
 def main(args: argparse.Namespace) -> int:

@@ -43,7 +43,7 @@ async def _send(pilot: Pilot, app: CortexStreamApp, conv_id: int, text: str, wai
 async def record(svg_path: str, size: tuple[int, int] = (150, 46)) -> None:
     app = CortexStreamApp(TuiConfig(max_tokens=160, repetition_penalty=1.1, share_prefix=True))
     async with app.run_test(size=size) as pilot:
-        await _until(pilot, lambda: app.bridge is not None and app.last_snapshot is not None)
+        await _until(pilot, lambda: app.engine_link is not None and app.last_snapshot is not None)
         await _send(pilot, app, 1, "What is the capital of France?", wait=True)
         await _send(pilot, app, 1, "And what is it famous for?", wait=True)
         for conv_id, text in ((2, "Write a short poem about the sea."),

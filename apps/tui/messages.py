@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 from textual.message import Message
 
+from cortexstream.engine.finish_reason import FinishReason
+
 # Per-block owner codes in `EngineSnapshot.owners` (a value >= 0 is a conversation id).
 FREE = -1
 SHARED = -2  # in the block tables of two or more live sequences (a shared prefix)
@@ -70,7 +72,7 @@ class ReplyDelta(Message):
         request_id: str,
         text: str,
         generated: int,
-        finish_reason: str | None = None,
+        finish_reason: FinishReason | None = None,
         error: str | None = None,
         ttft: float | None = None,
     ) -> None:
@@ -104,11 +106,11 @@ class ConversationCleared(Message):
 
 
 class EngineReady(Message):
-    """The model is loaded and the engine thread runs; `bridge` is the UI's handle on it."""
+    """The model is loaded and the engine thread runs; `engine_link` is the UI's handle on it."""
 
-    def __init__(self, bridge: Any, model_label: str, backend_label: str) -> None:
+    def __init__(self, engine_link: Any, model_label: str, backend_label: str) -> None:
         super().__init__()
-        self.bridge = bridge
+        self.engine_link = engine_link
         self.model_label = model_label
         self.backend_label = backend_label
 

@@ -156,7 +156,7 @@ class ThreadedClient:
 
     def start(self) -> "ThreadedClient":
         """Start the engine thread (once; a client built with start=True already runs)."""
-        if not self.threaded._thread.is_alive():
+        if not self.threaded.running:
             self.threaded.start()
         return self
 

@@ -38,11 +38,21 @@ class RequestStream:
     def abort(self) -> None:
         self._engine.abort(self.request_id)
 
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Engine thread: hand the reader an output, or an error that ends its iteration."""
+        self._queue.put(item)
+
 
 class ThreadedEngine:
-    def __init__(self, engine: Engine, on_step: Callable[[Engine, list[RequestOutput]], None] | None = None) -> None:
+    """`on_step(engine, outputs)` runs on the engine thread after every step (e.g. to post UI stats).
+    `on_failure(exc)` runs there after a step raised `exc`: every request was then aborted and every open stream
+    got the error; callers that read outputs through `on_step` instead of streams learn of the failure here."""
+
+    def __init__(self, engine: Engine, on_step: Callable[[Engine, list[RequestOutput]], None] | None = None,
+                 on_failure: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
-        self.on_step = on_step  # called on the engine thread after every step (e.g. to post UI stats)
+        self.on_step = on_step
+        self.on_failure = on_failure
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._wake = threading.Event()
@@ -160,25 +170,26 @@ class ThreadedEngine:
                 self.error = exc
                 failure = CortexStreamError(f"engine step failed: {type(exc).__name__}: {exc}")
                 for stream in self._streams.values():
-                    stream._queue.put(failure)
+                    stream.put(failure)
                 self._streams.clear()
                 self._reset_after_failure()
+                if self.on_failure is not None:
+                    self.on_failure(exc)
                 continue
             for output in outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is not None:
-                    stream._queue.put(output)
+                    stream.put(output)
                     if output.finished:
                         del self._streams[output.request_id]
             if self.on_step is not None:
                 self.on_step(self.engine, outputs)
         stopped = EngineNotRunningError("ThreadedEngine: the engine was stopped before this request finished")
         for stream in self._streams.values():
-            stream._queue.put(stopped)
+            stream.put(stopped)
         self._streams.clear()
         self._fail_pending_commands()
 
     def _reset_after_failure(self) -> None:
-        for seq in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
-            self.engine.abort(seq.request_id)
+        self.engine.abort_all()
         self.engine.step()  # flush the aborted outputs; nothing is running now

@@ -9,6 +9,7 @@ from typing import Any, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
+from cortexstream.engine.finish_reason import FinishReason
 from cortexstream.engine.prompt import prompt_to_tokens
 from cortexstream.engine.sampling import SamplingParams, sampling_from_kwargs
 from cortexstream.errors import GenerationError, InvalidArgumentError
@@ -101,9 +102,9 @@ def _engine_generate(
             for output in engine.step():
                 if output.request_id != request_id:
                     continue
-                if output.finish_reason == "rejected":
+                if output.finish_reason == FinishReason.REJECTED:
                     raise InvalidArgumentError(f"request rejected: {output.error}")
-                if output.finish_reason == "error":
+                if output.finish_reason == FinishReason.ERROR:
                     raise GenerationError(f"generation failed: {output.error}")
                 now = time.perf_counter()
                 if first_token_at is None:

@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI
 
 from cortexstream.server.auth import AuthMiddleware, KeyRing
-from cortexstream.server.bridge import EngineBridge
+from cortexstream.server.bridge import EventLoopBridge
 from cortexstream.server.config import ServerConfig
 from cortexstream.server.errors import install_error_handlers
 from cortexstream.server.limits import SizeLimitMiddleware
@@ -26,7 +26,7 @@ class ServerState:
     config: ServerConfig
     model_name: str
     tokenizer: Any
-    bridge: EngineBridge
+    bridge: EventLoopBridge
     keys: KeyRing
     metrics: Metrics
     arena_limits: ArenaLimits
@@ -56,7 +56,7 @@ def create_app(model: Any, tokenizer: Any, config: ServerConfig | None = None, e
     engine = engine if engine is not None else build_engine(model, tokenizer, config)
     metrics = Metrics(config.model_name)
     view = engine.snapshot(blocks=False)  # the engine thread has not started: read it here
-    bridge = EngineBridge(engine, handoff=config.handoff, on_events=metrics.on_event)
+    bridge = EventLoopBridge(engine, handoff=config.handoff, on_events=metrics.on_event)
     from cortexstream.policies import parse_policy
 
     state = ServerState(

@@ -23,21 +23,26 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from cortexstream.engine.engine import Engine, RequestOutput
-from cortexstream.engine.fork import add_forking_request
-from cortexstream.engine.sequence import Sequence
 from cortexstream.engine.client import ThreadedClient
+from cortexstream.engine.engine import Engine, RequestOutput
+from cortexstream.engine.finish_reason import FinishReason
+from cortexstream.engine.fork import child_sampling
+from cortexstream.engine.seeded import install_seeded_sampler
+from cortexstream.engine.sequence import Sequence
 from cortexstream.engine.threaded import ThreadedEngine
 from cortexstream.errors import CortexStreamError
 from cortexstream.server.jobs import EngineJob, RequestHandle, TokenEvent, Tracked
 
 # Re-exported: the server's modules take these from here or from `jobs`.
-__all__ = ["EngineBridge", "EngineJob", "RequestHandle", "TokenEvent"]
+__all__ = ["EventLoopBridge", "EngineJob", "RequestHandle", "TokenEvent"]
 
 StepListener = Callable[[Engine], None]
 
 
-class EngineBridge:
+class EventLoopBridge:
+    """Carries jobs from the event loop to the engine thread and each step's token events back (see the module
+    docstring)."""
+
     def __init__(self, engine: Engine, handoff: str = "per_step",
                  on_events: Callable[[RequestHandle, TokenEvent], None] | None = None) -> None:
         self.engine = engine
@@ -45,7 +50,7 @@ class EngineBridge:
         self.on_events = on_events  # event-loop callback per delivered event (metrics)
         # The bridge talks to the engine through the EngineClient protocol (push mode: outputs arrive at
         # _on_step); requests are added by `call` in batches, so per-request streams are never opened.
-        self.client = ThreadedClient(_ServerThreadedEngine(engine, on_step=self._on_step, on_failure=self._on_failure),
+        self.client = ThreadedClient(ThreadedEngine(engine, on_step=self._on_step, on_failure=self._on_failure),
                                      start=False)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.step_listeners: list[StepListener] = []  # engine thread, after each step (stats snapshots)
@@ -79,7 +84,7 @@ class EngineBridge:
     # --- submission (event loop) ------------------------------------------------------------------------------
     async def submit(self, job: EngineJob) -> RequestHandle:
         """Queue a job; returns once the engine holds it. Engine-side argument errors are raised here."""
-        assert self.loop is not None, "EngineBridge.start() was not called"
+        assert self.loop is not None, "EventLoopBridge.start() was not called"
         if not self.engine_alive:
             raise CortexStreamError("the engine thread is not running")
         handle = RequestHandle(job, time.perf_counter())
@@ -163,7 +168,7 @@ class EngineBridge:
     def _post_aborted(self, rids: list[str]) -> None:
         now = time.perf_counter()
         self.loop.call_soon_threadsafe(
-            self._deliver, [(rid, TokenEvent(-1, None, "", "aborted", None, now)) for rid in rids])
+            self._deliver, [(rid, TokenEvent(-1, None, "", FinishReason.ABORTED, None, now)) for rid in rids])
 
     def _add_job(self, engine: Engine, job: EngineJob) -> None:
         def track(rid: str, index: int, seq: Sequence | None) -> None:
@@ -172,8 +177,8 @@ class EngineBridge:
                 self.owner_tenants[seq.owner] = job.tenant
 
         if job.fork:
-            parent = add_forking_request(
-                engine, job.prompt_tokens, job.sampling, job.request_ids, kv_policy=job.kv_policy,
+            parent = engine.fork(
+                job.prompt_tokens, job.sampling, job.request_ids, kv_policy=job.kv_policy,
                 tenant=job.tenant, skip_child=self._skip_child,
                 on_child=lambda rid, seq: self._adopt_child(rid, seq),
             )
@@ -182,15 +187,12 @@ class EngineBridge:
             for index, rid in enumerate(job.request_ids[1:], start=1):
                 self._tracked[rid] = Tracked(index, job.top_logprobs)
             return
-        from cortexstream.engine.fork import child_sampling, find_sequence
-        from cortexstream.engine.seeded import install_seeded_sampler
-
         for index, rid in enumerate(job.request_ids):
             sampling = child_sampling(job.sampling, index)
             engine.add_request(job.prompt_tokens, sampling, kv_policy=job.kv_policy, tenant=job.tenant,
                                request_id=rid)
             install_seeded_sampler(engine, rid, sampling)
-            track(rid, index, find_sequence(engine, rid))
+            track(rid, index, engine.lookup(rid))
 
     def _adopt_child(self, rid: str, seq: Sequence) -> None:
         tracked = self._tracked.get(rid)
@@ -224,7 +226,8 @@ class EngineBridge:
                     self._cancelled.discard(out.request_id)
                 for sibling in tracked.siblings:  # ended before it could fork: its children end with it
                     if self._tracked.pop(sibling, None) is not None:
-                        reason = "error" if out.finish_reason in ("stop", "length") else out.finish_reason
+                        reason = (FinishReason.ERROR if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+                                  else out.finish_reason)
                         events.append((sibling, TokenEvent(-1, None, "", reason, out.error or
                                                            "the shared prompt ended before forking", now)))
         if self._finished_since_prune >= _PRUNE_EVERY:
@@ -294,19 +297,6 @@ class EngineBridge:
 # Finished sequences between two prunings of owner_tenants (a pass over the block owners, about 1 ms per 1000
 # blocks), so the map stays the size of the arena's owners instead of growing with every request served.
 _PRUNE_EVERY = 2048
-
-
-class _ServerThreadedEngine(ThreadedEngine):
-    """ThreadedEngine that also tells the bridge when a failed step made it abort every request (the bridge
-    does not use ThreadedEngine's per-request streams, which is where that failure is otherwise reported)."""
-
-    def __init__(self, engine: Engine, on_step: Callable, on_failure: Callable[[BaseException], None]) -> None:
-        super().__init__(engine, on_step=on_step)
-        self._on_failure = on_failure
-
-    def _reset_after_failure(self) -> None:
-        super()._reset_after_failure()
-        self._on_failure(self.error)
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:

@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from cortexstream.engine.finish_reason import FinishReason
 from cortexstream.engine.sampling import SamplingParams
 from cortexstream.engine.sequence import Sequence
 
@@ -17,7 +18,7 @@ class TokenEvent:
     index: int  # which of the request's n completions
     token: int | None
     text: str
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     error: str | None
     time: float  # perf_counter at the end of the engine step
     logprob: float | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 
+from cortexstream.engine.finish_reason import FinishReason
 from cortexstream.engine.snapshot import EngineView
 from cortexstream.server.jobs import RequestHandle, TokenEvent
 
@@ -50,7 +51,7 @@ class Metrics:
         self.generation_tokens = 0
         self.prompt_tokens = 0
         self.prefix_hit_tokens = 0
-        self.finished: dict[str, int] = {}
+        self.finished: dict[FinishReason, int] = {}
         self.ttft = Histogram("cortexstream:time_to_first_token_seconds",
                               "Time from request arrival to its first token.", TTFT_BUCKETS)
         self.itl = Histogram("cortexstream:inter_token_latency_seconds",

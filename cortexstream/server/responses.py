@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from cortexstream.engine.finish_reason import FinishReason
 from cortexstream.server.jobs import TokenEvent
 from cortexstream.server.errors import APIError
 
@@ -24,11 +25,11 @@ SSE_DONE = sse("[DONE]")
 
 def failure(event: TokenEvent) -> APIError | None:
     """The error an unsuccessful finish maps to (None for 'stop' / 'length')."""
-    if event.finish_reason in (None, "stop", "length"):
+    if event.finish_reason in (None, FinishReason.STOP, FinishReason.LENGTH):
         return None
-    if event.finish_reason == "rejected":
+    if event.finish_reason == FinishReason.REJECTED:
         return APIError(400, f"request rejected: {event.error}", code="context_length_exceeded")
-    if event.finish_reason == "aborted":
+    if event.finish_reason == FinishReason.ABORTED:
         return APIError(503, "request aborted by the server (shutting down)", code="aborted")
     return APIError(500, f"generation failed: {event.error or event.finish_reason}", code="engine_error")
 
@@ -39,7 +40,7 @@ class Choice:
 
     text: str = ""
     tokens: int = 0
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     logprobs: list[dict[str, Any]] = field(default_factory=list)
 
 

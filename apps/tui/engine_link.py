@@ -33,6 +33,7 @@ from cortexstream.tui.messages import (ConversationCleared, EngineError, EngineR
 from cortexstream.tui.snapshot import SnapshotBuilder
 from cortexstream.engine.client import ThreadedClient
 from cortexstream.engine.engine import Engine, RequestOutput
+from cortexstream.engine.finish_reason import FinishReason
 from cortexstream.errors import CortexStreamError
 
 Post = Callable[[Message], Any]
@@ -55,14 +56,18 @@ class _Reply:
         self.ttft: float | None = None
         self.ttft_pending = False
 
-    def delta(self, request_id: str, finish_reason: str | None = None, error: str | None = None) -> ReplyDelta:
+    def delta(self, request_id: str, finish_reason: FinishReason | None = None,
+              error: str | None = None) -> ReplyDelta:
         ttft = self.ttft if self.ttft_pending else None
         message = ReplyDelta(self.conv_id, request_id, self.text, self.generated, finish_reason, error, ttft)
         self.text, self.ttft_pending = "", False
         return message
 
 
-class EngineBridge:
+class EngineLink:
+    """The TUI's link to its engine: UI commands run on the engine thread in order, outputs come back as Messages
+    (see the module docstring)."""
+
     def __init__(self, engine: Engine, post: Post, *, stats_interval: float = 0.1) -> None:
         self.engine = engine
         self._post = post
@@ -73,10 +78,10 @@ class EngineBridge:
         self._reported_error: BaseException | None = None
         self.client = ThreadedClient(engine, on_step=self._on_step, start=False)
         self._jobs: queue.Queue = queue.Queue()
-        self._dispatcher = threading.Thread(target=self._run_jobs, name="cortexstream-tui-bridge", daemon=True)
+        self._dispatcher = threading.Thread(target=self._run_jobs, name="cortexstream-tui-commands", daemon=True)
 
     # --- lifecycle (UI thread) --------------------------------------------------------------------------------
-    def start(self) -> "EngineBridge":
+    def start(self) -> "EngineLink":
         self.client.start()
         self._dispatcher.start()
         self.refresh()
@@ -173,7 +178,7 @@ class EngineBridge:
             if ended or not engine.has_unfinished or now - self._last_stats >= self._interval:
                 self._post_stats(engine)
         except Exception as exc:  # noqa: BLE001 - an exception here would kill the engine thread
-            self._post(EngineError(f"TUI bridge: {describe(exc)}"))
+            self._post(EngineError(f"TUI engine link: {describe(exc)}"))
 
     def _post_stats(self, engine: Engine) -> None:
         self._last_stats = time.perf_counter()
@@ -198,7 +203,7 @@ def backend_label() -> str:
 
 
 def launch(config: Any, post: Post, model: Any = None, tokenizer: Any = None, engine: Engine | None = None) -> None:
-    """Load the model (unless given), build the engine and its bridge on a daemon thread; post EngineReady."""
+    """Load the model (unless given), build the engine and its link on a daemon thread; post EngineReady."""
 
     def work() -> None:
         try:
@@ -211,9 +216,9 @@ def launch(config: Any, post: Post, model: Any = None, tokenizer: Any = None, en
                                             dequantize=False if config.keep_quantized else None)
                 engine = Engine(model, tokenizer, kv_tokens=config.kv_tokens, block_size=config.block_size,
                                 max_num_seqs=config.max_num_seqs)
-            bridge = EngineBridge(engine, post).start()
-            if not post(EngineReady(bridge, model_label(engine.model), backend_label())):
-                bridge.stop()  # the app closed while we were loading
+            link = EngineLink(engine, post).start()
+            if not post(EngineReady(link, model_label(engine.model), backend_label())):
+                link.stop()  # the app closed while we were loading
         except Exception as exc:  # noqa: BLE001 - shown in the UI, which stays up
             post(EngineError(describe(exc), fatal=True))
 
