@@ -47,7 +47,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from cortexstream.models.loader import load
     from cortexstream.server import ServerConfig, create_app
     from cortexstream.server.auth import read_key_file
-    from cortexstream.server.runner import banner, serve_app
+    from cortexstream.server.uvicorn_server import banner, serve_app
 
     api_keys = tuple(args.api_key or ()) or (read_key_file(args.api_keys) if args.api_keys else ())
     config = ServerConfig(
