@@ -1,4 +1,5 @@
-"""`backend.maybe_reexec_with_openblas`: the environment the process is re-executed with (no real exec here)."""
+"""`backend.enable_linux_cpu_tuning` (the CLI's re-exec): the environment the process is re-executed with (no real
+exec here)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 import pytest
 
 from cortexstream import backend
+from cortexstream.backend import tuning
 
 KERNEL, BLAS = "/x/small_gemm-omp.so", "/x/openblas/libblas.so.3"
 
@@ -17,7 +19,7 @@ class Exec(Exception):
 
 @pytest.fixture
 def reexec(monkeypatch):
-    """Calls maybe_reexec_with_openblas as a fresh Linux process would and returns the env it would exec with."""
+    """Calls enable_linux_cpu_tuning as a fresh Linux process would and returns the env it would exec with."""
     captured = {}
 
     def fake_execve(path, argv, env):
@@ -26,19 +28,19 @@ def reexec(monkeypatch):
 
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.delitem(sys.modules, "mlx.core")  # as before MLX is imported; restored after the test
-    monkeypatch.setattr(backend.os, "execve", fake_execve)
+    monkeypatch.setattr(tuning.os, "execve", fake_execve)
     monkeypatch.delenv(backend.REEXEC_MARKER, raising=False)
     monkeypatch.delenv(backend.DISABLE_ENV, raising=False)
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    monkeypatch.setattr(backend, "find_openblas", lambda: BLAS)
+    monkeypatch.setattr(tuning, "find_openblas", lambda: BLAS)
 
     def run(libraries):
-        monkeypatch.setattr(backend, "preload_libraries", lambda: libraries)
+        monkeypatch.setattr(tuning, "preload_libraries", lambda: libraries)
         captured.clear()
         try:
-            backend.maybe_reexec_with_openblas()
+            backend.enable_linux_cpu_tuning()
         except Exec:
             return captured["env"]
         return None

@@ -37,6 +37,9 @@ def test_info_names_backend_and_blas():
     result = run_cli("info")
     assert result.returncode == 0, result.stderr
     assert "device:" in result.stdout and "blas:" in result.stdout and "kernels:" in result.stdout
+    # the backend an Engine would be built with, chosen once (backend/compute.py)
+    backend = [line for line in result.stdout.splitlines() if line.startswith("compute backend: ")]
+    assert len(backend) == 1 and backend[0].split(": ", 1)[1].split(" ")[0] in ("cpu", "metal"), result.stdout
 
 
 def test_missing_model_file(tmp_path):

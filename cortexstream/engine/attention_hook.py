@@ -7,12 +7,10 @@ Why this design. `mx.fast.scaled_dot_product_attention` returns only the attenti
 1. Recompute attention from what the cache sees: the cache gets post-RoPE keys but never the queries, and
    rebuilding the queries needs the layer input and model-specific projections/RoPE: model code in disguise.
 2. Wrap each model's attention module: model-specific attribute names, and it breaks `model.update()`/weights.
-3. Patch the SDPA function once (chosen). `base.scaled_dot_product_attention` already receives `cache=cache`, so
-   `install_attention_hook()` replaces it (in `mlx_lm.models.base` and in every loaded `mlx_lm.models.*` module
-   that imported it) by `dispatch_sdpa`, which looks for `cache.attention_hook` and, when it is absent (every
-   cache except a score-collecting one), calls the original function with the same arguments: outputs are
-   bit-identical and the cost is one `getattr` per layer call. The hook is installed lazily, the first time a
-   policy that needs scores builds its caches, and again whenever new model modules were imported since.
+3. Route the SDPA function (chosen): `backend.sdpa.route_sdpa(model)` replaces it in the model's mlx-lm modules by
+   `dispatch_sdpa`, which hands the call to `cache.attention_hook` when the cache has one and otherwise calls the
+   original with the same arguments (bit-identical outputs). The engine's backend routes its model once, when
+   the engine is built.
 
 A hooked cache computes the attention output with the same original SDPA call (so tokens match the unhooked
 path exactly) and, in addition, `attention_received`: softmax(q k^T * scale + mask) summed over its queries and
@@ -25,69 +23,39 @@ hook; padding is hidden by the batch's boolean mask).
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 
-_original: Callable[..., mx.array] | None = None
-_patched: dict[str, Any] = {}  # module name -> module whose attribute we replaced
+from cortexstream.backend.sdpa import (  # noqa: F401  (re-exported: the names callers import from here)
+    dispatch_sdpa, original_sdpa, route_loaded_modules, route_sdpa, routed_modules, unroute_sdpa,
+)
+
+# Legacy (remove once engine/, policy_runtime and training call `route_sdpa(model)` where they build for a model):
+# the number of modules `install_attention_hook` last saw, so that its per-step callers do not rescan sys.modules.
 _seen_modules = -1
 
 
-def _base_original() -> Callable[..., mx.array]:
-    global _original
-    if _original is None:
-        from mlx_lm.models import base
-
-        _original = base.scaled_dot_product_attention
-    return _original
-
-
-def original_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
-                  mask: Any, sinks: mx.array | None = None) -> mx.array:
-    """mlx-lm's own `scaled_dot_product_attention`, whatever is installed."""
-    return _base_original()(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
-
-
-def dispatch_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
-                  mask: Any, sinks: mx.array | None = None) -> mx.array:
-    """Drop-in for mlx-lm's SDPA: a cache with an `attention_hook` gets the call, every other cache the original."""
-    hook = getattr(cache, "attention_hook", None)
-    if hook is None:
-        return _base_original()(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
-    return hook(queries, keys, values, scale, mask, sinks)
-
-
 def install_attention_hook() -> None:
-    """Route mlx-lm's SDPA through `dispatch_sdpa` in every loaded mlx-lm model module. Idempotent and cheap."""
+    """Legacy: route every loaded mlx-lm model module (`route_loaded_modules`) when modules were imported since
+    the last call. New code calls `backend.route_sdpa(model)` once for the model it builds caches for."""
     global _seen_modules
     if len(sys.modules) == _seen_modules:
         return
-    original = _base_original()
-    for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith("mlx_lm.models"):
-            continue
-        if getattr(module, "scaled_dot_product_attention", None) is original:
-            setattr(module, "scaled_dot_product_attention", dispatch_sdpa)
-            _patched[name] = module
+    route_loaded_modules()
     _seen_modules = len(sys.modules)
 
 
 def uninstall_attention_hook() -> None:
     """Put the original function back everywhere (tests use this to prove the unhooked path is untouched)."""
     global _seen_modules
-    original = _base_original()
-    for module in _patched.values():
-        if getattr(module, "scaled_dot_product_attention", None) is dispatch_sdpa:
-            setattr(module, "scaled_dot_product_attention", original)
-    _patched.clear()
+    unroute_sdpa()
     _seen_modules = -1
 
 
 def hook_installed() -> bool:
-    from mlx_lm.models import base
-
-    return base.scaled_dot_product_attention is dispatch_sdpa
+    """Whether any loaded mlx-lm model module calls `dispatch_sdpa`."""
+    return bool(routed_modules())
 
 
 def additive_mask(mask: Any, start: int, stop: int, num_queries: int, num_keys: int) -> mx.array | None:

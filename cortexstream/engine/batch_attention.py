@@ -8,17 +8,17 @@ straight from the arena and ignores the gather. Anything unexpected at hook time
 mask) attends over the gather instead, and a model whose SDPA is not routed through the hook simply consumes it:
 a strategy can be slower than planned, never wrong.
 
-Strategies (chosen per step by `choose_strategy`; bench/results/arena_attention.md has the measurements):
+Strategies (`backend.attention.AttentionStrategy`; the engine's compute backend picks one per batch, see
+backend/attention.py for the CPU and Metal rules; bench/results/arena_attention.md and strategy_crossover.md have
+the measurements):
 - `paged`: the paged-attention kernel (kernels/paged_attention.py) reads K/V through the block tables, GQA-aware,
-  no copy. Chosen when the kernels run on Metal.
+  no copy. The Metal backend's choice when the kernels run on Metal.
 - `strided`: when every table is contiguous and the sequences start at evenly spaced slots (a contiguous
   arena's equal reservations), the layer buffer [1, H, S, D] *is* a strided [B, H, L, D] array: `mx.as_strided`
   makes that view (batch stride = the spacing) and one SDPA attends over it, masked where a sequence is shorter
-  than the longest. No copy and one op, like mlx-lm's dense batch cache. Chosen on CPU when the layout allows
-  (`strided_layout`) and the longest sequence has at most `STRIDED_MAX_KEYS` or more than `BLOCKS_MAX_KEYS`
-  keys: in between, `blocks` is faster (bench/results/strategy_crossover.md). Not chosen on Metal, where whether
-  MLX's SDPA reads such a view without copying is unmeasured. Requested where the layout does not allow it, the
-  automatic choice runs instead.
+  than the longest. No copy and one op, like mlx-lm's dense batch cache. The CPU backend's choice when the layout
+  allows it (`strided_layout`) and the longest sequence is short or long (in between `blocks` is faster).
+  Requested where the layout does not allow it, the automatic choice runs instead.
 - `per_sequence`: each sequence whose block table is contiguous gets one SDPA over a zero-copy view of its K/V:
   the same operands and operation as the unbatched decode (`ArenaKVCache`), so its output is bit-identical to
   it. The sequences with paged tables go together through `paged_attention` (on CPU its reference: a padded
@@ -27,24 +27,21 @@ Strategies (chosen per step by `choose_strategy`; bench/results/arena_attention.
   (sequence, KV head) are multiplied with the K block of every table entry in place (no copy of K/V, GQA folded:
   a KV head's G query heads are G rows of one matmul), one softmax over the padded, masked scores, then the same
   block-wise product with V, summed over blocks. A fixed number of MLX ops whatever the batch, and paged tables
-  cost the same as contiguous ones. Chosen on CPU for paged tables, and for contiguous ones between the strided
-  crossovers: 20-40 % faster than mlx-lm's KVCache from 1k to 4k keys; below and above, machine-dependent (x0.85
-  to x1.3 at 512 keys, where its B * H * blocks small matmuls can cost more than they save; x0.67 to x1.05 at 8k).
-  Not bit-identical to the unbatched decode (the sum over blocks adds in another order): equal to rounding. CPU
-  `gather_mm` is float32 only: half-precision arenas get `per_sequence` instead.
-- `gather`: the padded [B, H, max_blocks * bs, D] gather + one masked SDPA (no hook): the only path before,
-  kept to compare; also what the runner's own hook (KV policies: scores, logit biases) attends over.
+  cost the same as contiguous ones. The CPU backend's choice for paged tables and for contiguous ones of middle
+  length. Not bit-identical to the unbatched decode (the sum over blocks adds in another order): equal to
+  rounding. CPU `gather_mm` is float32 only: half-precision arenas get `per_sequence` instead.
+- `gather`: the padded [B, H, max_blocks * bs, D] gather + one masked SDPA (no hook): kept to compare; also what
+  the runner's own hook (KV policies: scores, logit biases) attends over.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Protocol, Sequence, cast
 
 import mlx.core as mx
 import numpy as np
 
-from cortexstream.kernels.dispatch import METAL, resolve_backend
+from cortexstream.backend.attention import ENV_VAR, AttentionStrategy, attention_for_device  # noqa: F401 (ENV_VAR)
 from cortexstream.kernels.fast_softmax import softmax
 from cortexstream.kernels.paged_attention import paged_attention
 
@@ -68,42 +65,20 @@ class DecodeBatch(Protocol):
 
     def lengths_array(self) -> mx.array: ...
 
-GATHER, PER_SEQUENCE, BLOCKS, STRIDED, PAGED = "gather", "per_sequence", "blocks", "strided", "paged"
-STRATEGIES = (GATHER, PER_SEQUENCE, BLOCKS, STRIDED, PAGED)
-ENV_VAR = "CORTEXSTREAM_BATCH_ATTENTION"  # auto (unset) or one of STRATEGIES: debugging, benchmarks
-# CPU: `blocks` (block-wise gather_mm) only where it beat mlx-lm on both machines measured, else `strided` (one
-# SDPA over a view, mlx-lm's own speed). Blocks measured 0.6-0.8 x mlx-lm from 1k to 4k keys on both; at 512 keys
-# 1.1-1.3 x on one and 0.85 x on the other; at 8k keys 0.67-0.82 x on one and 1.05 x on the other
-# (bench/results/strategy_crossover.md).
-STRIDED_MAX_KEYS = 1024
-BLOCKS_MAX_KEYS = 4096
+
+GATHER, PER_SEQUENCE, BLOCKS, STRIDED, PAGED = (
+    AttentionStrategy.GATHER, AttentionStrategy.PER_SEQUENCE, AttentionStrategy.BLOCKS, AttentionStrategy.STRIDED,
+    AttentionStrategy.PAGED)
+STRATEGIES = tuple(AttentionStrategy)
 
 
 def choose_strategy(requested: str | None = None, dtype: mx.Dtype = mx.float32, strided: bool = False,
-                    num_keys: int = 0) -> str:
-    """`requested` (or $CORTEXSTREAM_BATCH_ATTENTION) if set and not `auto`; else `paged` when the kernels run on
-    Metal, else `strided` when the batch's layout allows it (`strided`, see `strided_layout`) and the longest
-    sequence has at most `STRIDED_MAX_KEYS` or more than `BLOCKS_MAX_KEYS` keys (`num_keys`), else `blocks`
-    for a float32 arena and `per_sequence` for a half-precision one (MLX's CPU `gather_mm` is float32 only).
-    `paged` on CPU runs the kernel's pure-MLX reference (a gather + SDPA). A requested `strided` that the layout
-    does not allow is the automatic choice. dtype: the arena's."""
-    choice = (requested if requested is not None else os.environ.get(ENV_VAR, "auto")).strip().lower() or "auto"
-    no_gather_mm = dtype != mx.float32 and mx.default_device() == mx.cpu
-    if choice == STRIDED and not strided:
-        choice = "auto"
-    if choice == "auto":
-        if resolve_backend() == METAL:
-            return PAGED
-        if strided and (num_keys <= STRIDED_MAX_KEYS or num_keys > BLOCKS_MAX_KEYS):
-            return STRIDED
-        return PER_SEQUENCE if no_gather_mm else BLOCKS
-    if choice not in STRATEGIES:
-        source = "attention=" if requested is not None else f"{ENV_VAR}="
-        raise ValueError(f"{source}{choice!r}: must be auto or one of {', '.join(STRATEGIES)}")
-    if choice == BLOCKS and no_gather_mm:
-        raise ValueError(f"batch attention 'blocks' needs a float32 arena on CPU (mx.gather_mm), this one is {dtype}: "
-                         "use per_sequence or gather")
-    return choice
+                    num_keys: int = 0) -> AttentionStrategy:
+    """The strategy for a batch built without an engine's backend (tests, benchmarks): `requested` if set and
+    not `auto`, else the rule of the current device (`backend.attention.attention_for_device`, which also reads
+    $CORTEXSTREAM_BATCH_ATTENTION). strided: whether the batch's layout allows the strided view; num_keys: its
+    longest sequence's keys; dtype: the arena's."""
+    return attention_for_device().choose(requested, dtype, strided, num_keys)
 
 
 def evenly_spaced(positions: Sequence[int]) -> slice | None:

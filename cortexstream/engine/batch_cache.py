@@ -9,7 +9,7 @@ sequence, with the mask cut to match (none when all are equally long).
 
 That gather is lazy and, on the default path, never computed: each layer cache carries an `attention_hook` (see
 `batch_attention`) that attends straight from the arena: on CPU over the strided view, else block by block with
-`gather_mm`; through the paged-attention kernel on Metal. The gather (or view) is what attention falls back to
+`gather_mm`; through the paged-attention kernel on Metal (the engine's compute backend chooses). The gather (or view) is what attention falls back to
 when the runner replaces the hook with its own (KV policies that need scores or logit biases), when the model
 passes learned sinks, or when the model's SDPA is not routed through hooks.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import mlx.core as mx
 import numpy as np
@@ -30,6 +30,9 @@ from cortexstream.engine.batch_attention import (
 from cortexstream.kv.arena import KVArena, as_dtype
 from cortexstream.kv.sequence_kv import SequenceKV
 from cortexstream.engine.attention_hook import install_attention_hook, original_sdpa
+
+if TYPE_CHECKING:
+    from cortexstream.backend.compute import ComputeBackend
 
 
 @dataclass(frozen=True)
@@ -45,10 +48,14 @@ class PagedRows:
 class DecodeBatch:
     """Per-step addressing shared by all layers: write slots, padded block table, lengths and offsets.
 
-    attention: None / `auto` (`batch_attention.choose_strategy` decides), or one of `batch_attention.STRATEGIES`.
+    attention: None / `auto` (the backend's rule decides), or one of `batch_attention.STRATEGIES`.
+    backend: the engine's compute backend: its `decode_attention()` rule picks the strategy, and it routed the
+    model's SDPA when it was built. None (tests, benchmarks): the current device's rule
+    (`batch_attention.choose_strategy`), and the SDPA of loaded mlx-lm modules is routed here.
     """
 
-    def __init__(self, arena: KVArena, sequences: list[SequenceKV], attention: str | None = None) -> None:
+    def __init__(self, arena: KVArena, sequences: list[SequenceKV], attention: str | None = None,
+                 backend: "ComputeBackend | None" = None) -> None:
         bs = arena.config.block_size
         self.arena = arena
         self.sequences = sequences
@@ -75,7 +82,11 @@ class DecodeBatch:
         # sequence, else None
         longest = int(self.lengths_after.max())
         self.strided = strided_layout(self.firsts, longest, bs, arena.config.num_slots)
-        self.strategy = choose_strategy(attention, arena.dtype, strided=self.strided is not None, num_keys=longest)
+        if backend is None:
+            self.strategy = choose_strategy(attention, arena.dtype, strided=self.strided is not None, num_keys=longest)
+        else:
+            self.strategy = backend.decode_attention().choose(attention, arena.dtype, self.strided is not None,
+                                                              longest)
         if self.strategy == STRIDED:  # the last window may reach past the blocks in use: back it (the budget allows)
             first, pitch = self.strided
             arena.ensure_blocks(-(-(first + pitch * (len(sequences) - 1) + longest) // bs))
@@ -87,8 +98,8 @@ class DecodeBatch:
         self._table_np = table
         self._lengths_array: mx.array | None = None
         self._block_indices: dict[int, tuple[mx.array, mx.array, mx.array]] = {}
-        if self.strategy != GATHER:
-            install_attention_hook()  # route mlx-lm's SDPA through dispatch_sdpa (idempotent, cheap)
+        if self.strategy != GATHER and backend is None:
+            install_attention_hook()  # legacy: route loaded mlx-lm modules (an engine's backend routed its model)
         # Built here, once for all layers (not inside the first layer's attention).
         if self.strategy == BLOCKS:  # per buffer size: layers differ while the arena grows a layer at a time
             for num_blocks in {k.shape[2] // bs for k in arena.keys}:

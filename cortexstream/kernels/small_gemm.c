@@ -137,15 +137,16 @@ int cs_small_gemm(const float *x, const float *w, float *y, int64_t M, int64_t N
     return 0;
 }
 
-int cs_small_gemm_abi_version(void) { return 2; }
+int cs_small_gemm_abi_version(void) { return 3; }
 
 /* ---- the BLAS interposer --------------------------------------------------------------------------------------
  * Loaded in LD_PRELOAD ahead of the BLAS (backend.py), this library's cblas_sgemm is the one MLX's CPU matmul
  * calls. It takes the calls of an nn.Linear with at most cs_small_gemm_rows rows (row-major x [M, K] times a
  * transposed row-major weight [N, K], as MLX issues them) while that limit is above zero, and hands every other
  * call, unchanged, to the next cblas_sgemm in the search order (OpenBLAS or the reference BLAS).
- * The limit is 0 (off) until the engine sets it around its steps (engine/small_batch_kernel.py). */
+ * The limit is 0 (off) while no engine holds the kernel (cs_small_gemm_acquire / cs_small_gemm_release below). */
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <stdatomic.h>
@@ -165,6 +166,75 @@ void cs_set_small_gemm_rows(int rows) { atomic_store(&cs_small_gemm_rows, rows <
 int cs_get_small_gemm_rows(void) { return atomic_load(&cs_small_gemm_rows); }
 long long cs_small_gemm_call_count(void) { return atomic_load(&cs_small_gemm_calls); }
 int cs_small_gemm_interposed(void) { return 1; }
+
+/* Holds: the process has one row limit, so the engines that use it (any thread, any number) share one count here.
+ * The first acquire also records OpenBLAS's own thread count (when OpenBLAS is in the process), the last release
+ * restores it and sets the limit back to 0; each is one critical section, so a release racing an acquire never
+ * leaves the limit off while held nor on while free. The Python side (kernels/small_gemm.py, backend/cpu.py) keeps
+ * no state of its own. */
+typedef int (*get_threads_fn)(void);
+typedef void (*set_threads_fn)(int);
+static pthread_mutex_t hold_lock = PTHREAD_MUTEX_INITIALIZER;
+static int holders = 0;
+static int saved_blas_threads = 0;  /* OpenBLAS's count when the first hold began; 0 without OpenBLAS */
+
+static get_threads_fn blas_get_threads(void) {
+    return (get_threads_fn)dlsym(RTLD_DEFAULT, "openblas_get_num_threads");
+}
+
+static void blas_set_threads(int threads) {
+    set_threads_fn set = (set_threads_fn)dlsym(RTLD_DEFAULT, "openblas_set_num_threads");
+    get_threads_fn get = blas_get_threads();
+    if (set && get && get() != threads) set(threads);
+}
+
+/* One more holder; the limit becomes `rows` (the latest holder's). Returns the number of holders. */
+int cs_small_gemm_acquire(int rows) {
+    pthread_mutex_lock(&hold_lock);
+    if (holders++ == 0) {
+        get_threads_fn get = blas_get_threads();
+        saved_blas_threads = get ? get() : 0;
+    }
+    atomic_store(&cs_small_gemm_rows, rows < 0 ? 0 : rows);
+    int n = holders;
+    pthread_mutex_unlock(&hold_lock);
+    return n;
+}
+
+/* One holder fewer (none: no-op); the last one turns the kernel off and gives OpenBLAS its thread count back. */
+int cs_small_gemm_release(void) {
+    pthread_mutex_lock(&hold_lock);
+    if (holders > 0 && --holders == 0) {
+        atomic_store(&cs_small_gemm_rows, 0);
+        if (saved_blas_threads > 0) blas_set_threads(saved_blas_threads);
+        saved_blas_threads = 0;
+    }
+    int n = holders;
+    pthread_mutex_unlock(&hold_lock);
+    return n;
+}
+
+/* Before a forward pass of `rows` token rows while held: one OpenBLAS thread when the kernel takes every Linear
+ * product of the pass (the BLAS calls left are attention's small ones, and a second BLAS thread would only fight the
+ * kernel's OpenMP worker for a core), else OpenBLAS's own count. Returns the count set; 0 when not held or without
+ * OpenBLAS (nothing done). */
+int cs_small_gemm_before_pass(int rows) {
+    pthread_mutex_lock(&hold_lock);
+    int threads = 0;
+    if (holders > 0 && saved_blas_threads > 0) {
+        threads = rows <= atomic_load(&cs_small_gemm_rows) ? 1 : saved_blas_threads;
+        blas_set_threads(threads);
+    }
+    pthread_mutex_unlock(&hold_lock);
+    return threads;
+}
+
+int cs_small_gemm_holders(void) {
+    pthread_mutex_lock(&hold_lock);
+    int n = holders;
+    pthread_mutex_unlock(&hold_lock);
+    return n;
+}
 
 void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha, const float *A, int lda,
                  const float *B, int ldb, float beta, float *C, int ldc) {

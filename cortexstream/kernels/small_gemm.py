@@ -3,11 +3,12 @@
 MLX's CPU backend multiplies float32 with `cblas_sgemm`. The library built from small_gemm.c defines its own
 `cblas_sgemm`; preloaded ahead of the BLAS (`backend.maybe_reexec_with_openblas` puts it in LD_PRELOAD), it takes
 the Linear layers' few-row calls while its row limit is above zero and passes every other call on to the real BLAS.
-The limit starts at 0, so a process that preloads it computes exactly as before until the engine turns it on
-around its own steps (engine/small_batch_kernel.py). Working inside MLX's own evaluation keeps the graph lazy: no
-synchronisation per layer (an `mx.eval` round trip costs about 0.1 ms on this CPU backend).
+The limit starts at 0, so a process that preloads it computes exactly as before until an engine's CPU backend
+holds it around its steps (`acquire` / `release`, backend/cpu.py). The count of holders, the limit and OpenBLAS's
+saved thread count live in the C library, the one copy per process, not in Python. Working inside MLX's own
+evaluation keeps the graph lazy: no synchronisation per layer.
 
-The build is cached per source, compiler and flags under $CORTEXSTREAM_KERNEL_CACHE (default: a per-user folder
+The build is cached per source, compiler and flags (so a changed source or ABI is never loaded from an old build) under $CORTEXSTREAM_KERNEL_CACHE (default: a per-user folder
 in the temp dir). No compiler, a failed build, or CORTEXSTREAM_NO_SMALL_GEMM=1: `library_path()` is None and MLX's
 matmul stays the only path. `small_gemm(x, w)` calls the kernel directly (tests, benchmarks); its arguments are
 checked here, before any pointer reaches C.
@@ -33,7 +34,7 @@ SOURCE = Path(__file__).resolve().parent / "small_gemm.c"
 CACHE_ENV = "CORTEXSTREAM_KERNEL_CACHE"
 DISABLE_ENV = "CORTEXSTREAM_NO_SMALL_GEMM"
 MAX_ROWS = 4096  # the C side's own limit on direct calls
-_ABI_VERSION = 2
+_ABI_VERSION = 3  # cs_small_gemm_abi_version() of a build this module can drive
 _build_lock = threading.Lock()
 
 
@@ -47,7 +48,7 @@ def native_arch_flag() -> str:
 
 
 def _flags() -> list[str]:
-    return ["-O3", "-fPIC", "-shared", "-std=gnu11", "-Wall", native_arch_flag()]
+    return ["-O3", "-fPIC", "-shared", "-std=gnu11", "-Wall", "-pthread", native_arch_flag()]
 
 
 def cache_dir() -> Path:
@@ -101,16 +102,47 @@ def _direct() -> ctypes.CDLL | None:
 @lru_cache(maxsize=1)
 def interposer() -> ctypes.CDLL | None:
     """The preloaded interposer's controls when this process started with it in LD_PRELOAD, else None (what a
-    process preloaded never changes, so this is looked up once, not at every engine step)."""
+    process preloaded never changes, so this is looked up once, not at every engine step). A preloaded build of
+    another ABI (an older source) counts as absent: its functions are not the ones called here."""
     process = ctypes.CDLL(None)
-    if not hasattr(process, "cs_small_gemm_interposed"):
+    if not hasattr(process, "cs_small_gemm_interposed") or not hasattr(process, "cs_small_gemm_abi_version"):
+        return None
+    if process.cs_small_gemm_abi_version() != _ABI_VERSION:
         return None
     process.cs_small_gemm_call_count.restype = ctypes.c_longlong
     return process
 
 
+def acquire(rows: int) -> int:
+    """One more holder of the kernel (an engine inside its step); its row limit becomes `rows`. Returns the number
+    of holders in the process; 0 (nothing done) without the interposer."""
+    lib = interposer()
+    return int(lib.cs_small_gemm_acquire(int(rows))) if lib is not None else 0
+
+
+def release() -> int:
+    """One holder fewer; the last one sets the limit back to 0 and restores OpenBLAS's thread count. Returns the
+    holders left; 0 without the interposer."""
+    lib = interposer()
+    return int(lib.cs_small_gemm_release()) if lib is not None else 0
+
+
+def before_pass(rows: int) -> int:
+    """While held: one OpenBLAS thread for a pass of `rows` rows the kernel covers, else OpenBLAS's own count.
+    Returns the count set, 0 when nothing was done (not held, no OpenBLAS, no interposer)."""
+    lib = interposer()
+    return int(lib.cs_small_gemm_before_pass(int(rows))) if lib is not None else 0
+
+
+def holders() -> int:
+    """How many holds are open in this process (0 without the interposer)."""
+    lib = interposer()
+    return int(lib.cs_small_gemm_holders()) if lib is not None else 0
+
+
 def set_row_limit(rows: int) -> int:
-    """Set the interposer's row limit (0: off) and return the previous one; a no-op returning 0 without it."""
+    """Set the interposer's row limit (0: off) and return the previous one; a no-op returning 0 without it.
+    For benchmarks and tests that time the kernel directly; engines go through `acquire` / `release`."""
     lib = interposer()
     if lib is None:
         return 0
