@@ -47,13 +47,18 @@ def run_info(args: argparse.Namespace) -> int:
         from cortexstream.kernels.mlx_jit import active as jit_flags_active
 
         print(f"mlx jit: {'vectorised (g++ wrapper, kernels/mlx_jit.py)' if jit_flags_active() else 'MLX default flags'}")
-        from cortexstream.engine.small_batch_kernel import DEFAULT_MAX_ROWS
+        from cortexstream.backend import DEFAULT_MAX_ROWS
         from cortexstream.kernels.small_gemm import interposer, library_path
 
         state = (f"preloaded: the engine's decode matmuls with up to {DEFAULT_MAX_ROWS} rows use it"
                  if interposer() is not None
                  else "not preloaded" + ("" if library_path() else " (no C compiler, or CORTEXSTREAM_NO_SMALL_GEMM)"))
         print(f"small-batch matmul: {state}")
+    from cortexstream.backend import ComputeBackend
+
+    compute = ComputeBackend.for_engine("auto")  # what an Engine built now would run on
+    print(f"compute backend: {compute.describe()}")
+    compute.close()
     if not backend.metal and "OpenBLAS" not in backend.blas:
         lib = find_openblas()
         hint = f"set LD_PRELOAD={lib}" if lib else "apt-get install libopenblas0-pthread"

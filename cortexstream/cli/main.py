@@ -1,4 +1,4 @@
-"""`cortexstream` console script: argument parsing, the OpenBLAS re-exec and one-line errors."""
+"""`cortexstream` console script: argument parsing, the Linux CPU re-exec (backend/tuning.py) and one-line errors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import traceback
 import warnings
 from typing import Callable
 
-from cortexstream.backend import maybe_reexec_with_openblas
+from cortexstream.backend import enable_linux_cpu_tuning
 from cortexstream.cli.training import add_train_parsers
 
 
@@ -181,8 +181,8 @@ def _command(name: str) -> Callable[[argparse.Namespace], int]:
 
 def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else argv
-    if argv is None:
-        maybe_reexec_with_openblas()
+    if argv is None:  # the command line's own process: the one place besides opt-in scripts that re-executes
+        enable_linux_cpu_tuning()
     args = build_parser().parse_args(args_list)
     warnings.showwarning = _one_line_warning
     try:
