@@ -67,8 +67,8 @@ class BlockAllocator:
         self._n = num_blocks
         self._lock = threading.Lock()
         self._runs = FreeRunIndex(num_blocks)
-        # Plain lists, not NumPy: handles are a few dozen blocks, where list slices and indexing
-        # cost ~0.1 us and every NumPy call ~1 us (measured: NumPy made free() 5x slower).
+        # Plain lists, not NumPy: handles are a few dozen blocks, where a NumPy call's fixed
+        # overhead outweighs list slices and indexing (docs/performance.md has the figures).
         self._refcount: list[int] = [0] * num_blocks
         self._owner: list[int] = [FREE] * num_blocks
         self.on_high_water = on_high_water

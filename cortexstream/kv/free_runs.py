@@ -16,9 +16,9 @@ than tuple comparisons) and makes ties resolve to the lowest start, so best fit 
 maxima (the layout of ``sortedcontainers.SortedList``, which is not a dependency of ours). A flat
 ``bisect``-ed list is O(log F) comparisons but O(F) ``memmove`` per insert/delete; sublists bound
 the memmove to ~LOAD pointers, so each key operation is O(log F) comparisons plus O(LOAD) bytes
-moved. Measured (CPython 3.11, 2 shared cores), one insert+delete pair: flat list 0.6 us at
-F = 1k runs but 11 us at F = 32k (a checkerboard-fragmented 64k pool); ``SortedInts`` 1.8 us at
-both. A cost that stays put under heavy fragmentation beats a slightly cheaper common case.
+moved. A flat list is a little cheaper while few runs are free but grows with F, which a
+fragmented pool makes large; a cost that stays put under heavy fragmentation beats a slightly
+cheaper common case (figures: docs/performance.md, "Figures the code's design rests on").
 
 Rejected alternatives: a buddy allocator rounds every request up to a power of two (wasting KV
 memory) and cannot grow a run in place by an arbitrary ``extra``; a segment tree over the bitmap

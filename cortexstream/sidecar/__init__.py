@@ -34,16 +34,12 @@ bias cannot travel through the model's mask. It can travel through the SDPA hook
 mask, sinks) and calls the original SDPA with `mask + bias`, where bias is [1, Hq, 1, K] (beta of each bead at
 its slot, repeated over the GQA group, 0 elsewhere; a "causal" string mask becomes an additive array first).
 `SidecarNet.beads_with_mass` returns beta for that. A policy that cannot add the bias needs weights trained with
-`log_mass=False`, whose beads must absorb the mass into the key (beta fixed at 0). Measured on held-out SmolLM2
-trajectories (1024 rows, exact Jacobians; loss parts as fractions of evicting the window, 1 = eviction): mean
-pooling without mass 0.97 force / 0.96 consistency, with log N 0.81 / 0.73; after 300 short training steps the
-log_mass network reached 0.76 / 0.65 and the log_mass=False one only 0.92 / 0.87. The mass term is not optional
-for the per-window losses. End to end it is another matter (SmolLM2, perplexity of 2048 held-out-from-training
-wiki tokens, chunks of 16; `weights/README.md`): mean pooling at window 8 scores 27.7 with log 8 and 23.95
-without; the shipped window-8 sidecar 23.92 with its learned beta and 23.59 with beta dropped; keeping only the
-sinks and ~72 raw recent tokens scores 24.1. A likely reason (not yet tested): each bead is a better stand-in for
-its window alone, but the per-window loss does not see the errors of a hundred massive beads adding up in one
-softmax; training on queries against many beads at once would.
+`log_mass=False`, whose beads must absorb the mass into the key (beta fixed at 0); such weights fit the
+per-window losses clearly worse, so the mass term is the default. End to end, in perplexity, a bead that stands
+in well for its window alone is only level with mean pooling without mass, and worse than H2O at the same cache
+size: the per-window loss does not see the errors of many massive beads adding up in one softmax, and training on
+queries against many beads at once is the likely fix (not yet tried). Figures: `weights/README.md` (held-out
+losses of the shipped weights), docs/policies.md and docs/performance.md (perplexity against the other policies).
 """
 
 from cortexstream.sidecar.network import SidecarConfig, SidecarNet

@@ -51,7 +51,7 @@ class SidecarConfig:
     window: int = 16
     num_layers: int = 30
     num_kv_heads: int = 3
-    d_model: int = 64  # measured: beat d_model 128 x 3 layers after 1000 steps on SmolLM2 trajectories
+    d_model: int = 64  # chosen over 128 x 3 layers, which fit worse after the same steps (docs/performance.md)
     encoder_layers: int = 2
     num_heads: int = 4
     mlp_ratio: int = 4
