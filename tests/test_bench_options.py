@@ -17,7 +17,8 @@ from cortexstream.errors import InvalidArgumentError
     (["quality", "--ppl-chunk", "0"], "--ppl-chunk: 0 must be >= 1"),
     (["frontier", "--contexts", "abc"], "--contexts: 'abc' must be integers >= 16"),
     (["frontier", "--chunk", "0"], "--chunk: 0 must be >= 1"),
-    (["single", "--prompt-tokens", "0"], "--prompt-tokens: 0 must be >= 1"),
+    (["quality", "--parts", "perplexity,nope"], "--parts: ['nope'] are not among"),
+    (["frontier", "--needle-trials", "0"], "--needle-trials: 0 must be >= 1"),
 ])
 def test_bad_bench_options_fail_before_loading(tmp_path, capsys, argv, message):
     assert main(["bench", *argv, "--model", str(tmp_path / "never-loaded.gguf"), "--out", str(tmp_path)]) == 1

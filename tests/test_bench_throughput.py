@@ -74,7 +74,7 @@ def test_max_minutes_lists_skipped_cells(tiny, tmp_path):
 
 
 def test_profile_splits_both_calls_into_phases(tiny):
-    from cortexstream.benchmarks.throughput_profile import markdown, profile_cell
+    from bench.throughput_profile import markdown, profile_cell
 
     model, tokenizer = tiny
     cell = profile_cell(model, tokenizer, "ragged", 3, 16, max_tokens=4, rounds=1)
@@ -96,7 +96,7 @@ def test_profile_splits_both_calls_into_phases(tiny):
 
 
 def test_profile_cells_and_name_are_checked():
-    from cortexstream.benchmarks.throughput_profile import _cells
+    from bench.throughput_profile import _cells
     from cortexstream.errors import InvalidArgumentError
 
     assert _cells("ragged:8:128, shared:32:1024") == [("ragged", 8, 128), ("shared", 32, 1024)]

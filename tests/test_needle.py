@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cortexstream.benchmarks.needle import needle_prompt, run_needle
+from cortexstream.evaluation.needle import needle_prompt, run_needle
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.evaluation.perplexity import token_nlls
 from tiny_models import random_token_ids

@@ -7,7 +7,8 @@ import json
 from cortexstream.benchmarks.quality import expected_but_absent
 from cortexstream.benchmarks.passkey import passkey_prompt
 from cortexstream.evaluation.wiki_corpus import strip_wiki
-from cortexstream.benchmarks.quality_report import markdown, write_report
+from cortexstream.benchmarks.common import write_report
+from cortexstream.benchmarks.quality_report import markdown, plot
 
 
 def test_strip_wiki_keeps_prose_and_drops_markup():
@@ -59,6 +60,6 @@ def test_report_lists_what_is_missing_and_writes_files(tmp_path):
     text = markdown(data)
     assert "| 64 | h2o:budget=0.2,sinks=4 | 13 | 11.000 | +10.0% |" in text and "`✓·`" in text
     assert "Not measured" in text
-    write_report(data, str(tmp_path), "quality")
+    write_report(str(tmp_path), "quality", data, markdown(data), plot)
     assert json.load(open(tmp_path / "quality.json"))["perplexity"][1]["ppl"] == 11.0
     assert (tmp_path / "quality.md").exists()

@@ -87,6 +87,10 @@ def run(out_dir: str = "bench/results", work_dir: str = "runs/bench_c2c", *, ste
     started = time.perf_counter()
     common = {"train_windows": train_windows, "eval_windows": eval_windows, "context": context, "bridge": bridge,
               "target": target, "batch_size": batch_size, "no_progress": not progress}
+    if cross:
+        from cortexstream.training.c2c.sharer_asset import qwen_coder_gguf
+
+        qwen_coder_gguf()  # the cross-model sharer must be fetched already: say so before the first part runs
     receiver, tok = cortexstream.load()
     payload: dict[str, Any] = {"machine": machine(), "parts": {}, "latency": {}}
     same = (receiver, tok, receiver, tok, "same model (SmolLM2-135M, donor cache of the full context)")
@@ -166,7 +170,7 @@ def markdown(payload: dict[str, Any]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `python -m cortexstream.benchmarks.c2c` (and of `cortexstream bench c2c` once wired)."""
+    """The options of `cortexstream bench c2c` (and `python -m cortexstream.benchmarks.c2c`)."""
     p.add_argument("--out", default="bench/results")
     p.add_argument("--work-dir", default="runs/bench_c2c", help="training runs (resumable) and example caches")
     p.add_argument("--steps-same", type=int, default=40)
@@ -177,7 +181,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bridge", type=int, default=32)
     p.add_argument("--target", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--no-cross", action="store_true", help="skip the Qwen2.5-Coder-0.5B part (a 491 MB fetch)")
+    p.add_argument("--no-cross", action="store_true",
+                   help="skip the Qwen2.5-Coder-0.5B part (its GGUF is fetched from a checkout: python -m bench.assets)")
     p.add_argument("--relay", type=int, nargs="+", default=[16, 32], help="text-relay message lengths")
     p.add_argument("--trials", type=int, default=2)
     p.add_argument("--no-progress", action="store_true")
@@ -192,9 +197,9 @@ def run_from_args(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cortexstream.benchmarks.c2c", description=__doc__.split("\n")[0])
-    add_arguments(p)
-    return run_from_args(p.parse_args(argv))
+    from cortexstream.benchmarks.runner import run_as_script
+
+    return run_as_script(__doc__, add_arguments, run_from_args, argv, "python -m cortexstream.benchmarks.c2c")
 
 
 if __name__ == "__main__":

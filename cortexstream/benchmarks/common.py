@@ -1,9 +1,12 @@
-"""Shared benchmark helpers: real-text prompts, percentiles, result files (the machine record: `machine.py`)."""
+"""Shared benchmark helpers: real-text prompts, percentiles, the options every benchmark has, and the report
+files (JSON + Markdown + optional PNG). The machine record is `machine.py`, the resumable store `result_store.py`."""
 
 from __future__ import annotations
 
+import argparse
 import os
-from typing import Any
+import sys
+from typing import Any, Callable
 
 from cortexstream.atomic_files import write_json_atomic, write_text_atomic
 
@@ -43,3 +46,33 @@ def write_results(out_dir: str, name: str, payload: dict[str, Any], markdown: st
     write_json_atomic(json_path, payload)
     write_text_atomic(md_path, markdown)
     return json_path, md_path
+
+
+def write_report(out_dir: str, name: str, payload: dict[str, Any], markdown: str,
+                 plot: Callable[[dict[str, Any], str], bool | None] | None = None) -> None:
+    """`<name>.json` and `<name>.md` (atomically), then `plot(payload, "<name>.png")` when given. A plot needs
+    matplotlib (the `bench` extra); without it the JSON and Markdown are still written and the missing PNG is said."""
+    write_results(out_dir, name, payload, markdown)
+    if plot is None:
+        return
+    png = os.path.join(out_dir, f"{name}.png")
+    try:
+        plot(payload, png)
+    except ImportError:
+        print(f"{name}: no PNG plot ({png}): matplotlib is missing; pip install 'cortexstream[bench]'", file=sys.stderr)
+
+
+def add_run_options(parser: argparse.ArgumentParser, quick_help: str, *, resume: bool = True) -> None:
+    """The options of the long, resumable benchmarks: --quick, --max-minutes, --resume, --model and --out."""
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--max-minutes", type=float, default=None,
+                        help="start no new cell after this many minutes (skipped cells are listed as missing)")
+    if resume:
+        parser.add_argument("--resume", action="store_true", help="keep cells already in the JSON, run the rest")
+    parser.add_argument("--model", default=None, help="model to measure (default: smollm2-135m)")
+    parser.add_argument("--out", default="bench/results", help="output folder")
+
+
+def policy_specs(text: str) -> tuple[str, ...]:
+    """A semicolon-separated list of policy strings (`"full;h2o:budget=0.2"`), blanks dropped."""
+    return tuple(p.strip() for p in text.split(";") if p.strip())

@@ -6,20 +6,22 @@ really had: the mean and max physical slots after each chunk's policy step (not 
 Full, StreamingLLM and H2O at budget fractions, and the merging policies (MeanPool, the learned Compressor,
 the Sidecar, TokenMerging) at their windows. `match` adds, for each merging cell, an H2O cell whose budget is
 that cell's measured max size, so the two are compared at the same memory. Passkey retrieval (the
-`bench quality` cell) and the needle-in-a-heap test (`benchmarks.needle`, when present) run on chosen
+`bench quality` cell) and the needle-in-a-heap test (`evaluation.needle`) run on chosen
 policies. Results are written after every cell (JSON + Markdown + PNG); `resume` keeps measured cells.
 A policy that cannot be built (e.g. no shipped weights for this model) is listed as missing with its reason.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 from typing import Any, Callable
 
 import numpy as np
 
-from cortexstream.benchmarks.frontier_report import write_frontier_report
+from cortexstream.benchmarks.common import add_run_options, policy_specs, write_report
+from cortexstream.benchmarks.frontier_report import markdown, plot
 from cortexstream.benchmarks.result_store import ResultStore
 from cortexstream.errors import CortexStreamError
 from cortexstream.evaluation.perplexity import token_nlls
@@ -146,14 +148,56 @@ def run(model_source: str | None = None, out_dir: str = "bench/results", *, cont
         doc.add("passkey", cell)
         log(f"passkey {spec}: {cell['correct']}/{cell['trials']}")
     if needle_policies and due("needle"):
-        try:
-            from cortexstream.benchmarks.needle import run_needle
-        except ImportError as exc:
-            doc.data["missing"].append(f"needle: {exc}")
-        else:
-            todo = [s for s in needle_policies if not doc.has("needle", policy=s) and _buildable(s, model, doc, log)]
-            for row in run_needle(model, tokenizer, todo, contexts=(needle_context,), trials=needle_trials, log=log):
-                doc.add("needle", row)
+        from cortexstream.evaluation.needle import run_needle
+
+        todo = [s for s in needle_policies if not doc.has("needle", policy=s) and _buildable(s, model, doc, log)]
+        for row in run_needle(model, tokenizer, todo, contexts=(needle_context,), trials=needle_trials, log=log):
+            doc.add("needle", row)
     doc.data["runs"].append({"seconds": round(time.perf_counter() - started, 1), "contexts": list(contexts)})
-    write_frontier_report(doc.data, out_dir, name)
+    write_report(out_dir, name, doc.data, markdown(doc.data), plot)
     return doc.data
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `cortexstream bench frontier` (and `python -m cortexstream.benchmarks.frontier`)."""
+    parser.add_argument("--contexts", default="2048", help="comma-separated contexts (tokens)")
+    parser.add_argument("--policies", default=";".join(DEFAULT_POLICIES), help="semicolon-separated policy strings")
+    parser.add_argument("--chunk", type=int, default=16, help="tokens scored between policy steps")
+    parser.add_argument("--no-match", action="store_true",
+                        help="skip the H2O cells sized like each merging policy's measured cache")
+    parser.add_argument("--passkey-policies", default=";".join(DEFAULT_PASSKEY))
+    parser.add_argument("--passkey-context", type=int, default=2048)
+    parser.add_argument("--passkey-trials", type=int, default=20)
+    parser.add_argument("--needle-policies", default="", help="semicolon-separated policies for the needle test")
+    parser.add_argument("--needle-context", type=int, default=1024)
+    parser.add_argument("--needle-trials", type=int, default=5)
+    add_run_options(parser, "smoke run: 256-token context, 3 passkey trials (frontier_quick.*)")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Every option checked before anything loads (each error names its option), then `run`."""
+    from cortexstream.cli.number_lists import at_least, int_list
+
+    contexts = int_list(args.contexts, "--contexts", 16)
+    for option in ("chunk", "passkey_context", "passkey_trials", "needle_context", "needle_trials"):
+        at_least(getattr(args, option), "--" + option.replace("_", "-"), 1)
+    name = "frontier_quick" if args.quick else "frontier"
+    run(args.model, args.out, contexts=(256,) if args.quick else contexts, policies=policy_specs(args.policies),
+        chunk=args.chunk, match=not args.no_match, passkey_policies=policy_specs(args.passkey_policies),
+        passkey_context=256 if args.quick else args.passkey_context,
+        passkey_trials=3 if args.quick else args.passkey_trials, needle_policies=policy_specs(args.needle_policies),
+        needle_context=args.needle_context, needle_trials=args.needle_trials, resume=args.resume,
+        max_minutes=args.max_minutes, name=name)
+    with open(os.path.join(args.out, f"{name}.md"), encoding="utf-8") as f:
+        print(f.read())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from cortexstream.benchmarks.runner import run_as_script
+
+    return run_as_script(__doc__, add_arguments, run_from_args, argv, "python -m cortexstream.benchmarks.frontier")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from cortexstream.benchmarks.common import write_results
 
 FAMILY_STYLE = {"streaming": "s--", "h2o": "o-", "meanpool": "^-", "compressor": "D-", "sidecar": "*-",
                 "tome": "v-"}
@@ -81,13 +79,11 @@ def _fmt(value: Any) -> str:
 
 
 def plot(data: dict[str, Any], path: str) -> bool:
-    try:
-        import matplotlib
+    import matplotlib  # ImportError without the `bench` extra: common.write_report says so
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     contexts = sorted({r["context"] for r in data["perplexity"]})
     if not contexts:
         return False
@@ -115,8 +111,3 @@ def plot(data: dict[str, Any], path: str) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
-
-
-def write_frontier_report(data: dict[str, Any], out_dir: str, name: str) -> None:
-    write_results(out_dir, name, data, markdown(data))
-    plot(data, os.path.join(out_dir, f"{name}.png"))

@@ -17,6 +17,7 @@ Results (and each cell's wall time) are written after every cell, so an interrup
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import time
@@ -27,7 +28,8 @@ import numpy as np
 
 from cortexstream.benchmarks.passkey import passkey_prompt
 from cortexstream.benchmarks.result_store import ResultStore
-from cortexstream.benchmarks.quality_report import write_report
+from cortexstream.benchmarks.common import add_run_options, policy_specs, write_report
+from cortexstream.benchmarks.quality_report import markdown, plot
 from cortexstream.evaluation.perplexity import token_nlls
 from cortexstream.evaluation.wiki_corpus import wiki_text
 from cortexstream.kv.prompt_cache import make_prompt_cache
@@ -46,6 +48,7 @@ def policies_for(budgets: list[float]) -> list[tuple[str, KVPolicy | None]]:
 
 
 QUALITY_PARTS = ("perplexity", "passkey", "streaming", "chunkcheck", "restart", "runs")
+QUALITY_RUN_PARTS = ("perplexity", "streaming", "restart", "chunkcheck", "passkey")  # what `parts` may name
 
 
 def _feed(model: Any, cache: list[Any], ids: list[int], chunk: int, context: int, logits: bool = False) -> Any:
@@ -158,7 +161,7 @@ def run(model_source: str | None = None, out_dir: str = "bench/results", *, quic
         passkey_policies: tuple[str, ...] = ("full", "streaming:budget=0.2", "h2o:budget=0.2"),
         passkey_trials: int = 20, passkey_chunk: int = 64, stream_tokens: int = 16384, stream_cache: int = 1024,
         stream_chunk: int = 32, stream_reference: int = 4096,
-        parts: tuple[str, ...] = ("perplexity", "streaming", "restart", "chunkcheck", "passkey"),
+        parts: tuple[str, ...] = QUALITY_RUN_PARTS,
         resume: bool = False, max_minutes: float | None = None, seed: int = 0,
         log: Callable[[str], None] = print) -> dict[str, Any]:
     from cortexstream.models.loader import load
@@ -240,5 +243,59 @@ def run(model_source: str | None = None, out_dir: str = "bench/results", *, quic
     results.data["missing"] = expected_but_absent(results.data, list(budgets), ppl_chunk)
     results.data.setdefault("runs", []).append({"parts": list(parts), "max_minutes": max_minutes,
                                                 "seconds": round(time.perf_counter() - started, 1)})
-    write_report(results.data, out_dir, name)
+    write_report(out_dir, name, results.data, markdown(results.data), plot)
     return results.data
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `cortexstream bench quality` (and `python -m cortexstream.benchmarks.quality`)."""
+    parser.add_argument("--parts", default=",".join(QUALITY_RUN_PARTS), help="comma-separated parts to run")
+    parser.add_argument("--contexts", default="2048,4096", help="perplexity contexts (tokens)")
+    parser.add_argument("--budgets", default="0.1,0.2,0.5", help="budget fractions of the context")
+    parser.add_argument("--ppl-chunk", type=int, default=16, help="tokens scored between evictions")
+    parser.add_argument("--passkey-contexts", default="2048,4096")
+    parser.add_argument("--passkey-policies", default="full;streaming:budget=0.2;h2o:budget=0.2",
+                        help="semicolon-separated policy strings")
+    parser.add_argument("--passkey-trials", type=int, default=20)
+    parser.add_argument("--passkey-chunk", type=int, default=64)
+    parser.add_argument("--stream-tokens", type=int, default=16384)
+    parser.add_argument("--stream-cache", type=int, default=1024)
+    add_run_options(parser, "smoke run with tiny sizes (quality_quick.*)")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Every option checked before anything loads (each error names its option), then `run`."""
+    from cortexstream.cli.number_lists import at_least, fraction_list, int_list
+
+    contexts = int_list(args.contexts, "--contexts", 16)
+    passkey_contexts = int_list(args.passkey_contexts, "--passkey-contexts", 16)
+    budgets = fraction_list(args.budgets, "--budgets")
+    for option in ("ppl_chunk", "passkey_trials", "passkey_chunk", "stream_tokens", "stream_cache"):
+        at_least(getattr(args, option), "--" + option.replace("_", "-"), 1)
+    specs = policy_specs(args.passkey_policies)
+    for spec in specs:
+        parse_policy(spec)  # fail before loading anything
+    parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
+    unknown = sorted(set(parts) - set(QUALITY_RUN_PARTS))
+    if unknown:
+        from cortexstream.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"--parts: {unknown} are not among {list(QUALITY_RUN_PARTS)}")
+    run(args.model, args.out, quick=args.quick, contexts=contexts, budgets=budgets, ppl_chunk=args.ppl_chunk,
+        passkey_contexts=passkey_contexts, passkey_policies=specs, passkey_trials=args.passkey_trials,
+        passkey_chunk=args.passkey_chunk, stream_tokens=args.stream_tokens, stream_cache=args.stream_cache,
+        parts=parts, resume=args.resume, max_minutes=args.max_minutes)
+    name = "quality_quick" if args.quick else "quality"
+    with open(os.path.join(args.out, f"{name}.md"), encoding="utf-8") as f:
+        print(f.read())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from cortexstream.benchmarks.runner import run_as_script
+
+    return run_as_script(__doc__, add_arguments, run_from_args, argv, "python -m cortexstream.benchmarks.quality")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

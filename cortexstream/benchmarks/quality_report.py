@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
-
-from cortexstream.benchmarks.common import write_results
 
 
 def _ppl_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -92,14 +89,12 @@ def markdown(data: dict[str, Any]) -> str:
 
 
 def plot(data: dict[str, Any], path: str) -> bool:
-    """Perplexity vs budget, passkey accuracy, streaming segments. False if matplotlib is missing."""
-    try:
-        import matplotlib
+    """Perplexity vs budget, passkey accuracy, streaming segments."""
+    import matplotlib  # ImportError without the `bench` extra: common.write_report says so
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     ax = axes[0]
     for context in sorted({r["context"] for r in data["perplexity"]}):
@@ -136,8 +131,3 @@ def plot(data: dict[str, Any], path: str) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
-
-
-def write_report(data: dict[str, Any], out_dir: str, name: str) -> None:
-    write_results(out_dir, name, data, markdown(data))
-    plot(data, os.path.join(out_dir, f"{name}.png"))

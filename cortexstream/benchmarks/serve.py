@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import shutil
@@ -19,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from cortexstream.benchmarks.serve_client import drive
+from cortexstream.benchmarks.common import write_report
 from cortexstream.benchmarks.serve_processes import SYSTEMS, start_server
 from cortexstream.benchmarks.serve_report import markdown, plot, ratios, summarize
 from cortexstream.benchmarks.serve_workloads import build_workloads
@@ -55,8 +54,22 @@ def _convert(source: str | None, out_dir: Path) -> None:
         raise RuntimeError(f"convert failed: {run.stderr.strip()[-500:]}")
 
 
+def require_httpx() -> None:
+    """The clients speak HTTP through httpx, which only the `bench` extra installs: a clear error without it."""
+    try:
+        import httpx  # noqa: F401
+    except ImportError:
+        from cortexstream.errors import CortexStreamError
+
+        raise CortexStreamError("bench serve needs httpx (its HTTP clients), which is not installed: "
+                                "pip install 'cortexstream[bench]'") from None
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    require_httpx()
     from transformers import AutoTokenizer
+
+    from cortexstream.benchmarks.serve_client import drive
 
     systems = [s for s in args.systems.split(",") if s]
     wanted = [w for w in args.workloads.split(",") if w]
@@ -103,16 +116,20 @@ def _argv_of(args: argparse.Namespace) -> list[str]:
     return out + (["--quick"] if args.quick else [])
 
 
-def run_bench_serve(args: argparse.Namespace) -> int:
+def run_from_args(args: argparse.Namespace) -> int:
+    require_httpx()  # before converting the model
     result = run(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     stem = args.name or ("serve_quick" if args.quick else "serve")
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{stem}.md").write_text(markdown(result))
-    try:
-        plot(result, out / f"{stem}.png")
-    except ImportError:
-        print("[bench serve] matplotlib missing (pip install -e '.[bench]'): no PNG", file=sys.stderr)
-    print(f"[bench serve] wrote {out / stem}.json/.md/.png")
+    write_report(str(args.out), stem, result, markdown(result), plot)
+    print(f"[bench serve] wrote {Path(args.out) / stem}.json/.md/.png")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from cortexstream.benchmarks.runner import run_as_script
+
+    return run_as_script(__doc__, add_arguments, run_from_args, argv, "python -m cortexstream.benchmarks.serve")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

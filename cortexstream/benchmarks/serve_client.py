@@ -1,4 +1,7 @@
-"""Drive one server with a workload through real HTTP streaming (httpx, Server-Sent Events), timing each token."""
+"""Drive one server with a workload through real HTTP streaming (httpx, Server-Sent Events), timing each token.
+
+httpx comes with the `bench` extra and is imported only when a workload is driven, so the records and the report
+(and `cortexstream bench --help`) work without it."""
 
 from __future__ import annotations
 
@@ -6,10 +9,12 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-
-import httpx
+from typing import TYPE_CHECKING
 
 from cortexstream.benchmarks.serve_workloads import Session, WorkloadSpec
+
+if TYPE_CHECKING:
+    import httpx
 
 
 @dataclass
@@ -73,6 +78,8 @@ async def _stream_turn(http: httpx.AsyncClient, url: str, messages: list[dict], 
 
 
 async def _session(http: httpx.AsyncClient, url: str, session: Session, t0: float, run: WorkloadRun) -> None:
+    import httpx
+
     await asyncio.sleep(max(0.0, t0 + session.start - time.perf_counter()))
     messages: list[dict] = [{"role": "system", "content": session.system}] if session.system else []
     for turn in session.turns:
@@ -90,6 +97,8 @@ async def _session(http: httpx.AsyncClient, url: str, session: Session, t0: floa
 
 
 async def drive(url: str, workload: WorkloadSpec, timeout: float) -> WorkloadRun:
+    import httpx
+
     run = WorkloadRun()
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as http:

@@ -14,8 +14,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
 SYSTEMS = ("cortexstream", "mlx_lm")
 
 
@@ -110,6 +108,8 @@ def start_server(system: str, model_dir: str, kv_tokens: int, max_num_seqs: int,
     handle = open(log, "w")
     proc = subprocess.Popen(command(system, model_dir, port, kv_tokens, max_num_seqs), stdout=handle,
                             stderr=subprocess.STDOUT, env=env, cwd=tempfile.gettempdir())
+    import httpx  # the `bench` extra; bench serve checks for it before starting anything
+
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout
     while time.time() < deadline:

@@ -259,9 +259,9 @@ def run_from_args(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cortexstream.benchmarks.throughput", description=__doc__.split("\n")[0])
-    add_arguments(p)
-    return run_from_args(p.parse_args(argv))
+    from cortexstream.benchmarks.runner import run_as_script
+
+    return run_as_script(__doc__, add_arguments, run_from_args, argv, "python -m cortexstream.benchmarks.throughput")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ import argparse
 import sys
 from typing import Any
 
-from cortexstream.cli.number_lists import at_least, fraction_list, int_list
 from cortexstream.errors import CortexStreamError
 from cortexstream.engine.sampling import SamplingParams
 from cortexstream.engine.text_input import has_surrogates, repair_text
@@ -200,85 +199,6 @@ def _chat_turn(model: Any, tokenizer: Any, sampling: SamplingParams, policy: Any
     chat_cache.after_reply(reply_tokens)
     sys.stdout.write("\n")
     return "".join(reply)
-
-
-def run_bench(args: argparse.Namespace) -> int:
-    if getattr(args, "out", None):
-        from cortexstream.atomic_files import check_output_dir
-
-        check_output_dir(args.out)  # before a long run, not after it: results must have somewhere to go
-    if args.bench_kind == "throughput":
-        from cortexstream.benchmarks import throughput
-
-        return throughput.run_from_args(args)
-    elif args.bench_kind == "quality":
-        return _run_bench_quality(args)
-    elif args.bench_kind == "frontier":
-        return _run_bench_frontier(args)
-    elif args.bench_kind == "c2c":
-        from cortexstream.benchmarks import c2c
-
-        return c2c.run_from_args(args)
-    elif args.bench_kind == "kernels":
-        from cortexstream.benchmarks import kernels
-
-        kernels.run(args.out, repeats=args.repeats)
-        print(open(f"{args.out}/kernels.md", encoding="utf-8").read())
-        return 0
-    else:
-        from cortexstream.benchmarks import single_stream
-
-        for option in ("prompt_tokens", "max_tokens", "repeats"):
-            at_least(getattr(args, option), "--" + option.replace("_", "-"), 1)
-        payload = single_stream.run(args.model, args.prompt_tokens, args.max_tokens, args.out, args.repeats)
-    print(open(f"{args.out}/{payload['benchmark']}.md", encoding="utf-8").read())
-    return 0
-
-
-def _run_bench_quality(args: argparse.Namespace) -> int:
-    from cortexstream.benchmarks import quality
-    from cortexstream.policies import parse_policy
-
-    contexts = int_list(args.contexts, "--contexts", 16)
-    passkey_contexts = int_list(args.passkey_contexts, "--passkey-contexts", 16)
-    budgets = fraction_list(args.budgets, "--budgets")
-    for option in ("ppl_chunk", "passkey_trials", "passkey_chunk", "stream_tokens", "stream_cache"):
-        at_least(getattr(args, option), "--" + option.replace("_", "-"), 1)
-    specs = tuple(p.strip() for p in args.passkey_policies.split(";") if p.strip())
-    for spec in specs:
-        parse_policy(spec)  # fail before loading anything
-    quality.run(
-        args.model, args.out, quick=args.quick, contexts=contexts, budgets=budgets, ppl_chunk=args.ppl_chunk,
-        passkey_contexts=passkey_contexts, passkey_policies=specs, passkey_trials=args.passkey_trials,
-        passkey_chunk=args.passkey_chunk, stream_tokens=args.stream_tokens, stream_cache=args.stream_cache,
-        parts=tuple(p.strip() for p in args.parts.split(",") if p.strip()), resume=args.resume,
-        max_minutes=args.max_minutes,
-    )
-    name = "quality_quick" if args.quick else "quality"
-    print(open(f"{args.out}/{name}.md", encoding="utf-8").read())
-    return 0
-
-
-def _run_bench_frontier(args: argparse.Namespace) -> int:
-    from cortexstream.benchmarks import frontier
-
-    def specs(text: str) -> tuple[str, ...]:
-        return tuple(p.strip() for p in text.split(";") if p.strip())
-
-    contexts = int_list(args.contexts, "--contexts", 16)
-    for option in ("chunk", "passkey_context", "passkey_trials", "needle_context", "needle_trials"):
-        at_least(getattr(args, option), "--" + option.replace("_", "-"), 1)
-    name = "frontier_quick" if args.quick else "frontier"
-    frontier.run(
-        args.model, args.out, contexts=(256,) if args.quick else contexts, policies=specs(args.policies),
-        chunk=args.chunk, match=not args.no_match, passkey_policies=specs(args.passkey_policies),
-        passkey_context=256 if args.quick else args.passkey_context,
-        passkey_trials=3 if args.quick else args.passkey_trials, needle_policies=specs(args.needle_policies),
-        needle_context=args.needle_context, needle_trials=args.needle_trials, resume=args.resume,
-        max_minutes=args.max_minutes, name=name,
-    )
-    print(open(f"{args.out}/{name}.md", encoding="utf-8").read())
-    return 0
 
 
 def run_tui(args: argparse.Namespace) -> int:

@@ -41,50 +41,6 @@ def _add_kv_policy_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_quality_parser(kinds: argparse._SubParsersAction) -> None:
-    quality = kinds.add_parser("quality", help="KV eviction quality: perplexity, passkey, streaming (+ PNG plot)")
-    quality.add_argument("--quick", action="store_true", help="smoke run with tiny sizes (quality_quick.*)")
-    quality.add_argument("--parts", default="perplexity,streaming,restart,chunkcheck,passkey",
-                         help="comma-separated parts to run")
-    quality.add_argument("--max-minutes", type=float, default=None,
-                         help="start no new cell after this many minutes (skipped cells are listed as missing)")
-    quality.add_argument("--contexts", default="2048,4096", help="perplexity contexts (tokens)")
-    quality.add_argument("--budgets", default="0.1,0.2,0.5", help="budget fractions of the context")
-    quality.add_argument("--ppl-chunk", type=int, default=16, help="tokens scored between evictions")
-    quality.add_argument("--passkey-contexts", default="2048,4096")
-    quality.add_argument("--passkey-policies", default="full;streaming:budget=0.2;h2o:budget=0.2",
-                         help="semicolon-separated policy strings")
-    quality.add_argument("--passkey-trials", type=int, default=20)
-    quality.add_argument("--passkey-chunk", type=int, default=64)
-    quality.add_argument("--stream-tokens", type=int, default=16384)
-    quality.add_argument("--stream-cache", type=int, default=1024)
-    quality.add_argument("--resume", action="store_true", help="keep cells already in the JSON, run the rest")
-    quality.add_argument("--model", default=None)
-    quality.add_argument("--out", default="bench/results", help="output folder")
-
-
-def _add_frontier_parser(kinds: argparse._SubParsersAction) -> None:
-    from cortexstream.benchmarks.frontier import DEFAULT_PASSKEY, DEFAULT_POLICIES
-
-    frontier = kinds.add_parser("frontier", help="perplexity vs measured KV cache size for every policy family")
-    frontier.add_argument("--contexts", default="2048", help="comma-separated contexts (tokens)")
-    frontier.add_argument("--policies", default=";".join(DEFAULT_POLICIES), help="semicolon-separated policy strings")
-    frontier.add_argument("--chunk", type=int, default=16, help="tokens scored between policy steps")
-    frontier.add_argument("--no-match", action="store_true",
-                          help="skip the H2O cells sized like each merging policy's measured cache")
-    frontier.add_argument("--passkey-policies", default=";".join(DEFAULT_PASSKEY))
-    frontier.add_argument("--passkey-context", type=int, default=2048)
-    frontier.add_argument("--passkey-trials", type=int, default=20)
-    frontier.add_argument("--needle-policies", default="", help="semicolon-separated policies for the needle test")
-    frontier.add_argument("--needle-context", type=int, default=1024)
-    frontier.add_argument("--needle-trials", type=int, default=5)
-    frontier.add_argument("--quick", action="store_true", help="smoke run: 256-token context, 3 passkey trials")
-    frontier.add_argument("--resume", action="store_true", help="keep cells already in the JSON, run the rest")
-    frontier.add_argument("--max-minutes", type=float, default=None)
-    frontier.add_argument("--model", default=None)
-    frontier.add_argument("--out", default="bench/results", help="output folder")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cortexstream", description="MLX-native LLM inference engine")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -122,40 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks (results as JSON + Markdown)")
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
-    from cortexstream.benchmarks.throughput import add_arguments as add_throughput_arguments
+    from cortexstream.benchmarks.runner import add_bench_parsers
 
-    throughput = kinds.add_parser("throughput", help="whole-call wall time, TTFT, ITL, memory vs mlx-lm (+ heat map)")
-    add_throughput_arguments(throughput)
-    single = kinds.add_parser("single", help="one request: prefill/decode tok/s vs mlx_lm.generate_step")
-    single.add_argument("--prompt-tokens", type=int, default=512)
-    single.add_argument("--max-tokens", type=int, default=128)
-    single.add_argument("--repeats", type=int, default=3)
-    kernels = kinds.add_parser("kernels", help="each custom kernel vs its pure-MLX reference on this device")
-    kernels.add_argument("--repeats", type=int, default=20)
-    kernels.add_argument("--out", default="bench/results", help="output folder")
-    _add_quality_parser(kinds)
-    _add_frontier_parser(kinds)
-    from cortexstream.benchmarks.c2c import add_arguments as add_c2c_bench_arguments
-
-    c2c = kinds.add_parser("c2c", help="C2C fusion: held-out quality (same model, cross-model) and handoff latency")
-    add_c2c_bench_arguments(c2c)
-    from cortexstream.benchmarks.serve import add_arguments as add_serve_bench_arguments
-
-    serve_bench = kinds.add_parser("serve", help="cortexstream serve vs mlx_lm.server over HTTP (3 workloads)")
-    add_serve_bench_arguments(serve_bench)
-    serve_bench.set_defaults(run="cortexstream.benchmarks.serve:run_bench_serve")
-    from cortexstream.benchmarks.scripts import add_script_parsers
-
-    add_script_parsers(kinds)
+    add_bench_parsers(kinds)
     add_train_parsers(commands)
     from cortexstream.cli.convert import add_convert_parser
     from cortexstream.cli.serve import add_serve_parser
 
     add_serve_parser(commands)
     add_convert_parser(commands)
-    for sub in (single,):
-        sub.add_argument("--model", default=None)
-        sub.add_argument("--out", default="bench/results", help="output folder")
     return parser
 
 

@@ -83,7 +83,7 @@ def load_sharer(name: str, receiver: Any, tokenizer: Any) -> tuple[Any, Any, str
         return receiver, tokenizer, "same model (the receiver's own cache of the full context)"
     path = name
     if name == QWEN:
-        from cortexstream.benchmarks.assets import qwen_coder_gguf
+        from cortexstream.training.c2c.sharer_asset import qwen_coder_gguf
 
         path = qwen_coder_gguf()
     model, tok = cortexstream.load(path)

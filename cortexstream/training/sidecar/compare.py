@@ -40,7 +40,7 @@ def perplexity_row(model: Any, ids: Sequence[int], spec: str, chunk: int) -> dic
 def compare(model: Any, tokenizer: Any, policies: list[str], *, tokens: int = 2048, chunk: int = 16,
             needle_context: int = 0, needle_trials: int = 5, out: str | None = None,
             log: Callable[[str], None] = print) -> dict[str, Any]:
-    from cortexstream.benchmarks.needle import run_needle
+    from cortexstream.evaluation.needle import run_needle
     from cortexstream.evaluation.wiki_corpus import wiki_text
     from cortexstream.policies import parse_policy
 

@@ -23,7 +23,7 @@ from .common import BIG_CACHE, OPENBLAS, SEED
 from .layout import experiment_buffer_per_layer, experiment_layout, experiment_write_in_place
 from .meta import machine_meta, openblas_loaded
 from .report import conclusions, to_markdown
-from cortexstream.benchmarks.script_main import run_as_script
+from cortexstream.benchmarks.runner import run_as_script
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,8 +66,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    run_as_script(__doc__, add_arguments, run_from_args, argv)
+def main(argv: list[str] | None = None) -> int:
+    return run_as_script(__doc__, add_arguments, run_from_args, argv, "python -m bench.arena_attention")
 
 
 def write(data: dict[str, Any], args: argparse.Namespace) -> None:

@@ -1,6 +1,6 @@
 """Where the batch strategies cross over on this CPU: `strided` vs `blocks` vs mlx-lm's KVCache, batch 8, by keys.
 
-Run: ``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python -m cortexstream.benchmarks.strategy_crossover``
+Run: ``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python -m bench.strategy_crossover``
 (about 2 min; ``--steps`` / ``--contexts`` to change the sweep). Writes bench/results/strategy_crossover.json and
 .md. One attention layer of a decode step (SmolLM2 shapes: 9 query / 3 KV heads, head_dim 64, float32, block 16),
 timed exactly as experiment 1 of bench_arena_attention.py: the engine's DecodeBatch + SDPA hook with the strategy
@@ -19,14 +19,14 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from cortexstream.benchmarks.arena_attention.cases import ArenaDecodeBatch, MlxLm, make_sequences
-from cortexstream.benchmarks.arena_attention.common import SEED, interleave, make_inputs, versus
-from cortexstream.benchmarks.arena_attention.meta import machine_line, machine_meta, steps_sentence
+from bench.arena_attention.cases import ArenaDecodeBatch, MlxLm, make_sequences
+from bench.arena_attention.common import SEED, interleave, make_inputs, versus
+from bench.arena_attention.meta import machine_line, machine_meta, steps_sentence
 from rich.progress import Progress
 
 from cortexstream.benchmarks.common import write_results
 from cortexstream.engine import batch_attention
-from cortexstream.benchmarks.script_main import run_as_script
+from cortexstream.benchmarks.runner import run_as_script
 
 CONTEXTS = (256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288)
 STRATEGIES = ("strided", "blocks")
@@ -53,7 +53,7 @@ def to_markdown(data: dict) -> str:
     meta = data["meta"]
     lines = [
         "# Batch strategy crossover (batch 8, contiguous tables)", "",
-        f"{machine_line(meta, 'python -m cortexstream.benchmarks.strategy_crossover')} {steps_sentence(meta)} "
+        f"{machine_line(meta, 'python -m bench.strategy_crossover')} {steps_sentence(meta)} "
         "Ratio = median / mlx-lm `KVCache` median; paired = median of same-round ratios. "
         "Engine choice = what `choose_strategy` picks at that length on CPU.", "",
         *[f"**Note:** {note}\n" for note in data.get("notes", [])],
@@ -101,8 +101,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    run_as_script(__doc__, add_arguments, run_from_args, argv)
+def main(argv: list[str] | None = None) -> int:
+    return run_as_script(__doc__, add_arguments, run_from_args, argv, "python -m bench.strategy_crossover")
 
 
 def write(data: dict, args: argparse.Namespace) -> None:

@@ -2,7 +2,7 @@
 matter? Runs the server in-process twice per round, `handoff="per_step"` and `"per_token"`, alternating, with N
 concurrent streaming clients, and prints output tokens/s for each.
 
-    python -m cortexstream.benchmarks.serve_handoff [--model SRC | --tiny] [--clients 32] [--max-tokens 64]
+    python -m bench.serve_handoff [--model SRC | --tiny] [--clients 32] [--max-tokens 64]
 
 By default only the bridge is measured (asyncio consumers reading the events, no HTTP), which isolates the
 hand-off; `--http` goes through uvicorn and streaming HTTP clients in the same process.
@@ -20,6 +20,8 @@ import time
 from typing import Any
 
 import uvicorn
+
+from cortexstream.benchmarks.runner import run_as_script
 
 
 def _tiny_like(tokenizer: Any) -> Any:
@@ -144,15 +146,17 @@ def measure_hops(mode: str, steps: int = 2000, per_step: int = 64) -> tuple[floa
     return asyncio.run(run())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--http", action="store_true", help="through uvicorn + HTTP clients (default: bridge only)")
-    args = parser.parse_args()
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Prints its figures (no result file)."""
     for mode in ("per_step", "per_token", "per_step", "per_token"):
         rate, cpu = measure_hops(mode, per_step=args.clients)
         print(f"hop only, {args.clients} streams: {mode:9s} {rate / 1e3:7.0f}k events/s, {cpu:.2f} us CPU/event")
@@ -172,7 +176,12 @@ def main() -> None:
     best = {k: max(v) for k, v in results.items()}
     print(f"best of {args.rounds}: per_step {best['per_step']:.1f} tok/s, per_token {best['per_token']:.1f} tok/s, "
           f"ratio {best['per_step'] / best['per_token']:.3f}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_as_script(__doc__, add_arguments, run_from_args, argv, "python -m bench.serve_handoff")
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -156,7 +156,7 @@ def markdown(payload: dict[str, Any]) -> str:
             f"{ref['wall_s']:.2f} | {ref['prompt_tokens']:.0f}, {ref['prompt_s']:.2f} | "
             f"{ref['generation_s']:.2f}, {ref['decode_step_mean_ms']:.1f} | {c['ratio_median']:.2f}x | "
             f"{c['ratio_at_decode_parity']:.2f}x | {c['ceiling_at_decode_parity']:.2f}x | {c['ratio_target']:.2f}x |")
-    lines += ["", "Columns: see the module docstring of `cortexstream/benchmarks/throughput_profile.py`. "
+    lines += ["", "Columns: see the module docstring of `bench/throughput_profile.py`. "
               "*ratio*: mlx-lm wall / ours (medians). *at decode parity*: the ratio if our decode phase took as long "
               "as mlx-lm's, everything else as measured. *ceiling at decode parity*: mlx-lm's wall over its wall "
               "without its prompt time; a target above it cannot be met by prefill, only by a decode step faster than "
@@ -217,7 +217,7 @@ def run_from_args(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cortexstream.benchmarks.throughput_profile",
+    p = argparse.ArgumentParser(prog="python -m bench.throughput_profile",
                                 description=__doc__.split("\n")[0])
     add_arguments(p)
     return run_from_args(p.parse_args(argv))

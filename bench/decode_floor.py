@@ -1,6 +1,6 @@
 """Decode-step floor: how much of a batched decode step an engine can change at all, on this machine.
 
-Run: ``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python -m cortexstream.benchmarks.decode_floor``
+Run: ``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python -m bench.decode_floor``
 (about 3 min). Writes bench/results/decode_floor.json and decode_floor.md.
 
 Issue #4 asks the engine's decode tokens/s at concurrency 8 to be >= 1.25x `mlx_lm.batch_generate`'s. Both run
@@ -38,7 +38,7 @@ import mlx.core as mx
 
 from cortexstream.benchmarks.common import prompt_token_lists, write_results
 from cortexstream.benchmarks.machine import machine, model_record
-from cortexstream.benchmarks.script_main import run_as_script
+from cortexstream.benchmarks.runner import run_as_script
 
 
 def _mlx_lm_stepper(model: Any, prompts: list[list[int]]) -> Callable[[], None]:
@@ -58,13 +58,26 @@ def _mlx_lm_stepper(model: Any, prompts: list[list[int]]) -> Callable[[], None]:
     return step
 
 
+class NoEosTokenizer:
+    """The model's tokenizer with an end-of-sequence id no token has, so that no request ends early and every
+    timed step decodes the whole batch. Everything else is the wrapped tokenizer's."""
+
+    eos_token_ids = (-1,)  # token ids are >= 0
+    eos_token_id = -1
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.wrapped = tokenizer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.wrapped, name)
+
+
 def _engine_stepper(model: Any, tokenizer: Any, prompts: list[list[int]], num_steps: int) -> Callable[[], None]:
     from cortexstream.engine.engine import Engine
 
     max_tokens = num_steps + 4
-    engine = Engine(model, tokenizer, kv_tokens=len(prompts) * (len(prompts[0]) + max_tokens + 16), block_size=16,
-                    max_num_seqs=len(prompts), prefix_caching=False, pipeline=False)
-    engine._eos_ids = set()  # no request may end early: every step must decode the whole batch
+    engine = Engine(model, NoEosTokenizer(tokenizer), kv_tokens=len(prompts) * (len(prompts[0]) + max_tokens + 16),
+                    block_size=16, max_num_seqs=len(prompts), prefix_caching=False, pipeline=False)
     for prompt in prompts:
         engine.add_request(prompt, max_tokens=max_tokens)
     view = engine.snapshot(blocks=False)
@@ -151,7 +164,7 @@ def _markdown(payload: dict[str, Any]) -> str:
     lines = [
         "# Decode-step floor: what an engine can change in a batched decode step",
         "",
-        f"`python -m cortexstream.benchmarks.decode_floor`; model {payload['model'].get('source')} "
+        f"`python -m bench.decode_floor`; model {payload['model'].get('source')} "
         f"({payload['model'].get('weights')}); machine {m['platform']}, {m['cpu_count']} cores, {m['device']}, "
         f"BLAS {m['blas']}, mlx {m['mlx']}. Median of {payload['steps']} synchronous steps after {payload['warmup']} "
         "warm-up, the four systems interleaved step by step. See the script's docstring for definitions.",
@@ -186,8 +199,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    run_as_script(__doc__, add_arguments, run_from_args, argv)
+def main(argv: list[str] | None = None) -> int:
+    return run_as_script(__doc__, add_arguments, run_from_args, argv, "python -m bench.decode_floor")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """KV-arena attention benchmark: one decode step of one attention layer, arena vs mlx-lm's KVCache.
 
-Run: ``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python -m cortexstream.benchmarks.arena_attention``
+Run: ``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python -m bench.arena_attention``
 (about 4 min on 2 busy shared cores; ``--quick``: fewer steps). Writes bench/results/arena_attention.json and
 bench/results/arena_attention.md. ``--previous OLD.json`` reports an earlier run's batch-8 ratios next to this
 run's (run it twice: the machine is shared); ``--from-json`` rewrites the report without measuring.
@@ -50,7 +50,7 @@ Experiments:
 
 from __future__ import annotations
 
-from cortexstream.benchmarks.arena_attention.cli import main
+from bench.arena_attention.cli import main
 
 if __name__ == "__main__":
     main()

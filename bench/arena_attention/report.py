@@ -17,7 +17,7 @@ def to_markdown(data: dict) -> str:
     lines = [
         "# KV-arena attention benchmark",
         "",
-        f"`python -m cortexstream.benchmarks.arena_attention{' --quick' if meta['quick'] else ''}` on "
+        f"`python -m bench.arena_attention{' --quick' if meta['quick'] else ''}` on "
         f"{machine_sentence(meta)}, mlx-lm {meta['mlx_lm']}; {meta['elapsed_s']:.0f} s in all. "
         f"One attention layer, 9 query / 3 KV heads, head_dim 64, float32, block 16. Median of {meta['steps']} "
         f"steps ({B1_STEPS_FACTOR * meta['steps']} at batch 1 in exp. 1) after {meta['warmup']} warm-up, variants "

@@ -1,6 +1,6 @@
 """Micro-benchmark: indexed BlockAllocator vs naive linear-scan allocators on random alloc/free.
 
-Run: ``python -m cortexstream.benchmarks.allocator`` (about 30 s on 2 cores). Writes
+Run: ``python -m bench.allocator`` (about 30 s on 2 cores). Writes
 bench/results/allocator.json and bench/results/allocator.md.
 
 Workloads (same seed for every allocator): a pool of N blocks is driven to a target occupancy by
@@ -31,7 +31,7 @@ from cortexstream.benchmarks.common import write_results
 from cortexstream.benchmarks.machine import machine, machine_sentence
 from cortexstream.errors import OutOfBlocksError
 from cortexstream.kv.allocator import BlockAllocator
-from cortexstream.benchmarks.script_main import run_as_script
+from cortexstream.benchmarks.runner import run_as_script
 
 SIZES = (4096, 16384, 65536)
 WORKLOADS = {"steady": (0.75, 64), "pressure": (0.95, 256)}  # name: (target occupancy, max request)
@@ -214,8 +214,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    run_as_script(__doc__, add_arguments, run_from_args, argv)
+def main(argv: list[str] | None = None) -> int:
+    return run_as_script(__doc__, add_arguments, run_from_args, argv, "python -m bench.allocator")
 
 
 def to_markdown(meta: dict, results: list[dict]) -> str:
@@ -224,7 +224,7 @@ def to_markdown(meta: dict, results: list[dict]) -> str:
     lines = [
         "# Block allocator micro-benchmark",
         "",
-        f"`python -m cortexstream.benchmarks.allocator` on Python {meta['python']}, {where}; "
+        f"`python -m bench.allocator` on Python {meta['python']}, {where}; "
         f"{meta['elapsed_s']} s in all. Contiguous allocate/free, mean time per allocator call "
         "(best of 3 interleaved runs for indexed and naive-find), lower is better. See the script's docstring "
         "for the workloads.",

@@ -1,4 +1,4 @@
-"""`cortexstream bench kernels`: each custom kernel against its pure-MLX reference on the current device.
+"""Each custom kernel against its pure-MLX reference on the current device: `python -m bench.kernels`.
 
 On a Mac with Metal both run and the table shows the speed-up; on Linux only the reference runs (the Metal kernels
 cannot; their C++ twins in the tests are sanitizer builds, timing them would mean nothing). Shapes follow
@@ -9,6 +9,7 @@ warm-up; GB/s counts the bytes each operation must move at least (reads of the r
 
 from __future__ import annotations
 
+import argparse
 import time
 from typing import Any, Callable
 
@@ -17,6 +18,7 @@ import numpy as np
 
 from cortexstream.benchmarks.common import percentile, write_results
 from cortexstream.benchmarks.machine import machine
+from cortexstream.benchmarks.runner import run_as_script
 from cortexstream.kernels import compress_gather as cg
 from cortexstream.kernels import evict_gather as eg
 from cortexstream.kernels import paged_attention as pa
@@ -116,7 +118,7 @@ def _markdown(payload: dict[str, Any], backends: list[str]) -> str:
     rows = [f"| {e['kernel']} | {e['shape']} | {cell(e, REFERENCE)} |"
             + (f" {cell(e, METAL)} | {e['speedup']:.2f}x |" if metal else "") for e in payload["results"]]
     note = ("" if metal else "No Metal device: only the pure-MLX reference ran. The Metal kernels' timings need a "
-            "Mac (`cortexstream bench kernels` there); their correctness is checked here by tests/test_kernels.py.")
+            "Mac (`python -m bench.kernels` there); their correctness is checked here by tests/test_kernels.py.")
     return "\n".join([
         "# Custom kernels vs pure-MLX reference",
         "",
@@ -127,3 +129,27 @@ def _markdown(payload: dict[str, Any], backends: list[str]) -> str:
         "",
         header, rule, *rows, "", note, "",
     ])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per kernel (median reported)")
+    parser.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None,
+                        help="arena/query dtype (default: float16 with Metal, else float32)")
+    parser.add_argument("--out", default="bench/results", help="output folder")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from cortexstream.cli.number_lists import at_least
+
+    run(args.out, repeats=at_least(args.repeats, "--repeats", 1), dtype=args.dtype)
+    with open(f"{args.out}/kernels.md", encoding="utf-8") as f:
+        print(f.read())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_as_script(__doc__, add_arguments, run_from_args, argv, "python -m bench.kernels")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

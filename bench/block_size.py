@@ -1,6 +1,6 @@
 """Block size vs batched decode attention: contiguous and interleaved block tables, `blocks` strategy, batch 8.
 
-Run: ``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python -m cortexstream.benchmarks.block_size``
+Run: ``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python -m bench.block_size``
 (about 1 min; ``--engine``: also the engine end to end on SmolLM2, about 8 min more). Writes
 bench/results/block_size.json and .md. The engine's paged block manager gives a growing
 sequence one block at a time, so in the engine the tables of concurrent sequences interleave (sequence i owns
@@ -19,16 +19,16 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from cortexstream.benchmarks.arena_attention.cases import ArenaDecodeBatch, MlxLm
-from cortexstream.benchmarks.arena_attention.common import HEAD_DIM, KV_HEADS, SEED, SPARE, interleave, make_inputs, versus
-from cortexstream.benchmarks.arena_attention.meta import machine_line, machine_meta, steps_sentence
+from bench.arena_attention.cases import ArenaDecodeBatch, MlxLm
+from bench.arena_attention.common import HEAD_DIM, KV_HEADS, SEED, SPARE, interleave, make_inputs, versus
+from bench.arena_attention.meta import machine_line, machine_meta, steps_sentence
 from rich.progress import Progress
 
 from cortexstream.benchmarks.common import write_results
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_config import ArenaConfig
 from cortexstream.kv.sequence_kv import SequenceKV
-from cortexstream.benchmarks.script_main import run_as_script
+from cortexstream.benchmarks.runner import run_as_script
 
 BATCH = 8
 BLOCK_SIZES = (16, 32, 64, 128)
@@ -114,7 +114,7 @@ def to_markdown(data: dict) -> str:
     meta = data["meta"]
     lines = [
         "# Block size vs batched decode attention (batch 8, `blocks` strategy)", "",
-        f"{machine_line(meta, 'python -m cortexstream.benchmarks.block_size')} {steps_sentence(meta)} Ratio x mlx-lm's "
+        f"{machine_line(meta, 'python -m bench.block_size')} {steps_sentence(meta)} Ratio x mlx-lm's "
         "`KVCache` (paired ratio in brackets). Interleaved = sequence i owns blocks i, i+8, ... (what the engine's "
         "one-block-at-a-time growth produces). Every output matched mlx-lm's to "
         f"{max(r['max_abs_diff_vs_mlx_lm'] for r in data['rows']):.0e}.", "",
@@ -166,8 +166,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    run_as_script(__doc__, add_arguments, run_from_args, argv)
+def main(argv: list[str] | None = None) -> int:
+    return run_as_script(__doc__, add_arguments, run_from_args, argv, "python -m bench.block_size")
 
 
 if __name__ == "__main__":

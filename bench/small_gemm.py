@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from rich.progress import Progress
-from cortexstream.benchmarks.script_main import run_as_script
+from cortexstream.benchmarks.runner import run_as_script
 
 LAYERS, HIDDEN, INTERMEDIATE, KV, VOCAB = 30, 576, 1536, 192, 49152
 ROWS = (1, 2, 4, 8, 12, 16, 24, 32)
@@ -120,8 +120,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    run_as_script(__doc__, add_arguments, run_from_args, argv)
+def main(argv: list[str] | None = None) -> int:
+    return run_as_script(__doc__, add_arguments, run_from_args, argv, "python -m bench.small_gemm")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,7 @@
-"""`cortexstream bench single`: one request's prefill and decode speed, CortexStream vs mlx_lm.generate_step.
+"""One request's prefill and decode speed, CortexStream vs mlx_lm.generate_step: `python -m bench.single_stream`.
+
+The user-facing single-request comparison is `cortexstream bench throughput --parts single` (whole-call wall time
+vs mlx_lm.generate); this diagnostic splits a request into prefill and decode rates.
 
 Both run on the same loaded model in the same process, alternating, best of `repeats`. Prefill tok/s = prompt
 tokens / time to the first token; decode tok/s = (generated - 1) / time from the first to the last token.
@@ -6,6 +9,7 @@ tokens / time to the first token; decode tok/s = (generated - 1) / time from the
 
 from __future__ import annotations
 
+import argparse
 import time
 from typing import Any
 
@@ -13,6 +17,7 @@ import mlx.core as mx
 
 from cortexstream.benchmarks.common import prompt_token_lists, write_results
 from cortexstream.benchmarks.machine import machine, model_record
+from cortexstream.benchmarks.runner import run_as_script
 
 
 def _cortexstream(model: Any, tokenizer: Any, prompt: list[int], max_tokens: int) -> dict[str, float]:
@@ -93,3 +98,30 @@ def run(model_source: str | None, prompt_tokens: int, max_tokens: int, out_dir: 
     ])
     write_results(out_dir, "single_stream", payload, md)
     return payload
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--out", default="bench/results", help="output folder")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from cortexstream.cli.number_lists import at_least
+
+    for option in ("prompt_tokens", "max_tokens", "repeats"):
+        at_least(getattr(args, option), "--" + option.replace("_", "-"), 1)
+    run(args.model, args.prompt_tokens, args.max_tokens, args.out, args.repeats)
+    with open(f"{args.out}/single_stream.md", encoding="utf-8") as f:
+        print(f.read())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_as_script(__doc__, add_arguments, run_from_args, argv, "python -m bench.single_stream")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

