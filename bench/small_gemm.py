@@ -81,7 +81,7 @@ def to_markdown(data: dict) -> str:
     weight_mb = data["weight_bytes"] / 1e6
     lines = [
         "# Small-batch matmul kernel vs MLX's BLAS matmul (a SmolLM2-shaped decode step's Linear layers)", "",
-        f"`cortexstream bench small-gemm`; {machine_sentence(data['machine'])}. One pass = every Linear of "
+        f"`python -m bench.small_gemm`; {machine_sentence(data['machine'])}. One pass = every Linear of "
         f"SmolLM2-135M ({weight_mb:.0f} MB float32, random weights) on M rows through `nn.Linear`; median of "
         f"{data['passes']} passes, the two paths alternating. A diagnostic of one phase, not a whole call.", "",
         "| rows (M) | BLAS ms | kernel ms | kernel speed-up | BLAS GB/s | kernel GB/s |",

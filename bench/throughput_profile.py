@@ -139,7 +139,7 @@ def markdown(payload: dict[str, Any]) -> str:
         "",
         f"Model: {payload['model'].get('source')} ({payload['model'].get('weights', 'weights as loaded')}). Machine: {machine_sentence(payload['machine'])}. "
         f"Medians of {payload['rounds']} alternating rounds per cell, field by field. "
-        f"Command: `cortexstream bench throughput-profile --cells {payload['cells_arg']}`. Took "
+        f"Command: `python -m bench.throughput_profile --cells {payload['cells_arg']}`. Took "
         f"{payload['elapsed_minutes']:.1f} minutes.",
         "",
         "| cell | ours wall (s) | construction | prefill (steps, tokens, s) | decode (steps, s, median ms) | other |"
