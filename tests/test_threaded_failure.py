@@ -85,4 +85,4 @@ def test_the_server_answers_a_request_caught_in_a_failed_step_with_an_engine_err
         # The engine thread survived, and the next request is served.
         ok = server.client().completions.create(model="tiny", prompt="hello", max_tokens=3)
         assert ok.choices[0].finish_reason in ("length", "stop")
-        assert server.state.bridge.engine_alive
+        assert server.state.bridge.engine_running

@@ -77,8 +77,8 @@ class EngineLink:
         self._replies: dict[str, _Reply] = {}  # engine thread only: text not posted yet, per request
         self._reported_error: BaseException | None = None
         self.client = ThreadedClient(engine, on_step=self._on_step, start=False)
-        self._jobs: queue.Queue = queue.Queue()
-        self._dispatcher = threading.Thread(target=self._run_jobs, name="cortexstream-tui-commands", daemon=True)
+        self._commands: queue.Queue = queue.Queue()
+        self._dispatcher = threading.Thread(target=self._run_commands, name="cortexstream-tui-commands", daemon=True)
 
     # --- lifecycle (UI thread) --------------------------------------------------------------------------------
     def start(self) -> "EngineLink":
@@ -89,7 +89,7 @@ class EngineLink:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the engine thread (waits for the step in flight). Running replies just end."""
-        self._jobs.put(_STOP)
+        self._commands.put(_STOP)
         self.client.close(timeout)
 
     # --- commands (UI thread; none of them blocks) ------------------------------------------------------------
@@ -102,7 +102,7 @@ class EngineLink:
             # Also maps a rejection's output to the conversation.
             self._builder.track(rid, conv_id, None if seq is None else seq.owner)
 
-        self._jobs.put((add, conv_id, request_id))
+        self._commands.put((add, conv_id, request_id))
 
     def abort(self, request_id: str) -> None:
         """Stop a reply; its final ReplyDelta has finish_reason 'aborted'."""
@@ -121,11 +121,11 @@ class EngineLink:
             self._post(ConversationCleared(conv_id, engine.snapshot(blocks=False).num_free_blocks - before))
             self._post_stats(engine)
 
-        self._jobs.put((drop, conv_id, None))
+        self._commands.put((drop, conv_id, None))
 
     def refresh(self) -> None:
         """Post a fresh snapshot even while the engine is idle."""
-        self._jobs.put((self._post_stats, None, None))
+        self._commands.put((self._post_stats, None, None))
 
     def take_failure(self) -> str | None:
         """A failed engine step not reported yet (ThreadedEngine then aborts everything without outputs)."""
@@ -136,12 +136,12 @@ class EngineLink:
         return f"engine step failed: {describe(error)}"
 
     # --- engine thread ----------------------------------------------------------------------------------------
-    def _run_jobs(self) -> None:
+    def _run_commands(self) -> None:
         while True:
-            job = self._jobs.get()
-            if job is _STOP:
+            command = self._commands.get()
+            if command is _STOP:
                 return
-            fn, conv_id, request_id = job
+            fn, conv_id, request_id = command
             try:
                 self.client.call(fn)
             except Exception as exc:  # noqa: BLE001 - shown in the UI, never raised into it

@@ -31,6 +31,7 @@ from cortexstream.engine.seeded import install_seeded_sampler
 from cortexstream.engine.sequence import Sequence
 from cortexstream.engine.threaded import ThreadedEngine
 from cortexstream.errors import CortexStreamError
+from cortexstream.server.config import Handoff, parse_handoff
 from cortexstream.server.jobs import EngineJob, RequestHandle, TokenEvent, Tracked
 
 # Re-exported: the server's modules take these from here or from `jobs`.
@@ -43,10 +44,10 @@ class EventLoopBridge:
     """Carries jobs from the event loop to the engine thread and each step's token events back (see the module
     docstring)."""
 
-    def __init__(self, engine: Engine, handoff: str = "per_step",
+    def __init__(self, engine: Engine, handoff: Handoff | str = Handoff.PER_STEP,
                  on_events: Callable[[RequestHandle, TokenEvent], None] | None = None) -> None:
         self.engine = engine
-        self.handoff = handoff
+        self.handoff = parse_handoff(handoff)
         self.on_events = on_events  # event-loop callback per delivered event (metrics)
         # The bridge talks to the engine through the EngineClient protocol (push mode: outputs arrive at
         # _on_step); requests are added by `call` in batches, so per-request streams are never opened.
@@ -74,7 +75,7 @@ class EventLoopBridge:
         self._submitter.shutdown(wait=False, cancel_futures=True)
 
     @property
-    def engine_alive(self) -> bool:
+    def engine_running(self) -> bool:
         return self.client.threaded.running
 
     @property
@@ -85,7 +86,7 @@ class EventLoopBridge:
     async def submit(self, job: EngineJob) -> RequestHandle:
         """Queue a job; returns once the engine holds it. Engine-side argument errors are raised here."""
         assert self.loop is not None, "EventLoopBridge.start() was not called"
-        if not self.engine_alive:
+        if not self.engine_running:
             raise CortexStreamError("the engine thread is not running")
         handle = RequestHandle(job, time.perf_counter())
         for index, rid in enumerate(job.request_ids):
@@ -234,7 +235,7 @@ class EventLoopBridge:
             self._prune_owner_tenants(engine)
         if not events:
             return
-        if self.handoff == "per_token":
+        if self.handoff == Handoff.PER_TOKEN:
             for event in events:
                 self.loop.call_soon_threadsafe(self._deliver, [event])
         else:

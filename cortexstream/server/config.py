@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+
+class Handoff(str, enum.Enum):
+    """How token events reach the event loop: one hop per engine step, or one per token (only for the
+    diagnostic that measures the difference, bench/serve_handoff.py)."""
+
+    PER_STEP = "per_step"
+    PER_TOKEN = "per_token"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -20,7 +32,7 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     max_header_bytes: int = 16 * 1024
     shutdown_timeout: float = 30.0
-    handoff: str = "per_step"  # "per_token" only for the hand-off diagnostic
+    handoff: Handoff = Handoff.PER_STEP  # or its string value
     default_chat_max_tokens: int = 256
     default_completion_max_tokens: int = 16  # OpenAI's default for /v1/completions
 
@@ -42,8 +54,7 @@ class ServerConfig:
             raise ValueError(f"max_queue: {self.max_queue!r} must be an integer >= 0")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout: {self.shutdown_timeout!r} must be >= 0")
-        if self.handoff not in ("per_step", "per_token"):
-            raise ValueError(f"handoff: {self.handoff!r} must be 'per_step' or 'per_token'")
+        object.__setattr__(self, "handoff", parse_handoff(self.handoff))
         if any(not isinstance(k, str) or not k.strip() for k in self.api_keys):
             raise ValueError("api_keys: every key must be a non-empty string")
         if len(set(self.api_keys)) != len(self.api_keys):
@@ -57,3 +68,12 @@ class ServerConfig:
     def max_in_flight(self) -> int:
         """Requests accepted at once (running + queued); one more gets 429."""
         return self.max_num_seqs + self.max_queue
+
+
+def parse_handoff(value: "Handoff | str") -> Handoff:
+    """`value` as a Handoff; a bad one raises ValueError naming `handoff` and the choices."""
+    try:
+        return Handoff(value)
+    except ValueError:
+        choices = " or ".join(repr(h.value) for h in Handoff)
+        raise ValueError(f"handoff: {value!r} must be {choices}") from None

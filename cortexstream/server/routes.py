@@ -30,7 +30,7 @@ def require_tenant(request: Request) -> str | None:
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    alive = _state(request).bridge.engine_alive
+    alive = _state(request).bridge.engine_running
     return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 
 
