@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from cortexstream.backend import CpuAttention, CpuBackend
 from cortexstream.engine import batch_attention as ba
 from cortexstream.engine import batch_cache
 from cortexstream.engine.batch_cache import DecodeBatch
@@ -266,14 +267,17 @@ def test_a_requested_strided_strategy_falls_back_when_the_layout_does_not_allow_
     arena, seqs, _ = build(layout=[False] * len(LENGTHS))
     assert DecodeBatch(arena, seqs, attention=ba.BLOCKS).strategy == ba.BLOCKS  # an explicit request wins
     assert DecodeBatch(arena, seqs).strategy == ba.STRIDED
-    monkeypatch.setattr(ba, "STRIDED_MAX_KEYS", max(LENGTHS))  # the longest has max + 1 keys after the step
-    assert DecodeBatch(arena, seqs).strategy == ba.BLOCKS  # middle contexts: block-wise is faster on CPU
-    monkeypatch.setattr(ba, "BLOCKS_MAX_KEYS", max(LENGTHS))
-    assert DecodeBatch(arena, seqs).strategy == ba.STRIDED  # long contexts: one SDPA again
-    monkeypatch.setattr(ba, "BLOCKS_MAX_KEYS", max(LENGTHS) + 1)
-    assert DecodeBatch(arena, seqs).strategy == ba.BLOCKS
+    longest = max(LENGTHS) + 1  # keys of the longest sequence after the step
+
+    def cpu(strided_max: int, blocks_max: int) -> CpuBackend:  # the CPU backend with other crossovers
+        return CpuBackend(0, CpuAttention(strided_max_keys=strided_max, blocks_max_keys=blocks_max))
+
+    assert DecodeBatch(arena, seqs, backend=cpu(longest - 1, 1 << 20)).strategy == ba.BLOCKS  # middle: block-wise
+    assert DecodeBatch(arena, seqs, backend=cpu(longest - 1, longest - 1)).strategy == ba.STRIDED  # long: one SDPA
+    assert DecodeBatch(arena, seqs, backend=cpu(longest - 1, longest)).strategy == ba.BLOCKS
+    assert DecodeBatch(arena, seqs, backend=cpu(longest, longest)).strategy == ba.STRIDED  # short
+    assert DecodeBatch(arena, seqs, attention=ba.GATHER, backend=cpu(0, 0)).strategy == ba.GATHER
     monkeypatch.setattr(dispatch, "metal_available", lambda: True)
-    monkeypatch.setattr(ba, "STRIDED_MAX_KEYS", 1 << 20)
     assert DecodeBatch(arena, seqs).strategy == ba.PAGED  # Metal keeps the kernel
 
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from cortexstream.backend.attention import AttentionChoice
+from cortexstream.backend.attention import AttentionChoice, AttentionStrategy, CpuAttention, MetalAttention
+from cortexstream.backend.blas import loaded_blas, openblas_threads
+from cortexstream.backend.small_batch import SmallBatchHold
 
 
 class BackendKind(enum.Enum):
@@ -31,7 +33,7 @@ def choose_kind(metal_available: bool, default_device_is_gpu: bool) -> BackendKi
 
 
 class ComputeBackend:
-    """One per engine. Subclasses: `CpuBackend` (backend/cpu.py), `MetalBackend` (backend/metal.py)."""
+    """One per engine. Subclasses: `CpuBackend`, `MetalBackend` (below)."""
 
     kind: BackendKind
 
@@ -51,10 +53,9 @@ class ComputeBackend:
         import mlx.core as mx
 
         from cortexstream.backend.attention import strategy_from_env
-        from cortexstream.backend.cpu import CpuBackend, resolve_small_batch_rows
         from cortexstream.backend.device import ensure_buffer_cache
-        from cortexstream.backend.metal import MetalBackend
         from cortexstream.backend.sdpa import route_sdpa
+        from cortexstream.backend.small_batch import resolve_small_batch_rows
         from cortexstream.kernels.dispatch import metal_available
 
         rows = resolve_small_batch_rows(small_batch_matmul)  # validated before anything changes
@@ -90,3 +91,65 @@ class ComputeBackend:
 
     def close(self) -> None:
         """Release whatever the backend holds; idempotent. The engine is not stepped after this."""
+
+
+class CpuBackend(ComputeBackend):
+    """MLX's CPU backend: the CPU attention rule, and on Linux the small-batch kernel held while the engine steps
+    (backend/small_batch.py). `small_batch_rows`: the kernel's row limit for this engine (0: not used)."""
+
+    kind = BackendKind.CPU
+
+    def __init__(self, small_batch_rows: int = 0, attention: CpuAttention | None = None) -> None:
+        super().__init__(attention or CpuAttention())
+        self._kernel = SmallBatchHold(small_batch_rows)
+
+    @classmethod
+    def create(cls, small_batch_rows: int, override: AttentionStrategy | None = None) -> "CpuBackend":
+        return cls(small_batch_rows, CpuAttention(override=override))
+
+    @property
+    def small_batch_rows(self) -> int:
+        return self._kernel.rows
+
+    @property
+    def holds_kernel(self) -> bool:
+        """Whether this backend holds the small-batch kernel now (from a step's start until its release)."""
+        return self._kernel.held
+
+    def begin_step(self) -> None:
+        self._kernel.acquire()
+
+    def end_step(self, in_flight: bool) -> None:
+        if not in_flight:
+            self._kernel.release()
+
+    def before_forward(self, rows: int) -> None:
+        self._kernel.before_pass(rows)
+
+    def close(self) -> None:
+        self._kernel.release()
+
+    def describe(self) -> str:
+        from cortexstream.kernels import mlx_jit
+
+        threads = openblas_threads()
+        blas = loaded_blas() + (f" {threads} threads" if threads else "")
+        jit = "MLX JIT flags vectorised" if mlx_jit.active() else "MLX JIT default flags"
+        return f"cpu ({self._kernel.describe()}, {blas}, {jit}, {self._attention.describe()})"
+
+
+class MetalBackend(ComputeBackend):
+    """An Apple GPU: nothing to hold per step; decode attention through the paged-attention kernel when the
+    custom kernels run on Metal (kernels/dispatch.py; CORTEXSTREAM_KERNELS=reference turns them off)."""
+
+    kind = BackendKind.METAL
+
+    def __init__(self, attention: MetalAttention | None = None) -> None:
+        super().__init__(attention or MetalAttention())
+
+    @classmethod
+    def create(cls, override: AttentionStrategy | None = None) -> "MetalBackend":
+        """Decided from this process's kernel choice (`kernels.dispatch.resolve_backend`)."""
+        from cortexstream.kernels.dispatch import METAL, resolve_backend
+
+        return cls(MetalAttention(paged_kernel=resolve_backend() == METAL, override=override))

@@ -1,7 +1,7 @@
 """Legacy names for the engine's use of the CPU small-batch kernel, until engine.py uses its `ComputeBackend`.
 
 Remove after the switch: the kernel, its row limit and OpenBLAS's thread count now belong to `CpuBackend`
-(backend/cpu.py: `begin_step`, `end_step`, `before_forward`, `close`), and the count of holders to the C
+(backend/compute.py: `begin_step`, `end_step`, `before_forward`, `close`), and the count of holders to the C
 interposer (kernels/small_gemm.c). These wrappers keep `Engine` working unchanged meanwhile.
 """
 
@@ -10,27 +10,13 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from cortexstream.backend.cpu import DEFAULT_MAX_ROWS, CpuBackend, resolve_small_batch_rows  # noqa: F401
-from cortexstream.backend.cpu import small_batch_usable as usable  # noqa: F401
+from cortexstream.backend.small_batch import DEFAULT_MAX_ROWS, SmallBatchHold, resolve_small_batch_rows  # noqa: F401
+from cortexstream.backend.small_batch import small_batch_usable as usable  # noqa: F401
 from cortexstream.kernels import small_gemm
 
 
-class KernelHold:
-    """One engine's claim on the kernel (legacy): a `CpuBackend` without its attention rule."""
-
-    def __init__(self, rows: int) -> None:
-        self.rows = rows
-        self._backend = CpuBackend(rows)
-
-    @property
-    def held(self) -> bool:
-        return self._backend.holds_kernel
-
-    def acquire(self) -> None:
-        self._backend.begin_step()
-
-    def release(self) -> None:
-        self._backend.close()
+class KernelHold(SmallBatchHold):
+    """One engine's claim on the kernel (legacy; `CpuBackend` holds a `SmallBatchHold` itself)."""
 
     def __del__(self) -> None:  # legacy safety net, gone with this module: CpuBackend releases explicitly only
         self.release()

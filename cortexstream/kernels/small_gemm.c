@@ -170,7 +170,7 @@ int cs_small_gemm_interposed(void) { return 1; }
 /* Holds: the process has one row limit, so the engines that use it (any thread, any number) share one count here.
  * The first acquire also records OpenBLAS's own thread count (when OpenBLAS is in the process), the last release
  * restores it and sets the limit back to 0; each is one critical section, so a release racing an acquire never
- * leaves the limit off while held nor on while free. The Python side (kernels/small_gemm.py, backend/cpu.py) keeps
+ * leaves the limit off while held nor on while free. The Python side (kernels/small_gemm.py, backend/small_batch.py) keeps
  * no state of its own. */
 typedef int (*get_threads_fn)(void);
 typedef void (*set_threads_fn)(int);

@@ -4,7 +4,7 @@ MLX's CPU backend multiplies float32 with `cblas_sgemm`. The library built from 
 `cblas_sgemm`; preloaded ahead of the BLAS (`backend.maybe_reexec_with_openblas` puts it in LD_PRELOAD), it takes
 the Linear layers' few-row calls while its row limit is above zero and passes every other call on to the real BLAS.
 The limit starts at 0, so a process that preloads it computes exactly as before until an engine's CPU backend
-holds it around its steps (`acquire` / `release`, backend/cpu.py). The count of holders, the limit and OpenBLAS's
+holds it around its steps (`acquire` / `release`, backend/small_batch.py). The count of holders, the limit and OpenBLAS's
 saved thread count live in the C library, the one copy per process, not in Python. Working inside MLX's own
 evaluation keeps the graph lazy: no synchronisation per layer.
 

@@ -1,4 +1,4 @@
-"""The CPU backend: attention thresholds, and on Linux the small-batch matmul kernel and OpenBLAS's thread count.
+"""The CPU backend's small-batch matmul kernel on Linux: its row limit, an engine's hold on it, OpenBLAS's threads.
 
 The small-batch kernel (kernels/small_gemm.c) is a BLAS interposer preloaded by the re-exec (backend/tuning.py);
 its row limit is 0 (plain BLAS) unless an engine holds it, so mlx-lm's own calls on the same model between steps
@@ -16,9 +16,6 @@ do: docs/linux-cpu.md, bench/results/throughput_itl.md, bench/results/small_gemm
 
 from __future__ import annotations
 
-from cortexstream.backend.attention import AttentionStrategy, CpuAttention
-from cortexstream.backend.blas import loaded_blas, openblas_threads
-from cortexstream.backend.compute import BackendKind, ComputeBackend
 from cortexstream.backend.device import on_cpu
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.kernels import small_gemm
@@ -48,59 +45,37 @@ def resolve_small_batch_rows(value: int | str) -> int:
     return min(value, small_gemm.MAX_ROWS)
 
 
-class CpuBackend(ComputeBackend):
-    """MLX's CPU backend. `small_batch_rows`: the kernel's row limit while this engine steps (0: not used)."""
+class SmallBatchHold:
+    """One engine's claim on the kernel, at `rows` rows (0: never holds). Held from `acquire` to `release`; the
+    count of holders in the process is the C library's, so holds of several engines (any thread) nest."""
 
-    kind = BackendKind.CPU
-
-    def __init__(self, small_batch_rows: int = 0, attention: CpuAttention | None = None) -> None:
-        if small_batch_rows < 0:
-            raise ValueError(f"small_batch_rows: {small_batch_rows} must be >= 0")
-        super().__init__(attention or CpuAttention())
-        self.small_batch_rows = small_batch_rows
+    def __init__(self, rows: int) -> None:
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+            raise ValueError(f"rows: {rows!r} must be an integer >= 0")
+        self.rows = rows
         self._held = False
 
-    @classmethod
-    def create(cls, small_batch_rows: int, override: AttentionStrategy | None = None) -> "CpuBackend":
-        return cls(small_batch_rows, CpuAttention(override=override))
-
     @property
-    def holds_kernel(self) -> bool:
-        """Whether this backend holds the small-batch kernel now (between a step's start and its release)."""
+    def held(self) -> bool:
         return self._held
 
-    def begin_step(self) -> None:
-        if self.small_batch_rows > 0 and not self._held:
-            small_gemm.acquire(self.small_batch_rows)
+    def acquire(self) -> None:
+        if self.rows > 0 and not self._held:
+            small_gemm.acquire(self.rows)
             self._held = True
 
-    def end_step(self, in_flight: bool) -> None:
-        if not in_flight:
-            self._release()
-
-    def before_forward(self, rows: int) -> None:
-        if self._held:
-            small_gemm.before_pass(rows)
-
-    def close(self) -> None:
-        self._release()
-
-    def _release(self) -> None:
+    def release(self) -> None:
+        """Idempotent: a hold is given back once."""
         if self._held:
             self._held = False
             small_gemm.release()
 
-    def describe(self) -> str:
-        from cortexstream.kernels import mlx_jit
+    def before_pass(self, rows: int) -> None:
+        """While held: OpenBLAS's thread count for a pass of `rows` rows (kernels/small_gemm.c)."""
+        if self._held:
+            small_gemm.before_pass(rows)
 
-        if self.small_batch_rows > 0:
-            kernel = f"small-batch kernel <= {self.small_batch_rows} rows"
-        elif small_gemm.interposer() is not None:
-            kernel = "small-batch kernel off"
-        else:
-            kernel = "small-batch kernel not preloaded"
-        blas = loaded_blas()
-        threads = openblas_threads()
-        blas += f" {threads} threads" if threads else ""
-        jit = "MLX JIT flags vectorised" if mlx_jit.active() else "MLX JIT default flags"
-        return f"cpu ({kernel}, {blas}, {jit}, {self._attention.describe()})"
+    def describe(self) -> str:
+        if self.rows > 0:
+            return f"small-batch kernel <= {self.rows} rows"
+        return "small-batch kernel " + ("off" if small_gemm.interposer() is not None else "not preloaded")
