@@ -8,7 +8,7 @@ Layout of `--out DIR`:
                     training, after training, and the oracle itself
 
 Sharer: `same` (default; the receiver's own cache of the full context, a donor session of the same model),
-`qwen2.5-coder-0.5b` (the benchmark asset, fetched and verified by `cortexstream.benchmarks.assets`), or any
+`qwen2.5-coder-0.5b` (fetched and verified from a checkout by `python -m bench.assets`; see `sharer_asset`), or any
 model path `cortexstream.load` accepts. Fuser: `lowrank` (the seed's; same KV shapes only) or `projector`
 (the paper's). Text comes from tokens `--skip` on, disjoint from what `bench quality` evaluates (`c2c.data`).
 """
