@@ -9,18 +9,20 @@ from cortexstream.engine.engine import Engine
 from cortexstream.engine.scheduler import SchedulerConfig
 
 from test_engine import alone, collect, random_prompts, run_all
+from test_mixed_batch import record_logits
 
 
 def record_groups(engine: Engine) -> list[list[int]]:
     """Chunk sizes of every prefill forward pass the runner makes."""
     groups: list[list[int]] = []
-    original = engine.runner.prefill_batch
+    original = engine.runner._groups
 
     def spy(items):
-        groups.append([n for _, n in items])
-        return original(items)
+        passes = original(items)
+        groups.extend([len(item.token_ids) for item in group] for group in passes)
+        return passes
 
-    engine.runner.prefill_batch = spy
+    engine.runner._groups = spy
     return groups
 
 
@@ -56,13 +58,17 @@ def test_batched_prefill_logits_match_one_at_a_time(tiny):
     prompts = random_prompts(3, seed=13, low=9, high=40)
     logits = {}
     for batched in (False, True):
-        engine = Engine(model, tokenizer, kv_tokens=1024, block_size=4, prefix_caching=False)
-        ids = [engine.add_request(p, max_tokens=1) for p in prompts]
-        step = engine.scheduler.schedule()
-        items = [(seq, seq.num_pending) for seq, _ in step.prefill]
-        out = engine.runner.prefill_batch(items) if batched else [engine.runner.prefill(*i) for i in items]
-        logits[batched] = [np.array(o) for o in out]
-        assert [s.request_id for s, _ in items] == ids
+        engine = Engine(model, tokenizer, kv_tokens=1024, block_size=4, prefix_caching=False,
+                        batch_prefill=batched)
+        ids = [engine.add_request(p, max_tokens=1, request_id=f"r{i}") for i, p in enumerate(prompts)]
+        groups = record_groups(engine)
+        drawn = record_logits(engine)
+        plan, _ = engine.scheduler.schedule()
+        assert [item.request_id for item in plan.prefill] == ids
+        engine.runner.execute(plan)
+        assert groups == ([[len(p) for p in sorted(prompts, key=len, reverse=True)]] if batched
+                          else [[len(p)] for p in prompts])
+        logits[batched] = [drawn[rid] for rid in ids]
     for a, b in zip(logits[False], logits[True]):
         assert a.shape == b.shape == (1, model.args.vocab_size)
         np.testing.assert_allclose(a, b, atol=2e-4, rtol=2e-4)
@@ -83,12 +89,12 @@ def test_prefill_and_decode_in_the_same_step_match_alone(tiny):
     original = engine.scheduler.schedule
 
     def spy():
-        step = original()
+        plan, ended = original()
         nonlocal mixed, budget_ok
-        if step.prefill and step.decode:
+        if plan.prefill and plan.decode:
             mixed += 1
-            budget_ok &= sum(n for _, n in step.prefill) <= 8 * len(later)  # 8 per prompt being prefilled
-        return step
+            budget_ok &= sum(len(i.token_ids) for i in plan.prefill) <= 8 * len(later)  # 8 per prompt prefilled
+        return plan, ended
 
     engine.scheduler.schedule = spy
     run_all(engine, results)

@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from cortexstream.c2c import C2CFuser, C2CProjectorFuser
-from cortexstream.c2c.engine_bridge import extract_cache, fuse_into, fuse_requests, run_until_prefilled
+from cortexstream.c2c.request_fusion import extract_cache, fuse_into, fuse_requests, run_until_prefilled
 from cortexstream.engine.engine import Engine
 from cortexstream.errors import InvalidArgumentError
 from tiny_models import tiny_model

@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 
 from cortexstream.c2c import C2CProjectorFuser
-from cortexstream.c2c.engine_bridge import fuse_on_prefill, fuse_requests, run_until_prefilled
+from cortexstream.c2c.request_fusion import fuse_on_prefill, fuse_requests, run_until_prefilled
 from cortexstream.c2c.pipeline import fused_prompt_cache
 from cortexstream.engine.block_manager import BlockManager
 from cortexstream.engine.engine import Engine

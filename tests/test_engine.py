@@ -56,8 +56,9 @@ def test_one_decode_forward_per_step_for_all_running(tiny, monkeypatch):
     model, tokenizer = tiny
     engine = Engine(model, tokenizer, kv_tokens=2048, block_size=4)
     calls = []
-    original = engine.runner.decode
-    monkeypatch.setattr(engine.runner, "decode", lambda seqs, tokens=None: calls.append(len(seqs)) or original(seqs, tokens))
+    original = engine.runner._decode
+    monkeypatch.setattr(engine.runner, "_decode",
+                        lambda items, chunks, out: calls.append(len(items)) or original(items, chunks, out))
     for p in random_prompts(5, seed=2, low=3, high=20):
         engine.add_request(p, max_tokens=6)
     engine.step()  # all five prefill (they fit the token budget)

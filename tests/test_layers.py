@@ -193,7 +193,7 @@ def test_the_checks_see_what_they_claim_to():
     assert layer_of("cortexstream.training.sidecar.train") is None
     sample = ROOT / "cortexstream" / "engine" / "runner.py"
     modules = all_modules()
-    assert "cortexstream.engine.sequence" in imported_modules("cortexstream.engine.runner", sample, modules)
+    assert "cortexstream.engine.step_plan" in imported_modules("cortexstream.engine.runner", sample, modules)
     lazy = ROOT / "cortexstream" / "__init__.py"  # imports only inside __getattr__
     assert "cortexstream.models.loader" in imported_modules("cortexstream", lazy, modules)
 

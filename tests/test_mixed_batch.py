@@ -16,14 +16,27 @@ from test_engine import alone, collect, random_prompts, run_all
 def record_mixed(engine: Engine) -> list[tuple[int, list[int]]]:
     """(decode rows, chunk sizes) of every mixed forward the runner makes."""
     calls: list[tuple[int, list[int]]] = []
-    original = engine.runner.mixed
+    original = engine.runner._mixed
 
-    def spy(seqs, tokens, items):
-        calls.append((len(seqs), [n for _, n in items]))
-        return original(seqs, tokens, items)
+    def spy(items, tokens, chunks):
+        calls.append((len(items), [len(c.token_ids) for c in chunks]))
+        return original(items, tokens, chunks)
 
-    engine.runner.mixed = spy
+    engine.runner._mixed = spy
     return calls
+
+
+def record_logits(engine: Engine) -> dict[str, np.ndarray]:
+    """The logits each request's sampler is given, by request id (the last ones)."""
+    drawn: dict[str, np.ndarray] = {}
+    original = engine.runner._draw
+
+    def spy(item, logits, out):
+        drawn[item.request_id] = np.array(logits)
+        return original(item, logits, out)
+
+    engine.runner._draw = spy
+    return drawn
 
 
 def run_with_arrivals(engine: Engine, first: list[list[int]], later: list[list[int]], n: int) -> dict[str, dict]:
@@ -61,19 +74,16 @@ def test_mixed_and_separate_passes_give_the_same_logits(tiny):
     for mixed in (False, True):
         engine = Engine(model, tokenizer, kv_tokens=1024, block_size=4, prefix_caching=False, pipeline=False,
                         prefill_tokens_while_decoding=1000, mixed_prefill=mixed)
-        for p in first:
-            engine.add_request(p, max_tokens=5)
+        for i, p in enumerate(first):
+            engine.add_request(p, max_tokens=5, request_id=f"first-{i}")
         engine.step()  # both first prompts prefilled, first tokens out
-        for p in later:
-            engine.add_request(p, max_tokens=5)
-        step = engine.scheduler.schedule()
-        assert len(step.decode) == 2 and [n for _, n in step.prefill] == [len(p) for p in later]
-        if mixed:
-            decode, chunks = engine.runner.mixed(step.decode, None, step.prefill)
-        else:
-            chunks = [engine.runner.prefill(seq, n) for seq, n in step.prefill]
-            decode = engine.runner.decode(step.decode)
-        logits[mixed] = [np.array(decode)] + [np.array(c) for c in chunks]
+        for i, p in enumerate(later):
+            engine.add_request(p, max_tokens=5, request_id=f"later-{i}")
+        drawn = record_logits(engine)
+        plan, _ = engine.scheduler.schedule()
+        assert len(plan.decode) == 2 and [len(i.token_ids) for i in plan.prefill] == [len(p) for p in later]
+        engine.runner.execute(plan)
+        logits[mixed] = [drawn[rid] for rid in ("first-0", "first-1", "later-0", "later-1")]
     for a, b in zip(logits[False], logits[True]):
         np.testing.assert_allclose(a, b, atol=2e-4, rtol=2e-4)
 

@@ -33,7 +33,8 @@ def engine_run(model, tokenizer, prompts, policies, max_tokens=12, **kwargs):
                 tokens[out.request_id].append(out.token)
                 logprobs[out.request_id].append(np.array(out.logprobs))
         for seq in engine.scheduler.running:
-            physical[seq.request_id].append((seq.num_physical, engine.runner.kv(seq).num_tokens))
+            kv = engine.runner.kv_view(seq.request_id)  # None until its first step
+            physical[seq.request_id].append((seq.num_physical, kv.num_tokens if kv is not None else 0))
     return ([tokens[i] for i in ids], [np.stack(logprobs[i]) for i in ids], [physical[i] for i in ids], engine)
 
 
@@ -116,7 +117,7 @@ def test_engine_bounds_physical_kv_and_frees_blocks_at_once(sharp):
         engine.step()
         for seq in engine.scheduler.running:
             assert seq.request_id == rid
-            kv = engine.runner.kv(seq)
+            kv = engine.runner.kv_view(seq.request_id)
             assert seq.num_physical == kv.num_tokens <= budget
             assert len(seq.block_table) == -(-kv.num_tokens // 16)  # no block beyond what is held
             used.append(engine.arena.allocator.num_used_blocks)

@@ -87,7 +87,14 @@ def test_a_failing_logits_processor_is_isolated_too(tiny):
     def broken(history, logits):
         raise IndexError("processor out of range")
 
-    engine._states[bad].processors = [broken]
+    original = engine.runner._open
+
+    def open_with_a_broken_processor(spec):
+        original(spec)
+        if spec.request_id == bad:
+            engine.runner._requests[bad].sampler.processors = [broken]
+
+    engine.runner._open = open_with_a_broken_processor
     _tokens, finished = _run(engine)
     assert finished[bad] == ("error", "sampling failed: IndexError: processor out of range")
     assert finished[good][0] == "length"

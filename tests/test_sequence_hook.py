@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from cortexstream.engine.block_manager import BlockManager
+from cortexstream.engine.scheduler import Scheduler
+from cortexstream.kv.allocator import BlockAllocator
 from cortexstream.engine.engine import Engine
 from cortexstream.engine.sampling import SamplingParams
 from cortexstream.engine.sequence import Sequence, SequenceHook
@@ -30,7 +33,7 @@ def test_hook_runs_once_between_steps_with_exactly_at_token_tokens_in_the_kv(tin
     engine = Engine(model, tokenizer, kv_tokens=512, block_size=4, prefill_step_size=8)
     rid = engine.add_request(PROMPT, max_tokens=3)
     seen: list[tuple[int, int]] = []
-    waiting(engine, rid).attach_hook(SequenceHook(lambda s: seen.append((s.num_computed, s.num_physical)), 13))
+    engine.attach_hook(rid, SequenceHook(lambda s: seen.append((s.num_computed, s.num_physical)), 13))
     assert run(engine)[rid][0] == "length"
     assert seen == [(13, 13)]  # chunks were cut at the hook's token, and it ran once
 
@@ -44,7 +47,7 @@ def test_a_failing_hook_fails_only_its_request_with_its_name(tiny):
         raise ValueError("no source")
 
     seq = waiting(engine, bad)
-    seq.attach_hook(SequenceHook.before_last_prompt_token(seq, explode, "test"))
+    engine.attach_hook(bad, SequenceHook.before_last_prompt_token(seq, explode, "test"))
     results = run(engine)
     assert results[bad] == ("error", "test hook failed: ValueError: no source")
     assert results[good][0] == "length"
@@ -52,6 +55,7 @@ def test_a_failing_hook_fails_only_its_request_with_its_name(tiny):
 
 
 def test_hooks_are_validated_and_one_per_sequence():
+    scheduler = Scheduler(BlockManager(BlockAllocator(16), 4))
     seq = Sequence(list(range(10)), SamplingParams(max_tokens=2))
     with pytest.raises(ValueError):
         SequenceHook(lambda s: None, -1)
@@ -59,10 +63,10 @@ def test_hooks_are_validated_and_one_per_sequence():
         SequenceHook("not callable", 3)  # type: ignore[arg-type]
     hook = SequenceHook.before_last_prompt_token(seq, lambda s: None, "first")
     assert hook.at_token == 9
-    seq.attach_hook(hook)
+    scheduler.attach_hook(seq, hook)
     with pytest.raises(InvalidArgumentError, match="already has a first hook"):
-        seq.attach_hook(SequenceHook(lambda s: None, 5, "second"))
+        scheduler.attach_hook(seq, SequenceHook(lambda s: None, 5, "second"))
     late = Sequence(list(range(10)), SamplingParams(max_tokens=2))
     late.num_computed = 6
     with pytest.raises(InvalidArgumentError, match="past token 5"):
-        late.attach_hook(SequenceHook(lambda s: None, 5))
+        scheduler.attach_hook(late, SequenceHook(lambda s: None, 5))

@@ -6,7 +6,7 @@ allow_cross_tenant=False, dp=None)`, in place on the receiver's cache; `fused_la
   of the same head count and head_dim;
 - `C2CProjectorFuser` (projector.py): the paper's per-receiver-layer `C2CProjector` (thu-nics/C2C), for models
   of different head counts, head dims and depths (last-aligned layers; alignment.py for tokens too).
-Serving paths: pipeline.py (prompt caches, the paper's recipe) and engine_bridge.py (running engine requests).
+Serving paths: pipeline.py (prompt caches, the paper's recipe) and request_fusion.py (running engine requests).
 Safety (tenants, redaction, DP) in safety.py; checkpoints (thu-nics layout, seed state dicts, safetensors) in
 porting.py. Training (distillation to the full-context receiver) lives apart in `cortexstream.training.c2c`:
 distill.py (task, loss), data.py (held-out example sets), train.py (on the shared loop); CLI `cortexstream train

@@ -43,6 +43,7 @@ class BlockManager:
         # Sequences holding blocks reserved ahead of their length (owner -> sequence): given back on demand.
         self._holders: dict[int, Sequence] = {}
         self.reserve_ahead = True
+        self._copies: list[tuple[int, int]] = []  # copy-on-write pairs planned, not yet handed to the runner
 
     # --- sizes ------------------------------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -240,30 +241,76 @@ class BlockManager:
             self._add_pending(seq, len(hits))
 
     def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Room for `num_new_tokens` more physical tokens, including a free block for each shared block the
-        write touches (the runner copies it on write). False, with nothing changed, when it cannot be had."""
+        """Room for `num_new_tokens` more physical tokens, with a private copy of each shared block the write
+        touches (the copy is planned here, `take_copies`, and made by the runner before it writes). A sequence
+        whose policy evicts gets every shared block copied, since its eviction rewrites slots from the first one.
+        False, with nothing changed, when the blocks cannot be had."""
         if not seq.uses_arena:
             return True
         bs = self.block_size
-        first, last = seq.num_physical // bs, (seq.num_physical + num_new_tokens - 1) // bs
-        shared = sum(
-            1 for i in range(first, min(last + 1, len(seq.block_table)))
-            if self.allocator.ref_count(seq.block_table[i]) > 1
-        )
+        first = 0 if seq.kv_policy.evicts else seq.num_physical // bs
+        last = (seq.num_physical + num_new_tokens - 1) // bs
+        shared = [i for i in range(first, min(last + 1, len(seq.block_table)))
+                  if self.allocator.ref_count(seq.block_table[i]) > 1]
         grow = max(0, last + 1 - len(seq.block_table))
-        if grow + shared == 0:
+        if grow + len(shared) == 0:
             return True
         run = self._reserve_run(seq, grow, grow_in_place=True) if grow and seq.block_table and not shared else None
         if run is not None:
             seq.block_table.extend(run)
             return True
-        if self.allocator.num_free_blocks < grow + shared:
-            self._make_free(grow + shared)
-        if self.allocator.num_free_blocks < grow + shared:
+        need = grow + len(shared)
+        if self.allocator.num_free_blocks < need:
+            self._make_free(need)
+        if self.allocator.num_free_blocks < need:
             return False
+        for i in shared:
+            block = seq.block_table[i]
+            new, copied = self.allocator.copy_on_write(block, owner=seq.owner)
+            if copied:
+                self._copies.append((block, new))
+                seq.block_table[i] = new
         if grow:
             seq.block_table.extend(self.allocator.allocate(grow, owner=seq.owner))
         return True
+
+    def make_writable(self, seq: Sequence, start: int, end: int) -> list[tuple[int, int]]:
+        """Private copies of the shared blocks holding slots [start, end) of `seq` (for a write from outside a
+        forward pass, e.g. C2C fusion): returns the (source, destination) pairs to copy before writing."""
+        bs = self.block_size
+        pairs = []
+        for i in range(start // bs, min(-(-end // bs), len(seq.block_table))):
+            block = seq.block_table[i]
+            new, copied = self.allocator.copy_on_write(block, owner=seq.owner)
+            if copied:
+                pairs.append((block, new))
+                seq.block_table[i] = new
+        return pairs
+
+    def take_copies(self) -> tuple[tuple[int, int], ...]:
+        """The copy-on-write pairs planned since the last call, in order."""
+        copies, self._copies = tuple(self._copies), []
+        return copies
+
+    def set_physical(self, seq: Sequence, num_physical: int) -> int:
+        """A policy left `num_physical` slots: record it and free the blocks past them; returns blocks freed."""
+        seq.num_physical = num_physical
+        used = self.blocks_for(num_physical)
+        surplus = seq.block_table[used:]
+        if not surplus:
+            return 0
+        del seq.block_table[used:]
+        return self.allocator.free(surplus)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give `child` the parent's computed blocks by reference, and its counters and prefix-cache chain."""
+        shared = list(parent.block_table[: self.blocks_for(parent.num_physical)])
+        self.allocator.share(shared)
+        child.block_table[:] = shared
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed = parent.num_computed
+        child.num_physical = parent.num_physical
+        child.num_cached_prefix = parent.num_cached_prefix
 
     def release(self, seq: Sequence) -> int:
         """Drop the sequence's references; blocks also held by the prefix cache stay cached."""

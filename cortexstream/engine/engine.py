@@ -1,21 +1,25 @@
-"""`Engine`: add_request / step / abort over the scheduler and runner; step() = schedule -> run -> postprocess.
+"""`Engine`: add_request / step / abort over the scheduler and the runner; step() = schedule -> run -> apply.
+
+The scheduler owns every request's state and emits a `StepPlan`; the runner executes it and returns a `StepResult`;
+the engine applies the result through the scheduler (tokens read, text and stop conditions, prefix-cache blocks,
+finishing) and hands back one `RequestOutput` per token. See engine/step_plan.py for the contract.
 
 Pipelined decode (`pipeline=True`, the default). Reading a sampled token (`.item()`) waits for the whole forward
-pass; building the next step's graph costs milliseconds of Python per step (about 10% of a SmolLM2 decode step on
-CPU). So a decode step is launched (`mx.async_eval`) on the previous step's sampled tokens while they are still
-lazy, and only then are those tokens read and post-processed: graph building and post-processing overlap the
-computation, as in mlx-lm's `generate_step`. A sampled-but-unread token is "in flight" (`Sequence.num_inflight`),
-and its output is emitted by the next `step()` call. When the previous token ends a request (eos, a stop string),
-the step launched for it is discarded (its request is finished and its blocks freed); a request whose unread token
-is its last by `max_tokens` gets no further step. Steps that could admit, prefill or preempt (waiting requests,
-a prompt in progress, few free blocks) first read every token in flight, so recompute-preemption never loses one.
+pass, and building the next step's graph costs milliseconds of Python per step. So a decode step is launched
+(`mx.async_eval`) on the previous step's sampled tokens while they are still lazy, and only then are those tokens
+read and applied: graph building and applying overlap the computation, as in mlx-lm's `generate_step`. A
+sampled-but-unread token is "in flight" (`Sequence.num_inflight`), and its output is emitted by the next `step()`.
+When the previous token ends a request (eos, a stop string), the token launched after it is discarded (its request
+is finished and its blocks freed); a request whose unread token is its last by `max_tokens` gets no further step.
+Steps that could admit, prefill or preempt (waiting requests, a prompt in progress, few free blocks) first read
+every token in flight (`Scheduler.may_pipeline`), so recompute-preemption never loses one.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,18 +28,20 @@ from cortexstream.backend import ensure_buffer_cache
 from cortexstream.engine.block_manager import BlockManager
 from cortexstream.engine.bound_cache import BoundCache
 from cortexstream.engine.chunk_budget import AdaptivePrefillBudget
+from cortexstream.engine.finish_reason import FinishReason
 from cortexstream.engine.runner import ModelRunner
 from cortexstream.engine.small_batch_kernel import (
     KernelHold, blas_threads_for_pass, resolve_small_batch_rows, with_row_limit,
 )
-from cortexstream.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
-from cortexstream.engine.sequence import Sequence
+from cortexstream.engine.scheduler import Scheduler, SchedulerConfig
+from cortexstream.engine.sequence import Sequence, SequenceHook
 from cortexstream.engine.snapshot import EngineView, take_snapshot
+from cortexstream.engine.step_plan import StepPlan, StepResult
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.engine.single_thread import single_threaded
 from cortexstream.engine.prompt import prompt_to_tokens
-from cortexstream.engine.request_state import RequestOutput, _RequestState
-from cortexstream.engine.sampling import SamplingParams, keep_random_state, sampling_from_kwargs
+from cortexstream.engine.request_state import RequestOutput, RequestText
+from cortexstream.engine.sampling import SamplingParams, sampling_from_kwargs
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_config import ArenaConfig
 from cortexstream.policies.parsing import parse_policy
@@ -86,9 +92,10 @@ class Engine:
             self._adaptive = AdaptivePrefillBudget(prefill_step_size)
             config = replace(config, prefill_tokens_while_decoding=self._adaptive.tokens())
         self.scheduler = Scheduler(self.block_manager, config)
-        self.runner = ModelRunner(model, arena)
         self.kernel_hold = KernelHold(resolve_small_batch_rows(small_batch_matmul))  # engine/small_batch_kernel.py
-        self._states: dict[str, _RequestState] = {}
+        self.runner = ModelRunner(model, arena, batch_prefill=batch_prefill, mixed_prefill=mixed_prefill,
+                                  before_forward=blas_threads_for_pass)
+        self._states: dict[str, RequestText] = {}
         self._eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
         self.num_generated_tokens = 0
         self.num_prompt_tokens_computed = 0
@@ -97,10 +104,9 @@ class Engine:
         self.decode_time = 0.0
         self.num_decode_tokens = 0
         self.pipeline = pipeline
-        # Several sequences' prefill chunks in one forward pass (False: one per pass, bit-for-bit as before).
-        self.batch_prefill = batch_prefill
-        # Prefill chunks packed into the decode forward of a step that decodes (see engine/mixed_batch.py).
         self.mixed_prefill = mixed_prefill
+        # Called with every plan before the runner executes it (a recorder, a replaying second runner).
+        self.plan_listener: Callable[[StepPlan], None] | None = None
         # request id -> (sequence, lazy sampled token [1], lazy logprobs [V]) of the decode step in flight
         self._inflight: dict[str, tuple[Sequence, mx.array, mx.array]] = {}
         self._failures: list[RequestOutput] = []  # requests ended by a failed sampler during this step
@@ -133,35 +139,24 @@ class Engine:
         policy = self.kv_policy if kv_policy is None else parse_policy(kv_policy)
         if sampler is not None and not callable(sampler):
             raise InvalidArgumentError(f"sampler: expected a callable logprobs -> token, got {type(sampler).__name__}")
+        if request_id is not None and request_id in self._states:
+            raise InvalidArgumentError(f"request_id: '{request_id}' is already in use")
+        ids = {} if request_id is None else {"request_id": request_id}
         if prompt_cache is not None:
             bound = BoundCache.bind(prompt_cache, self.model, None if kv_policy is None else policy,
                                     len(tokens) + sampling.max_tokens)
-            seq = Sequence(tokens, sampling, tenant=tenant, bound_cache=bound, kv_from_tokens=False)
+            seq = Sequence(tokens, sampling, tenant=tenant, bound_cache=bound, kv_from_tokens=False,
+                           sampler=sampler, **ids)
         else:
-            seq = Sequence(tokens, sampling, tenant=tenant, kv_policy=policy)
-        if request_id is not None:
-            if request_id in self._states:
-                raise InvalidArgumentError(f"request_id: '{request_id}' is already in use")
-            seq.request_id = request_id
-        self._states[seq.request_id] = _RequestState(seq, self.tokenizer, self._eos_ids, sampler)
+            seq = Sequence(tokens, sampling, tenant=tenant, kv_policy=policy, sampler=sampler, **ids)
+        self._states[seq.request_id] = RequestText(seq, self.tokenizer, self._eos_ids)
         self.scheduler.add(seq)
         return seq.request_id
 
     @single_threaded
     def abort(self, request_id: str) -> bool:
-        entry = self._inflight.pop(request_id, None)
-        if entry is not None:
-            entry[0].num_inflight = 0
-        seq = self.scheduler.abort(request_id)
-        if seq is not None:
-            self.runner.drop(seq)
-        return seq is not None
-
-    @single_threaded
-    def drop_cached(self, owners: Iterable[int]) -> int:
-        """Forget the prefix-cache blocks allocated by these sequences (`SequenceView.owner` ids), e.g. a UI's
-        "clear conversation"; returns how many blocks became free (blocks a live sequence holds stay its own)."""
-        return self.block_manager.drop_cached(set(owners))
+        self._inflight.pop(request_id, None)
+        return self.scheduler.abort(request_id) is not None
 
     @single_threaded
     def abort_all(self) -> list[str]:
@@ -177,16 +172,25 @@ class Engine:
         it; only the scheduler writes it."""
         return self.scheduler.lookup(request_id)
 
+    def _live(self, request_id: str) -> Sequence:
+        seq = self.scheduler.lookup(request_id)
+        if seq is None:
+            raise InvalidArgumentError(f"request_id: '{request_id}' is not waiting or running")
+        return seq
+
     @single_threaded
     def set_sampler(self, request_id: str, sampler: Any) -> None:
-        """Give a queued or running request its own sampler, a callable logprobs `[1, V]` -> token `[1]` (e.g. a
-        seeded one, `engine.seeded.seeded_sampler`)."""
+        """Give a request that has not started its first step its own sampler, a callable logprobs `[1, V]` ->
+        token `[1]` (e.g. a seeded one, `engine.seeded.seeded_sampler`)."""
         if not callable(sampler):
             raise InvalidArgumentError(f"sampler: expected a callable logprobs -> token, got {type(sampler).__name__}")
-        state = self._states.get(request_id)
-        if state is None:
-            raise InvalidArgumentError(f"request_id: '{request_id}' is not waiting or running")
-        state.set_sampler(sampler)
+        self.scheduler.set_sampler(self._live(request_id), sampler)
+
+    @single_threaded
+    def attach_hook(self, request_id: str, hook: SequenceHook) -> None:
+        """Run `hook` between two steps when the request's KV holds exactly its first `hook.at_token` tokens
+        (see `SequenceHook`)."""
+        self.scheduler.attach_hook(self._live(request_id), hook)
 
     @single_threaded
     def fork(self, prompt_tokens: list[int], sampling: SamplingParams, request_ids: "list[str] | tuple[str, ...]",
@@ -196,6 +200,58 @@ class Engine:
         `tenant`, `skip_child(id) -> bool`, `on_child(id, sequence)`. See engine/fork.py."""
         from cortexstream.engine.fork import add_forking_request
         return add_forking_request(self, prompt_tokens, sampling, request_ids, **options)
+
+    def spawn_child(self, parent: Sequence, child_id: str, sampling: SamplingParams) -> Sequence:
+        """A running copy of `parent` sharing its computed blocks (for a fork hook, between steps)."""
+        if child_id in self._states:
+            raise InvalidArgumentError(f"request_id: '{child_id}' is already in use")
+        child = Sequence(list(parent.prompt_ids), sampling, request_id=child_id, tenant=parent.tenant,
+                         kv_policy=parent.kv_policy, arrival_time=parent.arrival_time)
+        self._states[child_id] = RequestText(child, self.tokenizer, self._eos_ids)
+        self.scheduler.fork(parent, child)
+        return child
+
+    def read_kv(self, request_id: str, num_tokens: int | None = None) -> list[tuple[mx.array, mx.array]]:
+        """Per layer `(K, V)` `[1, H, N, D]` of a running request's first `num_tokens` (default all) KV slots, as
+        evaluated copies. Between steps only (for a `ThreadedEngine`, inside `call`)."""
+        seq = self._live(request_id)
+        n = seq.num_physical if num_tokens is None else int(num_tokens)
+        if not 0 < n <= seq.num_physical or not seq.uses_arena:
+            raise InvalidArgumentError(f"num_tokens: {n} must be in 1..{seq.num_physical} for request "
+                                       f"'{request_id}' (on the arena)")
+        return self.runner.read_kv(tuple(seq.block_table), n)
+
+    def write_kv(self, request_id: str, layers: list[tuple[mx.array, mx.array] | None], start: int = 0) -> int:
+        """Overwrite KV slots [start, start + N) of a running request with `(K, V)` `[1, H, N, D]` per layer
+        (None leaves a layer alone). Shared blocks are copied first, and the request is never recomputed from its
+        tokens afterwards (nor prefix-cached). Between steps only. Returns the number of layers written."""
+        seq = self._live(request_id)
+        cfg = self.arena.config
+        if len(layers) != cfg.num_layers:
+            raise InvalidArgumentError(f"write_kv: {len(layers)} layers given, the engine's model has "
+                                       f"{cfg.num_layers}")
+        written = [(i, pair) for i, pair in enumerate(layers) if pair is not None]
+        if not written:
+            return 0
+        n = written[0][1][0].shape[2]
+        if start < 0 or start + n > seq.num_physical or not seq.uses_arena:
+            raise InvalidArgumentError(f"write_kv: tokens [{start}, {start + n}) outside the request's "
+                                       f"0..{seq.num_physical}")
+        for i, (k, v) in written:
+            want_k, want_v = (1, cfg.num_kv_heads, n, cfg.head_dim), (1, cfg.num_kv_heads, n, cfg.value_head_dim)
+            if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
+                raise InvalidArgumentError(f"write_kv: layer {i} K/V {k.shape}/{v.shape}, expected "
+                                           f"{want_k}/{want_v}")
+        mx.eval([pair for _, pair in written])
+        self.runner.copy_blocks(self.scheduler.make_writable(seq, start, start + n))
+        self.runner.write_kv(tuple(seq.block_table), start, written)
+        return len(written)
+
+    @single_threaded
+    def drop_cached(self, owners: Iterable[int]) -> int:
+        """Forget the prefix-cache blocks allocated by these sequences (`SequenceView.owner` ids), e.g. a UI's
+        "clear conversation"; returns how many blocks became free (blocks a live sequence holds stay its own)."""
+        return self.block_manager.drop_cached(set(owners))
 
     @property
     def has_unfinished(self) -> bool:
@@ -210,129 +266,80 @@ class Engine:
     @with_row_limit
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        if self._inflight and not self._may_pipeline():
+        if self._inflight and not (self.pipeline and self.scheduler.may_pipeline()):
             outputs.extend(self._drain())
-        step = self.scheduler.schedule()
-        outputs.extend(self._final_output(seq) for seq in step.finished)
-        for seq in step.preempted:
-            if seq.request_id in self._inflight:
-                if not seq.is_finished:  # _may_pipeline rules this out; never lose a token silently
-                    raise RuntimeError(f"internal: request '{seq.request_id}' preempted with a token in flight")
-                self._inflight.pop(seq.request_id)  # failed by the scheduler: its unread token goes with it
-                seq.num_inflight = 0
-            self.runner.drop(seq)
-        # Chunks that ride in the decode forward (engine/mixed_batch.py); the others get passes of their own.
-        mixed = self.runner.mixable(step.decode, step.prefill) if self.mixed_prefill else []
+        plan, ended = self.scheduler.schedule()
+        outputs.extend(self._final_output(seq) for seq in ended)
+        for request_id in plan.dropped:
+            entry = self._inflight.pop(request_id, None)
+            if entry is not None and not entry[0].is_finished:  # may_pipeline rules this out; never lose a token
+                raise RuntimeError(f"internal: request '{request_id}' preempted with a token in flight")
+        if self.plan_listener is not None:
+            self.plan_listener(plan)
+        had_in_flight = bool(self._inflight)
         tic = time.perf_counter()
-        outputs.extend(self._prefill([item for item in step.prefill if item not in mixed]))
-        toc = time.perf_counter()
-        self.prefill_time += toc - tic
+        result = self.runner.execute(plan)
+        outputs.extend(self._apply(plan, result))
+        self.prefill_time += result.prefill_seconds
         decode_seconds = None
-        if step.decode or self._inflight:
-            outputs.extend(self._decode(step.decode, mixed))
-            decode_seconds = time.perf_counter() - toc
+        if plan.decode or had_in_flight:
+            decode_seconds = max(0.0, time.perf_counter() - tic - result.prefill_seconds)
             self.decode_time += decode_seconds
-        if self._adaptive is not None:
-            separate = sum(n for _, n in step.prefill) - sum(n for _, n in mixed)
-            self._adaptive.observe(separate, toc - tic, decode_seconds if step.decode and not mixed else None)
-            if mixed and decode_seconds is not None:
-                self._adaptive.observe_mixed(sum(n for _, n in mixed), decode_seconds)
-            budget = self._adaptive.tokens(mixed=self.mixed_prefill)
-            if budget != self.scheduler.config.prefill_tokens_while_decoding:
-                self.scheduler.config = replace(self.scheduler.config, prefill_tokens_while_decoding=budget)
+        self.num_decode_tokens += len(plan.decode)
+        self._adapt(plan, result, decode_seconds)
+        if not self.pipeline:
+            outputs.extend(self._drain())
         outputs.extend(self._failures)
         self._failures = []
         return outputs
 
-    def _may_pipeline(self) -> bool:
-        """True when this step can only decode: nothing to admit or prefill, and blocks enough for every
-        running sequence to grow (and copy on write) without preempting anyone."""
-        scheduler = self.scheduler
-        if not self.pipeline or scheduler.waiting or any(s.num_pending > 1 for s in scheduler.running):
-            return False
-        # A sequence with room reserved for its next two tokens needs no block, unless it writes a shared one.
-        allocator, bs = self.arena.allocator, self.arena.config.block_size
-        need = 2
-        for seq in scheduler.running:
-            table = seq.block_table
-            if not seq.uses_arena:
-                continue
-            if len(table) * bs < seq.num_tokens + 2 or allocator.ref_count(table[seq.num_physical // bs]) > 1:
-                need += 2
-        return allocator.num_free_blocks >= need
-
-    def _prefill(self, items: list[tuple[Sequence, int]]) -> list[RequestOutput]:
-        """Prefill chunks in passes of their own (batched by length); first tokens of finished prompts are read."""
-        sampled: list[tuple[Sequence, mx.array]] = []
-        for group in ScheduledStep(prefill=items).prefill_groups() if self.batch_prefill else [[i] for i in items]:
-            blas_threads_for_pass(sum(n for _, n in group))
-            logits_per_item = self.runner.prefill_batch(group)
-            self._computed(group)
-            sampled += [(seq, logits) for (seq, _), logits in zip(group, logits_per_item) if logits is not None]
-        if not sampled:
-            return []
-        drawn = [(seq, self._sample(self._states[seq.request_id], logits)) for seq, logits in sampled]
-        drawn = [(seq, draw) for seq, draw in drawn if draw is not None]  # a failed sampler ended its request
-        mx.eval([token for _, (token, _) in drawn])
-        return [self._emit(seq, int(token.item()), logprobs) for seq, (token, logprobs) in drawn]
-
-    def _computed(self, items: list[tuple[Sequence, int]]) -> None:
-        for seq, chunk in items:
-            self.num_prompt_tokens_computed += chunk
-            if seq.hook is None and not seq.kv_policy.evicts:
+    def _apply(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        """Record what the runner did: failures, physical lengths, prompt blocks, tokens read and in flight."""
+        for request_id, reason in result.errors.items():
+            state = self._states.get(request_id)
+            if state is not None and not state.seq.is_finished:
+                self._fail(state.seq, reason)
+        for request_id, num_physical in result.physical.items():
+            state = self._states.get(request_id)
+            if state is not None and not state.seq.is_finished:
+                self.scheduler.set_physical(state.seq, num_physical)
+        for item in plan.prefill:
+            self.num_prompt_tokens_computed += len(item.token_ids)
+            state = self._states.get(item.request_id)
+            if state is not None and state.seq.hook is None and not state.seq.kv_policy.evicts:
                 # Full prompt blocks enter the prefix cache as soon as they are computed, so a request
                 # waiting on the same prefix starts from them (see BlockManager.waits_for_shared_prefix).
-                self.block_manager.register_full_blocks(seq)
-
-    def _decode(self, seqs: list[Sequence], chunks: list[tuple[Sequence, int]] = ()) -> list[RequestOutput]:  # type: ignore[assignment]
-        """Launch one decode step on the (possibly still lazy) pending tokens, with `chunks` of prompts packed
-        into the same forward (`runner.mixed`), then read the previous step's tokens."""
+                self.block_manager.register_full_blocks(state.seq)
+        outputs = []
+        for sampled in result.sampled:
+            state = self._states.get(sampled.request_id)
+            if sampled.ready and state is not None and not state.seq.is_finished:
+                outputs.append(self._emit(state.seq, int(sampled.token.item()), sampled.logprobs))
         previous, self._inflight = self._inflight, {}
-        # An unread token that is its request's last by length needs no step after it.
-        seqs = [s for s in seqs if not (s.num_inflight and len(s.output_ids) + 1 >= s.sampling.max_tokens)]
-        launched = []
-        early = self._prefill(list(chunks)) if chunks and not seqs else []  # nothing left to mix with
-        chunks = chunks if seqs else []
-        if seqs:
-            pending = [previous[s.request_id][1] if s.num_inflight else None for s in seqs]
-            tokens = None
-            if any(p is not None for p in pending):
-                tokens = mx.concatenate([
-                    p.astype(mx.uint32).reshape(1) if p is not None
-                    else mx.array([s.token_at(s.num_computed)], dtype=mx.uint32)
-                    for s, p in zip(seqs, pending)
-                ]).reshape(-1, 1)
-            firsts: list[tuple[Sequence, mx.array]] = []
-            blas_threads_for_pass(len(seqs) + sum(n for _, n in chunks))
-            if chunks:
-                logits, chunk_logits = self.runner.mixed(seqs, tokens, chunks)
-                self._computed(chunks)
-                firsts = [(seq, out) for (seq, _), out in zip(chunks, chunk_logits) if out is not None]
-            else:
-                logits = self.runner.decode(seqs, tokens)
-            draws = [self._sample(self._states[s.request_id], logits[i : i + 1], p)
-                     for i, (s, p) in enumerate(zip(seqs, pending))]
-            # A prompt finished in the mixed pass: its first token is in flight like the decode tokens.
-            first_draws = [self._sample(self._states[seq.request_id], out) for seq, out in firsts]
-            # Log-probabilities: only what sampling needed. A mixed pass is computed now, not overlapped with the next
-            # step: the next step reads its tokens first anyway (a prompt was prefilling), and the adaptive budget
-            # needs the pass's real time.
-            (mx.eval if chunks else mx.async_eval)([d[0] for d in draws + first_draws if d is not None])
-            launched = [(seq, draw) for seq, draw in zip(seqs + [seq for seq, _ in firsts], draws + first_draws)
-                        if draw is not None]  # a failed sampler ended its request
-            self.num_decode_tokens += len(seqs)
-        outputs = early + self._resolve(previous)
-        for seq, (token, logprobs) in launched:
-            if seq.is_finished or seq.request_id not in self._states:
+        outputs.extend(self._resolve(previous))
+        for sampled in result.sampled:
+            state = self._states.get(sampled.request_id)
+            if sampled.ready or state is None or state.seq.is_finished:
                 continue  # the token it was launched on ended the request: discard this one
-            seq.num_inflight = 1
-            self._inflight[seq.request_id] = (seq, token, logprobs)
-        if not self.pipeline:
-            outputs.extend(self._drain())
+            self.scheduler.set_in_flight(state.seq, 1)
+            self._inflight[sampled.request_id] = (state.seq, sampled.token, sampled.logprobs)
         return outputs
 
+    def _adapt(self, plan: StepPlan, result: StepResult, decode_seconds: float | None) -> None:
+        """Feed the adaptive prefill budget this step's timings; pass its new budget to the scheduler."""
+        if self._adaptive is None:
+            return
+        mixed = result.mixed_tokens
+        self._adaptive.observe(result.prefill_tokens, result.prefill_seconds,
+                               decode_seconds if plan.decode and not mixed else None)
+        if mixed and decode_seconds is not None:
+            self._adaptive.observe_mixed(mixed, decode_seconds)
+        budget = self._adaptive.tokens(mixed=self.mixed_prefill)
+        if budget != self.scheduler.config.prefill_tokens_while_decoding:
+            self.scheduler.config = replace(self.scheduler.config, prefill_tokens_while_decoding=budget)
+
     def _drain(self) -> list[RequestOutput]:
-        """Read and post-process every token in flight."""
+        """Read and apply every token in flight."""
         entries, self._inflight = self._inflight, {}
         return self._resolve(entries)
 
@@ -342,59 +349,39 @@ class Engine:
         mx.eval([token for _, token, _ in entries.values()])
         outputs = []
         for seq, token, logprobs in entries.values():
-            seq.num_inflight = 0
             if seq.is_finished or seq.request_id not in self._states:
                 continue
             outputs.append(self._emit(seq, int(token.item()), logprobs))
         return outputs
 
-    def _sample(self, state: _RequestState, logits: mx.array,
-                pending: mx.array | None = None) -> tuple[mx.array, mx.array] | None:
-        """The lazy token and log-probabilities for one request, or None when its sampler (or a logits processor)
-        failed: that request then ends with finish_reason "error" (reported by this step) and the others go on."""
-        try:
-            with keep_random_state():  # a sampler that raises must not leave MLX's random state broken for others
-                token, logprobs = state.draw(logits, pending)
-            if token.size != 1 or not mx.issubdtype(token.dtype, mx.integer):
-                raise TypeError(f"the sampler returned a {token.dtype} array of shape {tuple(token.shape)}, "
-                                "expected one integer token id")
-        except Exception as exc:  # noqa: BLE001 - any failure ends this request only, with its reason
-            self._fail(state.seq, f"sampling failed: {type(exc).__name__}: {exc}")
-            return None
-        return token, logprobs
-
     def _fail(self, seq: Sequence, reason: str) -> None:
         """End a running request with finish_reason "error"; its output goes out with this step's."""
         self._inflight.pop(seq.request_id, None)
-        seq.num_inflight = 0
-        self.scheduler.finish(seq, "error", reason)
-        self.runner.drop(seq)
+        self.scheduler.finish(seq, FinishReason.ERROR, reason)
         self._failures.append(self._final_output(seq))
 
     def _emit(self, seq: Sequence, token_id: int, logprobs: mx.array) -> RequestOutput:
         """Append one read token to its request: text, stop conditions, prefix-cache blocks, finishing."""
         state = self._states[seq.request_id]
-        now = time.perf_counter()
-        seq.output_ids.append(token_id)
+        self.scheduler.record_token(seq, token_id, time.perf_counter())
         self.num_generated_tokens += 1
-        if seq.first_token_time is None:
-            seq.first_token_time = now
+        reason = None
         if token_id in state.eos_ids:
-            text, reason = state.text.finish(), "stop"
+            text, reason = state.text.finish(), FinishReason.STOP
         else:
             text = state.text.add_token(token_id)
-            reason = "stop" if state.text.stopped else None
-            if reason is None and len(seq.output_ids) >= seq.sampling.max_tokens:
+            if state.text.stopped:
+                reason = FinishReason.STOP
+            elif len(seq.output_ids) >= seq.sampling.max_tokens:
                 text = text + state.text.finish()
                 # The flush can complete a stop string that the held-back text hid until now.
-                reason = "stop" if state.text.stopped else "length"
+                reason = FinishReason.STOP if state.text.stopped else FinishReason.LENGTH
         if not seq.kv_policy.evicts:
             # An evicting sequence's blocks stay private: a shared block would have to be copied on write
             # by the next eviction, which may find no free block.
             self.block_manager.register_full_blocks(seq)
         if reason is not None:
             self.scheduler.finish(seq, reason)
-            self.runner.drop(seq)
             del self._states[seq.request_id]
         return RequestOutput(
             seq.request_id, token_id, text, logprobs, len(seq.prompt_ids), len(seq.output_ids), reason,

@@ -1,176 +1,247 @@
-"""Runs the scheduled step on the model: prefill chunks (one sequence each) and one batched decode forward.
+"""Executes a `StepPlan` on the model and returns a `StepResult` (engine/step_plan.py).
 
-KV policies: a sequence whose policy evicts gets a `PolicyState` here. After each of its forward passes (a whole
-prefill chunk or the decode step, never in the middle of one, so the causal mask of a chunk is never broken) the
-runner evaluates the logits first (so no lazy graph still reads the arena buffers the eviction rewrites in place),
-then lets the policy evict through `SequenceKV.keep`, which frees surplus blocks at once, and sets
-`seq.num_physical` from the sequence's physical length. Sequences without such a policy take the unchanged path.
+The runner holds, per request it was told about (`NewRequest`), its view of the KV (a managed `SequenceKV` whose
+table and counters come from each `WorkItem`), its policy runtime and its sampler; it never sees a `Sequence`. A step
+copies the planned copy-on-write blocks, then runs the prefill chunks that need passes of their own (batched by
+length, engine/prefill_batch.py), then one decode forward for every decode item, with the remaining prefill chunks
+packed into it (engine/mixed_batch.py). The decode forward's tokens are sampled lazily and launched with
+`mx.async_eval`, so the engine reads them one step later while the next step's graph is being built.
 
-Each forward pass over the arena first lets it grow one layer ahead (`KVArena.grow_ahead`, see kv/arena.py), so a
-growing arena's copies and page faults are spread over steps instead of stalling one.
+KV policies: a request whose policy evicts gets a `PolicyState`. After each of its forward passes (a whole prefill
+chunk or the decode step, never inside one, so a chunk's causal mask is never broken) the runner evaluates the
+logits first (no lazy graph may still read the slots the eviction rewrites in place), lets the policy evict, and
+reports the request's new physical length in the result; the block manager frees the blocks past it.
+
+Each forward pass over the arena first lets it grow one layer ahead (`KVArena.grow_ahead`), so a growing arena's
+copies and page faults are spread over steps instead of stalling one.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from cortexstream.engine.batch_cache import DecodeBatch
+from cortexstream.engine.forward import head_of, last_token_logits
 from cortexstream.engine.mixed_batch import MixedBatch
+from cortexstream.engine.policy_runtime import PolicyState, batch_attention_hook, needs_batch_hook, policy_caches
 from cortexstream.engine.prefill_batch import PrefillBatch
-from cortexstream.engine.sequence import Sequence
+from cortexstream.engine.request_sampler import RequestSampler, SamplingFailed
+from cortexstream.engine.step_plan import NewRequest, SampledToken, StepPlan, StepResult, WorkItem
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_cache import ArenaKVCache
 from cortexstream.kv.sequence_kv import SequenceKV
-from cortexstream.engine.policy_runtime import PolicyState, batch_attention_hook, needs_batch_hook, policy_caches
 
 
-def head_of(model: nn.Module) -> Any:
-    """The output projection of an mlx-lm decoder (`model.model` -> hidden states -> this -> logits), or None when
-    the model is not one of the known layouts (then the whole model is called)."""
-    body = getattr(model, "model", None)
-    if body is None or getattr(model, "model_type", None) not in _KNOWN_LAYOUTS:
-        return None
-    head = getattr(model, "lm_head", None)
-    if head is not None:
-        return head
-    embed = getattr(body, "embed_tokens", None)
-    args = getattr(model, "args", None)
-    if embed is not None and getattr(args, "tie_word_embeddings", False):
-        return embed.as_linear
-    return None
+@dataclass
+class _Request:
+    """What the runner keeps for one request between steps."""
 
-
-# mlx-lm model types whose __call__ is exactly `head(self.model(inputs, cache))`.
-_KNOWN_LAYOUTS = ("llama", "qwen2", "mistral")
-
-
-def last_token_logits(model: nn.Module, tokens: mx.array, cache: list[Any]) -> mx.array:
-    """Logits of the last position only, `[B, 1, V]`: the prompt's other positions never go through the
-    vocabulary projection (49152 x 576 for SmolLM2, about a tenth of a 512-token prefill)."""
-    head = head_of(model)
-    if head is None:
-        return model(tokens, cache=cache)[:, -1:, :]
-    hidden = model.model(tokens, cache=cache)
-    return head(hidden[:, -1:, :])
+    spec: NewRequest
+    sampler: RequestSampler
+    kv: SequenceKV | None = None
+    policy: PolicyState | None = None
+    last: mx.array | None = None  # the token sampled last, possibly still lazy
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, arena: KVArena) -> None:
+    def __init__(self, model: nn.Module, arena: KVArena, *, batch_prefill: bool = True, mixed_prefill: bool = True,
+                 before_forward: Callable[[int], None] | None = None) -> None:
         self.model = model
         self.arena = arena
-        self._kv: dict[str, SequenceKV] = {}
-        self._policy: dict[str, PolicyState] = {}
+        # Several requests' prefill chunks in one forward pass (False: one per pass).
+        self.batch_prefill = batch_prefill
+        # Prefill chunks packed into the decode forward of a step that decodes (see engine/mixed_batch.py).
+        self.mixed_prefill = mixed_prefill
+        self.before_forward = before_forward or (lambda rows: None)  # the compute backend's per-pass hook
+        self._requests: dict[str, _Request] = {}
 
-    # --- per-sequence KV views --------------------------------------------------------------------------------
-    def kv(self, seq: Sequence) -> SequenceKV:
-        """The sequence's arena view, sharing its block table list with the scheduler's Sequence."""
-        kv = self._kv.get(seq.request_id)
-        if kv is None or kv.blocks is not seq.block_table:
-            kv = SequenceKV(self.arena, owner=seq.owner, contiguous=False, blocks=seq.block_table)
-            kv.lengths = [seq.num_physical] * len(kv.lengths)
-            kv.offsets = [seq.num_computed] * len(kv.offsets)
-            self._kv[seq.request_id] = kv
-            self._policy.pop(seq.request_id, None)
+    # --- per-request state ------------------------------------------------------------------------------------
+    def knows(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def kv_view(self, request_id: str) -> SequenceKV | None:
+        """The request's KV view as of its last step (tests and diagnostics read it)."""
+        request = self._requests.get(request_id)
+        return None if request is None else request.kv
+
+    def _open(self, spec: NewRequest) -> None:
+        self._requests[spec.request_id] = _Request(spec, RequestSampler(spec.sampling, spec.token_ids, spec.sampler))
+
+    def _kv(self, request: _Request, item: WorkItem) -> SequenceKV:
+        kv = request.kv
+        if kv is None:
+            kv = request.kv = SequenceKV(self.arena, owner=request.spec.owner, contiguous=False, managed=True)
+        kv.sync(item.block_table, item.physical_start, item.start)
+        if request.policy is None and request.spec.kv_policy.evicts:
+            request.policy = PolicyState.for_sequence(request.spec.kv_policy, kv, self.model)
         return kv
 
-    def policy_state(self, seq: Sequence) -> PolicyState | None:
-        """The sequence's policy runtime, or None when its policy never evicts (the fast path)."""
-        policy = seq.kv_policy
-        if not policy.evicts:
-            return None
-        state = self._policy.get(seq.request_id)
-        if state is None:
-            state = PolicyState.for_sequence(policy, self.kv(seq), self.model)
-            self._policy[seq.request_id] = state
-        return state
-
-    def drop(self, seq: Sequence) -> None:
-        self._kv.pop(seq.request_id, None)
-        self._policy.pop(seq.request_id, None)
-
-    def _caches(self, seq: Sequence, kv: SequenceKV) -> list[Any]:
-        state = self.policy_state(seq)
-        if state is not None:
-            return policy_caches(kv, state)
+    def _caches(self, request: _Request, kv: SequenceKV) -> list[Any]:
+        if request.policy is not None:
+            return policy_caches(kv, request.policy)
         return [ArenaKVCache(kv, layer) for layer in range(self.arena.config.num_layers)]
 
-    def _evict(self, seq: Sequence, kv: SequenceKV) -> None:
-        state = self.policy_state(seq)
-        if state is not None:
-            state.after_forward(kv, seq.max_total_tokens)
-        seq.num_physical = kv.num_tokens
+    # --- between steps: KV read and written from outside the model (C2C fusion) -------------------------------
+    def copy_blocks(self, pairs: tuple[tuple[int, int], ...]) -> None:
+        """Copy-on-write: each (source, destination) block, in order, before anything writes."""
+        if pairs:
+            with self.arena.lock:
+                for src, dst in pairs:
+                    self.arena.copy_block(src, dst)
 
-    # --- forward passes ---------------------------------------------------------------------------------------
-    def prefill(self, seq: Sequence, num_tokens: int) -> mx.array | None:
-        """Compute KV for the next `num_tokens` pending tokens; logits of the last one if the prompt is done."""
-        if not seq.uses_arena:
-            return self._bound_forward(seq, seq.all_ids[seq.num_computed : seq.num_computed + num_tokens])
+    def read_kv(self, block_table: tuple[int, ...], num_tokens: int) -> list[tuple[mx.array, mx.array]]:
+        """Per layer `(K, V)` `[1, H, N, D]` of the first `num_tokens` slots: evaluated copies, never views."""
+        layers = []
+        for layer in range(self.arena.config.num_layers):
+            k, v = self.arena.read(layer, list(block_table), num_tokens)
+            layers.append((mx.multiply(k, 1)[None], mx.multiply(v, 1)[None]))  # x*1 copies bit-exactly (keeps -0.0)
+        mx.eval(layers)
+        return layers
+
+    def write_kv(self, block_table: tuple[int, ...], start: int,
+                 layers: list[tuple[int, tuple[mx.array, mx.array]]]) -> None:
+        """Write `(layer, (K, V) [1, H, N, D])` at slots [start, start + N) of a (private) block table."""
+        with self.arena.lock:
+            for layer, (k, v) in layers:
+                self.arena.write(layer, list(block_table), start, k[0], v[0])
+            mx.eval(self.arena.keys, self.arena.values)
+
+    # --- the step ---------------------------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepResult:
+        for request_id in plan.dropped:
+            self._requests.pop(request_id, None)
+        for spec in plan.new_requests:
+            self._open(spec)
+        self.arena.ensure_blocks(plan.num_blocks_used)
+        self.copy_blocks(plan.copies)
+        out = _Outcome()
+        decode = list(plan.decode)
+        mixed = self._mixable(decode, plan.prefill) if self.mixed_prefill and decode else []
+        riding = {id(item) for item in mixed}
+        separate = [item for item in plan.prefill if id(item) not in riding]
+        tic = time.perf_counter()
+        self._prefill(separate, out)
+        out.prefill_seconds = time.perf_counter() - tic
+        if decode:
+            self._decode(decode, mixed, out)
+        return StepResult(tuple(out.sampled), out.physical, out.errors, sum(i.num_tokens for i in separate),
+                          out.prefill_seconds, sum(i.num_tokens for i in mixed))
+
+    def _mixable(self, decode: list[WorkItem], items: tuple[WorkItem, ...]) -> list[WorkItem]:
+        """The prefill items that may ride in the decode forward: none unless every decode row can (on the arena,
+        no evicting policy, a known model layout), then those marked mixable."""
+        if head_of(self.model) is None or any(
+                item.alone or self._requests[item.request_id].spec.kv_policy.evicts for item in decode):
+            return []
+        return [item for item in items if item.mixable]
+
+    def _groups(self, items: list[WorkItem], max_padding: float = 1.25) -> list[list[WorkItem]]:
+        """Prefill chunks grouped into batched passes: chunks of similar length together (a group's padded size
+        stays within `max_padding` x its real tokens); an item that must be alone in a pass of its own."""
+        if not self.batch_prefill:
+            return [[item] for item in items]
+        groups: list[list[WorkItem]] = [[item] for item in items if item.alone]
+        batched: list[list[WorkItem]] = []
+        for item in sorted((i for i in items if not i.alone), key=lambda i: -i.num_tokens):
+            group = batched[-1] if batched else None
+            if group is not None and (len(group) + 1) * group[0].num_tokens <= max_padding * (
+                    sum(i.num_tokens for i in group) + item.num_tokens):
+                group.append(item)
+            else:
+                batched.append([item])
+        return groups + batched
+
+    def _prefill(self, items: list[WorkItem], out: "_Outcome") -> None:
+        """Prefill chunks in passes of their own; the first tokens of finished prompts are sampled and read."""
+        drawn = []
+        for group in self._groups(items):
+            self.before_forward(sum(item.num_tokens for item in group))
+            logits = self._prefill_group(group, out) if len(group) > 1 else [self._prefill_one(group[0], out)]
+            drawn += [self._draw(item, row, out) for item, row in zip(group, logits) if row is not None]
+        drawn = [d for d in drawn if d is not None]
+        if drawn:
+            mx.eval([token for _, token, _ in drawn])
+            out.sampled += [SampledToken(rid, token, logprobs, ready=True) for rid, token, logprobs in drawn]
+
+    def _prefill_one(self, item: WorkItem, out: "_Outcome") -> mx.array | None:
+        """One chunk in its own pass; the logits `[1, V]` of its last token when the item samples."""
+        request = self._requests[item.request_id]
+        tokens = mx.array(item.token_ids, dtype=mx.uint32)[None]
+        if request.spec.bound_cache is not None:
+            return self._bound_forward(request, tokens, item.sample)
         self.arena.grow_ahead()
-        kv = self.kv(seq)
-        start = seq.num_computed
-        tokens = mx.array(seq.all_ids[start : start + num_tokens], dtype=mx.uint32)
-        kv.make_writable(kv.num_tokens, kv.num_tokens + num_tokens)
-        state = self.policy_state(seq)
-        caches = self._caches(seq, kv)
-        seq.num_computed += num_tokens
-        if seq.num_pending == 0:
-            out = last_token_logits(self.model, tokens[None], caches)[0]
+        kv = self._kv(request, item)
+        caches = self._caches(request, kv)
+        if item.sample:
+            logits = last_token_logits(self.model, tokens, caches)[0]
         else:
-            out = None
+            logits = None
             body = getattr(self.model, "model", None)
-            (body if body is not None and head_of(self.model) is not None else self.model)(tokens[None], cache=caches)
-        if state is not None:
-            mx.eval([a for a in (out,) if a is not None], self.arena.keys, self.arena.values, state.pending_arrays())
-            self._evict(seq, kv)
-            return out
-        seq.num_physical = kv.num_tokens
-        # Evaluate now, not with the step's other logits: a later prefill in the same step writing the arena while
+            (body if body is not None and head_of(self.model) is not None else self.model)(tokens, cache=caches)
+        # Evaluate now, not with the step's other logits: a later pass in the same step writing the arena while
         # this graph (holding views of the layer buffers) is pending would make MLX copy every layer buffer.
-        mx.eval([a for a in (out,) if a is not None], self.arena.keys, self.arena.values)
-        return out
+        policy = request.policy
+        mx.eval([a for a in (logits,) if a is not None], self.arena.keys, self.arena.values,
+                policy.pending_arrays() if policy is not None else [])
+        self._after_forward(request, kv, item, out)
+        return logits
 
-    def prefill_batch(self, items: list[tuple[Sequence, int]]) -> list[mx.array | None]:
-        """One forward pass over several sequences' next prefill chunks (none with an evicting policy): each
-        gets its KV computed, and the logits `[1, V]` of its last token when its prompt is done, else None."""
-        if len(items) == 1:
-            return [self.prefill(*items[0])]
+    def _prefill_group(self, items: list[WorkItem], out: "_Outcome") -> list[mx.array | None]:
+        """One forward over several requests' chunks (none with an evicting policy or a caller's cache)."""
         self.arena.grow_ahead()
-        kvs = [self.kv(seq) for seq, _ in items]
-        chunks = [seq.all_ids[seq.num_computed : seq.num_computed + n] for seq, n in items]
-        for kv, (_, n) in zip(kvs, items):
-            kv.make_writable(kv.num_tokens, kv.num_tokens + n)
-        batch = PrefillBatch(self.arena, kvs, chunks)
+        requests = [self._requests[item.request_id] for item in items]
+        kvs = [self._kv(request, item) for request, item in zip(requests, items)]
+        batch = PrefillBatch(self.arena, kvs, [list(item.token_ids) for item in items])
         logits = last_token_logits(self.model, batch.tokens, batch.caches())[:, 0, :]
         batch.commit()
-        for (seq, n), kv in zip(items, kvs):
-            seq.num_computed += n
-            seq.num_physical = kv.num_tokens
-        done = [seq.num_pending == 0 for seq, _ in items]
-        # As in `prefill`: evaluate before any other forward pass writes the arena.
-        mx.eval(logits if any(done) else [], self.arena.keys, self.arena.values)
+        done = [item.sample for item in items]
+        mx.eval(logits if any(done) else [], self.arena.keys, self.arena.values)  # as in `_prefill_one`
         return [logits[i : i + 1] if finished else None for i, finished in enumerate(done)]
 
-    def decode(self, seqs: list[Sequence], tokens: mx.array | None = None) -> mx.array:
-        """One forward for all `seqs` (each with exactly one pending token); returns logits [B, V].
+    def _decode(self, items: list[WorkItem], chunks: list[WorkItem], out: "_Outcome") -> None:
+        """One forward for every decode item (with `chunks` of prompts packed in), sampled and launched."""
+        requests = [self._requests[item.request_id] for item in items]
+        if any(not item.token_ids for item in items):
+            tokens = mx.concatenate([
+                request.last.astype(mx.uint32).reshape(1) if not item.token_ids
+                else mx.array(item.token_ids, dtype=mx.uint32)
+                for request, item in zip(requests, items)
+            ]).reshape(-1, 1)
+        else:
+            tokens = mx.array(np.array([item.token_ids for item in items], dtype=np.uint32))
+        self.before_forward(len(items) + sum(item.num_tokens for item in chunks))
+        firsts: list[tuple[WorkItem, mx.array]] = []
+        if chunks:
+            logits, chunk_logits = self._mixed(items, tokens, chunks)
+            firsts = [(item, row) for item, row in zip(chunks, chunk_logits) if row is not None]
+        elif all(request.spec.bound_cache is None for request in requests):
+            logits = self._decode_arena(items, tokens, out)
+        else:
+            logits = self._decode_with_bound(items, tokens, out)
+        drawn = [self._draw(item, logits[i : i + 1], out) for i, item in enumerate(items)]
+        # A prompt finished in the mixed pass: its first token is in flight like the decode tokens.
+        drawn += [self._draw(item, row, out) for item, row in firsts]
+        drawn = [d for d in drawn if d is not None]
+        # Log-probabilities: only what sampling needed. A mixed pass is computed now, not overlapped with the next
+        # step: the next step reads its tokens first anyway (a prompt was prefilling), and the adaptive budget
+        # needs the pass's real time.
+        (mx.eval if chunks else mx.async_eval)([token for _, token, _ in drawn])
+        out.sampled += [SampledToken(rid, token, logprobs, ready=False) for rid, token, logprobs in drawn]
 
-        tokens: the pending tokens as `[B, 1]`, possibly lazy (sampled by a step still in flight); by default
-        read from the sequences.
-        """
-        if tokens is None:
-            tokens = mx.array(np.array([[seq.token_at(seq.num_computed)] for seq in seqs], dtype=np.uint32))
-        if not all(seq.uses_arena for seq in seqs):
-            return self._decode_with_bound(seqs, tokens)
+    def _decode_arena(self, items: list[WorkItem], tokens: mx.array, out: "_Outcome") -> mx.array:
+        """One batched decode forward over arena requests; logits `[B, V]`."""
         self.arena.grow_ahead()
-        kvs = [self.kv(seq) for seq in seqs]
-        states = [self.policy_state(seq) for seq in seqs]
-        for kv in kvs:
-            kv.make_writable(kv.num_tokens, kv.num_tokens + 1)
-        if len(seqs) == 1:  # contiguous tables get zero-copy views through the single-sequence cache
-            logits = self.model(tokens, cache=self._caches(seqs[0], kvs[0]))
+        requests = [self._requests[item.request_id] for item in items]
+        kvs = [self._kv(request, item) for request, item in zip(requests, items)]
+        states = [request.policy for request in requests]
+        if len(items) == 1:  # contiguous tables get zero-copy views through the single-sequence cache
+            logits = self.model(tokens, cache=self._caches(requests[0], kvs[0]))
         else:
             batch = DecodeBatch(self.arena, kvs)
             caches = batch.caches()
@@ -183,69 +254,74 @@ class ModelRunner:
         logits = logits[:, -1, :]
         if any(s is not None for s in states):
             mx.eval(logits, [s.pending_arrays() for s in states if s is not None])
-        for seq, kv in zip(seqs, kvs):
-            seq.num_computed += 1
-            self._evict(seq, kv)
+        for request, kv, item in zip(requests, kvs, items):
+            self._after_forward(request, kv, item, out)
         return logits
 
-    def mixable(self, decode: list[Sequence], items: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
-        """The prefill items that may ride in the decode forward of `decode` (see engine/mixed_batch.py): none
-        unless every decode row can, then those on the arena that prefill with others and have no hook."""
-        if not decode or head_of(self.model) is None or not all(
-                seq.uses_arena and not seq.kv_policy.evicts for seq in decode):
-            return []
-        return [(seq, n) for seq, n in items if seq.uses_arena and not seq.prefills_alone and seq.hook is None]
-
-    def mixed(self, seqs: list[Sequence], tokens: mx.array | None,
-              items: list[tuple[Sequence, int]]) -> tuple[mx.array, list[mx.array | None]]:
-        """One forward that decodes `seqs` (one pending token each; `tokens` `[B, 1]` possibly lazy, as for
-        `decode`) and computes the next prefill chunk of each item (all of them `mixable`). Returns the
-        decode logits `[B, V]` and, per item, the logits `[1, V]` of its last token when its prompt is done."""
-        if tokens is None:
-            tokens = mx.array(np.array([[seq.token_at(seq.num_computed)] for seq in seqs], dtype=np.uint32))
+    def _mixed(self, items: list[WorkItem], tokens: mx.array,
+               chunks: list[WorkItem]) -> tuple[mx.array, list[mx.array | None]]:
+        """One forward that decodes `items` and computes each chunk; the decode logits `[B, V]` and, per chunk,
+        the logits `[1, V]` of its last token when it samples."""
         self.arena.grow_ahead()
-        kvs = [self.kv(seq) for seq in seqs]
-        for kv in kvs:
-            kv.make_writable(kv.num_tokens, kv.num_tokens + 1)
-        chunk_kvs = [self.kv(seq) for seq, _ in items]
-        for kv, (_, n) in zip(chunk_kvs, items):
-            kv.make_writable(kv.num_tokens, kv.num_tokens + n)
-        batch = MixedBatch(DecodeBatch(self.arena, kvs), [
-            (kv, seq.all_ids[seq.num_computed : seq.num_computed + n]) for kv, (seq, n) in zip(chunk_kvs, items)])
+        kvs = [self._kv(self._requests[item.request_id], item) for item in items]
+        chunk_kvs = [self._kv(self._requests[item.request_id], item) for item in chunks]
+        batch = MixedBatch(DecodeBatch(self.arena, kvs),
+                           [(kv, list(item.token_ids)) for kv, item in zip(chunk_kvs, chunks)])
         hidden = self.model.model(batch.tokens(tokens), cache=batch.caches())  # [T, 1, hidden]
         batch.commit()
-        for seq, kv in zip(seqs, kvs):
-            seq.num_computed += 1
-            seq.num_physical = kv.num_tokens
-        for (seq, n), kv in zip(items, chunk_kvs):
-            seq.num_computed += n
-            seq.num_physical = kv.num_tokens
-        done = [seq.num_pending == 0 for seq, _ in items]
+        done = [item.sample for item in chunks]
         rows = batch.logit_rows(done)
         logits = head_of(self.model)(hidden[mx.array(np.asarray(rows, dtype=np.int32))])[:, 0, :]
         chunk_logits: list[mx.array | None] = []
-        row = len(seqs)
+        row = len(items)
         for finished in done:
             chunk_logits.append(logits[row : row + 1] if finished else None)
             row += int(finished)
-        return logits[: len(seqs)], chunk_logits
+        return logits[: len(items)], chunk_logits
 
-    # --- sequences bound to a caller's prompt cache -------------------------------------------------------------
-    def _bound_forward(self, seq: Sequence, tokens: list[int] | mx.array) -> mx.array | None:
-        tokens = tokens if isinstance(tokens, mx.array) else mx.array(tokens, dtype=mx.uint32)[None]
-        seq.num_computed += tokens.shape[1]
-        seq.num_physical = seq.num_computed
-        return seq.bound_cache.forward(self.model, head_of(self.model), tokens, want_logits=seq.num_pending == 0)
+    def _after_forward(self, request: _Request, kv: SequenceKV, item: WorkItem, out: "_Outcome") -> None:
+        """Let an evicting policy act on the request's KV; report its physical length when it changed."""
+        if request.policy is None:
+            return
+        request.policy.after_forward(kv, request.spec.max_total_tokens)
+        if kv.num_tokens != item.physical_start + item.num_tokens:
+            out.physical[item.request_id] = kv.num_tokens
 
-    def _decode_with_bound(self, seqs: list[Sequence], tokens: mx.array) -> mx.array:
-        """Arena sequences in one batched forward, each bound one in its own; logits [B, V] in `seqs` order."""
-        rows = [i for i, seq in enumerate(seqs) if seq.uses_arena]
-        logits: list[mx.array | None] = [None] * len(seqs)
+    # --- requests on a caller's prompt cache ------------------------------------------------------------------
+    def _bound_forward(self, request: _Request, tokens: mx.array, want_logits: bool) -> mx.array | None:
+        return request.spec.bound_cache.forward(self.model, head_of(self.model), tokens, want_logits=want_logits)
+
+    def _decode_with_bound(self, items: list[WorkItem], tokens: mx.array, out: "_Outcome") -> mx.array:
+        """Arena requests in one batched forward, each bound one in its own; logits `[B, V]` in `items` order."""
+        rows = [i for i, item in enumerate(items) if self._requests[item.request_id].spec.bound_cache is None]
+        logits: list[mx.array | None] = [None] * len(items)
         if rows:
-            batch = self.decode([seqs[i] for i in rows], tokens[mx.array(rows)])
+            batch = self._decode_arena([items[i] for i in rows], tokens[mx.array(rows)], out)
             for j, i in enumerate(rows):
                 logits[i] = batch[j : j + 1]
-        for i, seq in enumerate(seqs):
-            if not seq.uses_arena:
-                logits[i] = self._bound_forward(seq, tokens[i : i + 1])
+        for i, item in enumerate(items):
+            if logits[i] is None:
+                logits[i] = self._bound_forward(self._requests[item.request_id], tokens[i : i + 1], True)
         return mx.concatenate(logits, axis=0)
+
+    # --- sampling ---------------------------------------------------------------------------------------------
+    def _draw(self, item: WorkItem, logits: mx.array, out: "_Outcome") -> tuple[str, mx.array, mx.array] | None:
+        """The lazy token and log-probabilities of one request, or None when its sampler failed (reported)."""
+        request = self._requests[item.request_id]
+        try:
+            token, logprobs = request.sampler.draw(logits)
+        except SamplingFailed as exc:
+            out.errors[item.request_id] = str(exc)
+            return None
+        request.last = token
+        return item.request_id, token, logprobs
+
+
+class _Outcome:
+    """What a step's passes collect for its `StepResult`."""
+
+    def __init__(self) -> None:
+        self.sampled: list[SampledToken] = []
+        self.physical: dict[str, int] = {}
+        self.errors: dict[str, str] = {}
+        self.prefill_seconds = 0.0

@@ -16,11 +16,13 @@ the hook runs at the start of the next `schedule()` (between forward passes), th
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cortexstream.engine.block_manager import BlockManager
+from cortexstream.engine.finish_reason import FinishReason
+from cortexstream.engine.sequence import Sequence, SequenceHook, SequenceStatus
+from cortexstream.engine.step_plan import NewRequest, StepPlan, WorkItem, WorkKind
 from cortexstream.errors import InvalidArgumentError
-from cortexstream.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
@@ -49,34 +51,9 @@ class SchedulerConfig:
         return self.prefill_step_size
 
 
-@dataclass
-class ScheduledStep:
-    prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute now)
-    decode: list[Sequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)  # taken off `running` (failed ones too): drop state
-    finished: list[Sequence] = field(default_factory=list)  # rejected or aborted since the last step
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.prefill or self.decode or self.finished)
-
-    def prefill_groups(self, max_padding: float = 1.25) -> list[list[tuple[Sequence, int]]]:
-        """The prefill chunks grouped into batched forward passes: chunks of similar length together (a group's
-        padded size stays within `max_padding` x its real tokens); a sequence whose policy evicts alone, since
-        its policy acts between its own forward passes."""
-        alone = [[item] for item in self.prefill if item[0].prefills_alone]
-        groups: list[list[tuple[Sequence, int]]] = []
-        for item in sorted((i for i in self.prefill if not i[0].prefills_alone), key=lambda i: -i[1]):
-            group = groups[-1] if groups else None
-            if group is not None and (len(group) + 1) * group[0][1] <= max_padding * (
-                    sum(n for _, n in group) + item[1]):
-                group.append(item)
-            else:
-                groups.append([item])
-        return alone + groups
-
-
 class Scheduler:
+    """Owns every sequence's state; `schedule()` decides the next step and returns it as a `StepPlan`."""
+
     def __init__(self, block_manager: BlockManager, config: SchedulerConfig | None = None) -> None:
         self.blocks = block_manager
         self.config = config or SchedulerConfig()
@@ -84,6 +61,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._finished: list[Sequence] = []
         self.num_preemptions = 0
+        self._announced: set[str] = set()  # requests the runner holds state for
+        self._dropped: list[str] = []  # ... that it must forget with the next plan
 
     # --- requests ---------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -91,8 +70,8 @@ class Scheduler:
         needed = self.blocks.blocks_for(self.physical_budget(seq)) if seq.uses_arena else 0
         total = self.blocks.allocator.num_total_blocks
         if needed > total:
-            seq.finish(
-                "rejected",
+            self._set_finished(
+                seq, FinishReason.REJECTED,
                 f"needs {needed} KV blocks ({self.physical_budget(seq)} tokens) but the arena has {total}; "
                 "lower max_tokens, shorten the prompt, or use a KV policy with a budget",
             )
@@ -104,19 +83,6 @@ class Scheduler:
         """Most KV slots the sequence can ever hold: its policy's bound, else prompt + max_tokens."""
         limit = seq.kv_policy.max_physical_tokens(seq.max_total_tokens, self.config.prefill_step_size)
         return min(seq.max_total_tokens, limit) if limit else seq.max_total_tokens
-
-    def abort(self, request_id: str) -> Sequence | None:
-        for seq in list(self.waiting) + self.running:
-            if seq.request_id == request_id:
-                if seq in self.running:
-                    self.running.remove(seq)
-                    self.blocks.release(seq)
-                else:
-                    self.waiting.remove(seq)
-                seq.finish("aborted")
-                self._finished.append(seq)
-                return seq
-        return None
 
     def live_sequences(self) -> list[Sequence]:
         """Waiting then running sequences."""
@@ -131,25 +97,101 @@ class Scheduler:
                 return seq
         return None
 
-    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        """Called by the engine when a running sequence hit eos, a stop string or max_tokens, or failed."""
-        seq.finish(reason, error)
+    def abort(self, request_id: str) -> Sequence | None:
+        seq = self.lookup(request_id)
+        if seq is None:
+            return None
         if seq in self.running:
             self.running.remove(seq)
-        self.blocks.release(seq)
+            self._release(seq)
+        else:
+            self.waiting.remove(seq)
+        self._set_finished(seq, FinishReason.ABORTED)
+        self._finished.append(seq)
+        return seq
+
+    def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        """Called by the engine when a running sequence hit eos, a stop string or max_tokens, or failed."""
+        self._set_finished(seq, reason, error)
+        if seq in self.running:
+            self.running.remove(seq)
+        self._release(seq)
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._finished)
 
+    # --- what the engine records between steps ---------------------------------------------------------------
+    def record_token(self, seq: Sequence, token_id: int, now: float) -> None:
+        """A sampled token was read: it joins the output (no longer in flight)."""
+        seq.num_inflight = 0
+        seq.output_ids.append(token_id)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+
+    def set_in_flight(self, seq: Sequence, count: int) -> None:
+        """`count` (0 or 1) sampled tokens of `seq` are being computed and not read yet."""
+        seq.num_inflight = count
+
+    def set_physical(self, seq: Sequence, num_physical: int) -> None:
+        """The runner's policy left `num_physical` KV slots (evicted or compressed); surplus blocks go back."""
+        if seq.uses_arena:
+            self.blocks.set_physical(seq, num_physical)
+        else:
+            seq.num_physical = num_physical
+
+    def attach_hook(self, seq: Sequence, hook: SequenceHook) -> None:
+        """Give the sequence its hook; it must not have one already nor have passed `hook.at_token`."""
+        if seq.hook is not None:
+            raise InvalidArgumentError(f"request '{seq.request_id}' already has a {seq.hook.name} hook")
+        if seq.num_computed > hook.at_token or seq.output_ids:
+            raise InvalidArgumentError(f"request '{seq.request_id}' is already past token {hook.at_token}")
+        seq.hook = hook
+
+    def set_sampler(self, seq: Sequence, sampler: object) -> None:
+        if seq.request_id in self._announced:
+            raise InvalidArgumentError(f"request '{seq.request_id}' has started: its sampler is set before its "
+                                       "first step")
+        seq.sampler = sampler
+
+    def make_writable(self, seq: Sequence, start: int, end: int) -> tuple[tuple[int, int], ...]:
+        """Prepare KV slots [start, end) of a running sequence for a write from outside the model (C2C fusion):
+        shared blocks get private copies (the returned pairs, to copy first), and since such KV cannot be rebuilt
+        from the tokens, the sequence is never preempted by recompute nor registered in the prefix cache."""
+        seq.kv_from_tokens = False
+        return tuple(self.blocks.make_writable(seq, start, end))
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start `child` running from the parent's computed KV (shared blocks, same counters)."""
+        self.blocks.fork(parent, child)
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+
     # --- the step ---------------------------------------------------------------------------------------------
-    def schedule(self) -> ScheduledStep:
-        step = ScheduledStep(finished=self._finished)
-        self._finished = []
+    def may_pipeline(self) -> bool:
+        """True when the next step can only decode: nothing to admit or prefill, and blocks enough for every
+        running sequence to grow (and copy on write) without preempting anyone."""
+        if self.waiting or any(s.num_pending > 1 for s in self.running):
+            return False
+        # A sequence with room reserved for its next two tokens needs no block, unless it writes a shared one.
+        allocator, bs = self.blocks.allocator, self.blocks.block_size
+        need = 2
+        for seq in self.running:
+            table = seq.block_table
+            if not seq.uses_arena:
+                continue
+            if len(table) * bs < seq.num_tokens + 2 or allocator.ref_count(table[seq.num_physical // bs]) > 1:
+                need += 2
+        return allocator.num_free_blocks >= need
+
+    def schedule(self) -> tuple[StepPlan, list[Sequence]]:
+        """The next step's plan, and the sequences that ended since the last one (rejected, aborted, failed)."""
+        ended, self._finished = self._finished, []
         self._admit()
-        self._run_hooks(step)
+        self._run_hooks(ended)
         budget = self.config.prefill_budget(decoding=any(s.num_pending == 1 for s in self.running),
                                             num_prefilling=sum(s.num_pending > 1 for s in self.running))
+        prefill: list[tuple[Sequence, int]] = []
         for seq in self.running:
             # More than one pending token is prompt (or recompute after preemption); one is a decode step.
             if seq.num_pending > 1:
@@ -158,12 +200,15 @@ class Scheduler:
                 chunk = min(seq.num_pending, budget, self._room_before_hook(seq))
                 if not self.blocks.reserve(seq, chunk):
                     continue  # its blocks were allocated at admission; only copy-on-write can be short
-                step.prefill.append((seq, chunk))
+                prefill.append((seq, chunk))
                 budget -= chunk
-        prefilling = {id(s) for s, _ in step.prefill}
+        prefilling = {id(s) for s, _ in prefill}
+        decode: list[Sequence] = []
         for seq in list(self.running):
             if id(seq) in prefilling or seq.num_pending != 1 or seq not in self.running:
                 continue
+            if seq.num_inflight and len(seq.output_ids) + 1 >= seq.sampling.max_tokens:
+                continue  # its unread token is its last by length: no step after it
             while not self.blocks.reserve(seq, 1):
                 victim = self._newest_other_than(seq, prefilling)
                 if victim is None and not seq.kv_from_tokens:
@@ -173,14 +218,45 @@ class Scheduler:
                 if victim.kv_from_tokens:
                     self._preempt(victim)
                 else:
-                    self._fail(victim, step, "preempted for lack of KV blocks, and its KV was written from outside "
-                               "the model (C2C fusion), so it cannot be recomputed from its tokens; give the "
-                               "engine more KV memory or fewer concurrent requests")
-                step.preempted.append(victim)
-                step.decode = [s for s in step.decode if s is not victim]
+                    self._fail(victim, ended, "preempted for lack of KV blocks, and its KV was written from "
+                               "outside the model (C2C fusion), so it cannot be recomputed from its tokens; give "
+                               "the engine more KV memory or fewer concurrent requests")
+                decode = [s for s in decode if s is not victim]
             else:
-                step.decode.append(seq)
-        return step
+                decode.append(seq)
+        return self._plan(prefill, decode), ended
+
+    def _plan(self, prefill: list[tuple[Sequence, int]], decode: list[Sequence]) -> StepPlan:
+        """The plan of the chosen work; every counter advances as if it were done (the runner does it next)."""
+        dropped, self._dropped = tuple(self._dropped), []
+        new = [self._announce(seq) for seq, _ in prefill if seq.request_id not in self._announced]
+        new += [self._announce(seq) for seq in decode if seq.request_id not in self._announced]
+        copies = self.blocks.take_copies()
+        prefill_items = []
+        for seq, n in prefill:
+            start = seq.num_computed
+            prefill_items.append(WorkItem(
+                seq.request_id, WorkKind.PREFILL, seq.token_slice(start, start + n), start, seq.num_physical,
+                tuple(seq.block_table), sample=start + n == seq.num_tokens, alone=seq.prefills_alone,
+                mixable=seq.uses_arena and not seq.prefills_alone and seq.hook is None))
+            seq.num_computed += n
+            seq.num_physical += n
+        decode_items = []
+        for seq in decode:
+            start = seq.num_computed
+            tokens = () if seq.num_inflight else (seq.token_at(start),)
+            decode_items.append(WorkItem(seq.request_id, WorkKind.DECODE, tokens, start, seq.num_physical,
+                                         tuple(seq.block_table), sample=True, alone=not seq.uses_arena,
+                                         mixable=False))
+            seq.num_computed += 1
+            seq.num_physical += 1
+        return StepPlan(tuple(new), dropped, copies, tuple(prefill_items), tuple(decode_items),
+                        self.blocks.allocator.high_water)
+
+    def _announce(self, seq: Sequence) -> NewRequest:
+        self._announced.add(seq.request_id)
+        return NewRequest(seq.request_id, seq.owner, seq.sampling, seq.kv_policy, tuple(seq.all_ids),
+                          seq.max_total_tokens, seq.sampler, seq.bound_cache)
 
     def _admit(self) -> None:
         deferred: list[Sequence] = []  # waiting for a shared prefix another sequence is computing now
@@ -226,7 +302,7 @@ class Scheduler:
                       and s.uses_arena]
         return max(candidates, key=lambda s: s.arrival_time) if candidates else None
 
-    # --- hooks and failures -----------------------------------------------------------------------------------
+    # --- hooks, failures, release -----------------------------------------------------------------------------
     @staticmethod
     def _room_before_hook(seq: Sequence) -> int:
         """Tokens this sequence may prefill before its pending hook must run (unbounded without one)."""
@@ -234,7 +310,7 @@ class Scheduler:
             return seq.num_pending
         return max(1, seq.hook.at_token - seq.num_computed)
 
-    def _run_hooks(self, step: ScheduledStep) -> None:
+    def _run_hooks(self, ended: list[Sequence]) -> None:
         for seq in list(self.running):
             hook = seq.hook
             if hook is None or seq.num_computed != hook.at_token or seq.output_ids:
@@ -243,18 +319,31 @@ class Scheduler:
             try:
                 hook.run(seq)
             except Exception as exc:  # noqa: BLE001 - any failure fails this request only, with its reason
-                self._fail(seq, step, f"{hook.name} hook failed: {type(exc).__name__}: {exc}")
-                step.preempted.append(seq)
+                self._fail(seq, ended, f"{hook.name} hook failed: {type(exc).__name__}: {exc}")
 
-    def _fail(self, seq: Sequence, step: ScheduledStep, reason: str) -> None:
-        """Finish a running sequence with finish_reason "error" (reported in this step's `finished`)."""
-        self.finish(seq, "error", reason)
-        step.finished.append(seq)
+    def _fail(self, seq: Sequence, ended: list[Sequence], reason: str) -> None:
+        """Finish a running sequence with finish_reason "error" (reported among this step's ended ones)."""
+        self.finish(seq, FinishReason.ERROR, reason)
+        ended.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.blocks.release(seq)
+        self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Give back the sequence's blocks; the runner forgets it with the next plan."""
+        self.blocks.release(seq)
+        seq.num_inflight = 0
+        if seq.request_id in self._announced:
+            self._announced.discard(seq.request_id)
+            self._dropped.append(seq.request_id)
+
+    @staticmethod
+    def _set_finished(seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.error = error

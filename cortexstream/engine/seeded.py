@@ -9,11 +9,10 @@ the engine is running.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import mlx.core as mx
 
-from cortexstream.engine.engine import Engine
 from cortexstream.engine.sampling import SamplingParams
 
 
@@ -38,7 +37,7 @@ def seeded_sampler(sampling: SamplingParams, seed: int) -> Callable[[mx.array], 
     return sample
 
 
-def install_seeded_sampler(engine: Engine, request_id: str, sampling: SamplingParams) -> None:
+def install_seeded_sampler(engine: Any, request_id: str, sampling: SamplingParams) -> None:
     """Give a queued request its own seeded sampler (engine thread only). Greedy or unseeded: nothing to do."""
     if sampling.seed is None or sampling.greedy:
         return

@@ -1,4 +1,7 @@
-"""A request's life in the engine: its tokens, block table and status. Pure Python (no mlx)."""
+"""A request's life in the engine: its tokens, block table and status. Pure Python (no mlx).
+
+Only the scheduler and the block manager write a `Sequence` (tests/test_step_plan.py checks it from the source);
+everyone else reads it, and the runner never sees it: it gets a `StepPlan` (engine/step_plan.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +9,9 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
+from cortexstream.engine.finish_reason import FinishReason
 from cortexstream.engine.sampling import SamplingParams
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.policies.base import FullCache, KVPolicy
@@ -25,14 +29,15 @@ class SequenceStatus(enum.Enum):
 class SequenceHook:
     """The engine's one per-sequence extension point: work done on a sequence from outside the model's forward
     pass, between two engine steps. C2C fusion writes another model's fused KV into the prompt's cache
-    (`c2c.engine_bridge.fuse_on_prefill`); the server forks n > 1 replies from one prefill (`engine.fork`).
+    (`c2c.request_fusion.fuse_on_prefill`); the server forks n > 1 replies from one prefill (`engine.fork`).
 
     The scheduler cuts the sequence's prefill chunks so that its KV holds exactly its first `at_token` tokens,
     then, at the start of the next `schedule()` (no forward pass in flight), calls `run(seq)` once; the tokens
     after `at_token` are computed on whatever the hook left in the KV. With `at_token = len(prompt) - 1` the last
     prompt token, and so the first sampled token, already read the hook's KV. If `run` raises, the request
     finishes with finish_reason "error" and the reason (`"{name} hook failed: ..."`). A hook that writes KV
-    the model would not compute from the tokens sets `seq.kv_from_tokens = False`.
+    the model would not compute from the tokens does so through `Engine.write_kv`, which marks the sequence's KV
+    as not rebuildable from its tokens.
     """
 
     run: Callable[["Sequence"], None]
@@ -70,7 +75,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # prefix-cache hash chain of the leading full blocks
     num_cached_prefix: int = 0  # prompt tokens served from the prefix cache at the last admission
     num_preemptions: int = 0
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
     first_token_time: float | None = None
     owner: int = field(default_factory=lambda: next(_ids))
@@ -86,6 +91,8 @@ class Sequence:
     # A caller's prompt cache the sequence runs on instead of arena blocks (`engine.bound_cache.BoundCache`),
     # e.g. to continue a conversation kept in an mlx-lm cache. It takes no blocks and is never preempted.
     bound_cache: Any = None
+    # The caller's own sampler (logprobs -> token) instead of the one `sampling` describes.
+    sampler: Any = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -123,15 +130,11 @@ class Sequence:
     def max_total_tokens(self) -> int:
         return len(self.prompt_ids) + self.sampling.max_tokens
 
-    def attach_hook(self, hook: SequenceHook) -> None:
-        """Give the sequence its hook; it must not have one already nor have passed `hook.at_token`."""
-        if self.hook is not None:
-            raise InvalidArgumentError(f"request '{self.request_id}' already has a {self.hook.name} hook")
-        if self.num_computed > hook.at_token or self.output_ids:
-            raise InvalidArgumentError(f"request '{self.request_id}' is already past token {hook.at_token}")
-        self.hook = hook
-
-    def finish(self, reason: str, error: str | None = None) -> None:
-        self.status = SequenceStatus.FINISHED
-        self.finish_reason = reason
-        self.error = error
+    def token_slice(self, start: int, stop: int) -> tuple[int, ...]:
+        """Tokens [start, stop) of prompt + output, without copying the whole history."""
+        prompt = len(self.prompt_ids)
+        if stop <= prompt:
+            return tuple(self.prompt_ids[start:stop])
+        if start >= prompt:
+            return tuple(self.output_ids[start - prompt : stop - prompt])
+        return tuple(self.prompt_ids[start:]) + tuple(self.output_ids[: stop - prompt])

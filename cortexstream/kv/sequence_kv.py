@@ -30,12 +30,16 @@ class SequenceKV:
         contiguous: bool = True,
         private: bool = False,
         blocks: list[int] | None = None,
+        managed: bool = False,
     ) -> None:
         self.arena = arena
         self.owner = owner
         self.contiguous = contiguous
         self.private = private  # the arena exists only for this sequence and may be regrown
-        # The block table. It is only ever mutated in place, so a scheduler may hold the same list object.
+        # Managed: an engine's block manager owns the table (allocation, copy-on-write, freeing) and hands it over
+        # with every step (`sync`); this view only reads and writes the slots, and never allocates or frees.
+        self.managed = managed
+        # The block table, only ever mutated in place.
         self.blocks: list[int] = blocks if blocks is not None else []
         # Cached contiguity of `blocks`: (len, first, last, epoch) -> contiguous start. Every in-place change that
         # keeps len/first/last (copy-on-write, regrowth) bumps the epoch.
@@ -90,12 +94,23 @@ class SequenceKV:
             self._contiguity = (key, self.arena.contiguous_start(blocks))
         return self._contiguity[1]
 
+    def sync(self, blocks: Sequence[int], num_physical: int, num_logical: int) -> None:
+        """A managed view takes the step's block table and counters from its owner (see `managed`)."""
+        if len(blocks) != len(self.blocks) or any(a != b for a, b in zip(blocks, self.blocks)):
+            self.blocks[:] = blocks
+            self._table_epoch += 1
+        self.lengths = [num_physical] * len(self.lengths)
+        self.offsets = [num_logical] * len(self.offsets)
+
     # --- growth -----------------------------------------------------------------------------------------------
     def ensure_capacity(self, num_tokens: int) -> None:
         """Make room for `num_tokens` physical tokens. Raises OutOfBlocksError and changes nothing if impossible."""
         need = self.arena.config.blocks_for_tokens(num_tokens) - len(self.blocks)
         if need <= 0:
             return
+        if self.managed:
+            raise RuntimeError(f"internal: {num_tokens} tokens exceed the {len(self.blocks)} blocks planned for "
+                               "this sequence")
         with self.arena.lock:
             try:
                 self._grow(need)
@@ -152,6 +167,8 @@ class SequenceKV:
         first_index, stop_index = start // bs, min(-(-end // bs), len(self.blocks))
         if not alloc.any_shared(self.blocks[first_index:stop_index]):
             return
+        if self.managed:
+            raise RuntimeError("internal: a shared block was not copied on write by the plan")
         with self.arena.lock:
             for index in range(first_index, stop_index):
                 new, copied = alloc.copy_on_write(self.blocks[index], owner=self.owner)
@@ -240,6 +257,8 @@ class SequenceKV:
             return self._free_unused_blocks()
 
     def _free_unused_blocks(self) -> int:
+        if self.managed:
+            return 0  # the block manager frees them when the runner reports the new length
         used = self.arena.config.blocks_for_tokens(self.num_tokens)
         surplus = self.blocks[used:]
         if not surplus:

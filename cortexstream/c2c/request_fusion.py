@@ -1,20 +1,19 @@
-"""Fusing running engine sequences: read a request's KV out of the arena, write fused KV back, keep decoding.
+"""Fusing running engine requests: read a request's KV, write fused KV back, keep decoding.
 
-Uses only public pieces (`engine.scheduler.running`, `engine.runner.kv(seq)`, `SequenceKV.make_writable`,
-`KVArena.read/write`); no engine file is changed. Call these between `engine.step()` calls (for a
-`ThreadedEngine`, while holding its lock), never during one.
+Uses only the engine's public methods (`lookup`, `read_kv`, `write_kv`, `attach_hook`, `step`). Call these between
+`engine.step()` calls (for a `ThreadedEngine`, inside `call`), never during one.
 
 Flow: `run_until_prefilled(engine, rid)` -> `extract_cache(src_engine, src_rid)` and `extract_cache(engine, rid)`
 -> `fuser.fused_layers(...)` (or `fuse_requests`, which does all of it with the tenant check) -> `fuse_into`
 -> `engine.step()` as usual: the fused blocks are ordinary arena blocks, so decode (single or batched) reads them.
 
-Engine support (Sequence fields honoured by the scheduler and block manager):
-- `fuse_into` sets `seq.kv_from_tokens = False`: the scheduler never preempts the request by recompute (it picks
-  another victim, or fails the request with finish_reason "error" and the reason when no other is left), and
-  the block manager never registers its blocks in the prefix cache. Shared blocks (prefix cache, forked
-  prefixes) are copied on write first, so other requests never see fused KV.
+What the engine guarantees for fused requests:
+- `Engine.write_kv` marks the request's KV as not rebuildable from its tokens: the scheduler never preempts it by
+  recompute (it picks another victim, or fails the request with finish_reason "error" and the reason when no other
+  is left), and the block manager never registers its blocks in the prefix cache. Shared blocks (prefix cache,
+  forked prefixes) are copied on write first, so other requests never see fused KV.
 - `fuse_on_prefill(fuser, source, (engine, rid))` gives the paper's semantics through the scheduler: the
-  sequence's hook (`engine.sequence.SequenceHook`) runs between steps once all prompt tokens but the last are
+  request's hook (`engine.sequence.SequenceHook`) runs between steps once all prompt tokens but the last are
   in the KV, fuses them, and the last prompt token and first sample are then computed on the fused cache. Fusing
   after `run_until_prefilled` instead leaves the first sampled token unfused (it is sampled right after prefill).
 - Requests whose KV policy evicted or compressed tokens are refused: their slots no longer map to positions.
@@ -24,20 +23,18 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import mlx.core as mx
-
 from cortexstream.c2c.fusion import CacheFuser, LayerKV
 from cortexstream.c2c.safety import DPConfig, check_tenants
-from cortexstream.engine.sequence import SequenceHook
+from cortexstream.engine.sequence import SequenceHook, SequenceStatus
 from cortexstream.errors import InvalidArgumentError
 
 
 def find_running(engine: Any, request_id: str) -> Any:
-    """The scheduler's `Sequence` of a running request (InvalidArgumentError if waiting, finished or unknown)."""
-    for seq in engine.scheduler.running:
-        if seq.request_id == request_id:
-            return seq
-    raise InvalidArgumentError(f"request '{request_id}' is not running (waiting, finished or unknown)")
+    """The engine's `Sequence` of a running request (InvalidArgumentError if waiting, finished or unknown)."""
+    seq = engine.lookup(request_id)
+    if seq is None or seq.status is not SequenceStatus.RUNNING:
+        raise InvalidArgumentError(f"request '{request_id}' is not running (waiting, finished or unknown)")
+    return seq
 
 
 def run_until_prefilled(engine: Any, request_id: str, max_steps: int = 100_000) -> list[Any]:
@@ -45,7 +42,7 @@ def run_until_prefilled(engine: Any, request_id: str, max_steps: int = 100_000) 
     (other requests' too, so the caller loses nothing)."""
     outputs: list[Any] = []
     for _ in range(max_steps):
-        seq = next((s for s in engine.scheduler.running if s.request_id == request_id), None)
+        seq = engine.lookup(request_id)
         if seq is not None and seq.num_computed >= len(seq.prompt_ids):
             return outputs
         if not engine.has_unfinished:
@@ -67,16 +64,7 @@ def extract_cache(engine: Any, request_id: str, num_tokens: int | None = None) -
     if seq.num_physical != seq.num_computed:
         raise InvalidArgumentError(f"request '{request_id}': its KV policy evicted or compressed tokens, so cache "
                                    "slots no longer correspond to token positions")
-    kv = engine.runner.kv(seq)
-    n = kv.num_tokens if num_tokens is None else int(num_tokens)
-    if not 0 < n <= kv.num_tokens:
-        raise InvalidArgumentError(f"num_tokens: {n} must be in 1..{kv.num_tokens} for request '{request_id}'")
-    layers = []
-    for layer in range(kv.arena.config.num_layers):
-        k, v = kv.arena.read(layer, kv.blocks, n)
-        layers.append((mx.multiply(k, 1)[None], mx.multiply(v, 1)[None]))  # x*1 copies bit-exactly (keeps -0.0)
-    mx.eval(layers)
-    return layers
+    return engine.read_kv(request_id, num_tokens)
 
 
 def fuse_into(engine: Any, request_id: str, layers: Sequence[LayerKV | None], start: int = 0) -> int:
@@ -85,28 +73,7 @@ def fuse_into(engine: Any, request_id: str, layers: Sequence[LayerKV | None], st
     seq = find_running(engine, request_id)
     if seq.num_physical != seq.num_computed:
         raise InvalidArgumentError(f"request '{request_id}': KV was evicted/compressed; positions do not match")
-    kv = engine.runner.kv(seq)
-    cfg = kv.arena.config
-    if len(layers) != cfg.num_layers:
-        raise InvalidArgumentError(f"fuse_into: {len(layers)} layers given, the engine's model has {cfg.num_layers}")
-    written = [(i, pair) for i, pair in enumerate(layers) if pair is not None]
-    if not written:
-        return 0
-    n = written[0][1][0].shape[2]
-    if start < 0 or start + n > kv.num_tokens:
-        raise InvalidArgumentError(f"fuse_into: tokens [{start}, {start + n}) outside the request's 0..{kv.num_tokens}")
-    for i, (k, v) in written:
-        want_k, want_v = (1, cfg.num_kv_heads, n, cfg.head_dim), (1, cfg.num_kv_heads, n, cfg.value_head_dim)
-        if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
-            raise InvalidArgumentError(f"fuse_into: layer {i} K/V {k.shape}/{v.shape}, expected {want_k}/{want_v}")
-    mx.eval([pair for _, pair in written])
-    with kv.arena.lock:
-        kv.make_writable(start, start + n)
-        for i, (k, v) in written:
-            kv.arena.write(i, kv.blocks, start, k[0], v[0])
-        mx.eval(kv.arena.keys, kv.arena.values)
-    seq.kv_from_tokens = False  # never recomputed (fusion would be lost) and never prefix-cached
-    return len(written)
+    return engine.write_kv(request_id, list(layers), start)
 
 
 def fuse_requests(
@@ -142,10 +109,10 @@ def fuse_requests(
 
 
 def _waiting_or_running(engine: Any, request_id: str) -> Any:
-    for seq in list(engine.scheduler.waiting) + engine.scheduler.running:
-        if seq.request_id == request_id:
-            return seq
-    raise InvalidArgumentError(f"request '{request_id}' is neither waiting nor running")
+    seq = engine.lookup(request_id)
+    if seq is None:
+        raise InvalidArgumentError(f"request '{request_id}' is neither waiting nor running")
+    return seq
 
 
 def fuse_on_prefill(
@@ -176,4 +143,4 @@ def fuse_on_prefill(
         fuse_requests(fuser, source, target, layer_mask=layer_mask, allow_cross_tenant=allow_cross_tenant,
                       num_tokens=n, dp=dp)
 
-    seq.attach_hook(SequenceHook.before_last_prompt_token(seq, hook, "c2c fusion"))
+    tgt_engine.attach_hook(tgt_id, SequenceHook.before_last_prompt_token(seq, hook, "c2c fusion"))
