@@ -1,5 +1,7 @@
 """An installed copy is the checkout: the wheel carries the Metal sources, the TUI and the shipped weights under
-`cortexstream/`, installs nothing as a top-level `apps`, and its package list matches the source tree.
+`cortexstream/`, installs nothing as a top-level `apps` or `bench`, and its package list matches the source tree.
+What users run is installed, the laboratory is not: no diagnostic benchmark, no asset fetcher, and no httpx among
+the runtime dependencies (it is the `bench` extra's).
 
 The wheel is built from a copy of the sources in a temporary folder (so no `build/` lands in the checkout) with
 the setuptools of this environment; the full install into a fresh venv and a `cortexstream generate` from
@@ -67,15 +69,20 @@ def _build_wheel(src: Path, out: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def wheel_files(tmp_path_factory) -> set[str]:
+def wheel(tmp_path_factory) -> Path:
     src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel")
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "results")
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    for name in ("cortexstream", "apps", "metal"):
+    for name in ("cortexstream", "apps", "metal", "bench"):  # bench/ too: it must stay out of the wheel
         shutil.copytree(ROOT / name, src / name, ignore=ignore)
     _build_wheel(src, out)
-    (wheel,) = out.glob("cortexstream-*.whl")
+    (built,) = out.glob("cortexstream-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def wheel_files(wheel) -> set[str]:
     with zipfile.ZipFile(wheel) as zf:
         return set(zf.namelist())
 
@@ -97,3 +104,32 @@ def test_the_wheel_carries_metal_sources_tui_and_weights(wheel_files):
 def test_the_wheel_installs_nothing_outside_cortexstream(wheel_files):
     tops = {name.split("/")[0] for name in wheel_files}
     assert {top for top in tops if not top.endswith(".dist-info")} == {"cortexstream"}
+
+
+def test_the_wheel_holds_no_diagnostic_benchmark_and_no_asset_fetcher(wheel, wheel_files):
+    from bench import DIAGNOSTICS
+
+    installed = {Path(name).parts[2].removesuffix(".py") for name in wheel_files
+                 if name.startswith("cortexstream/benchmarks/") and len(Path(name).parts) > 2}
+    assert installed and not installed & set(DIAGNOSTICS)
+    assert not [name for name in wheel_files if name.startswith("bench/")]
+    with zipfile.ZipFile(wheel) as zf:  # by what it does, whatever its name: what installed code runs pip download
+        fetchers = {name for name in wheel_files if name.endswith(".py")
+                    and '"pip", "download"' in zf.read(name).decode("utf-8")}
+    # The evaluation text (gensim's Wikipedia test file, `bench quality`/`frontier` and the trainers read it) is the
+    # one download the installed package makes; the anonymous wheels of the C2C sharer are bench/assets.py's.
+    assert fetchers == {"cortexstream/evaluation/wiki_corpus.py"}
+
+
+def _requirements(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as zf:
+        (metadata,) = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
+        text = zf.read(metadata).decode("utf-8")
+    return [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Requires-Dist:")]
+
+
+def test_httpx_is_an_extra_not_a_runtime_dependency(wheel):
+    requirements = _requirements(wheel)
+    runtime = [r for r in requirements if "extra ==" not in r]
+    assert runtime and not [r for r in runtime if r.lower().startswith("httpx")]
+    assert [r for r in requirements if r.lower().startswith("httpx") and "extra == \"bench\"" in r]
