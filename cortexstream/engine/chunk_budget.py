@@ -1,4 +1,4 @@
-"""How many prompt tokens a step may prefill while other sequences decode, measured rather than guessed.
+"""How many prompt tokens a step may prefill while other sequences decode, from observed costs, not guessed.
 
 A decode step's running streams wait for the whole step, so a prefill chunk in it adds its full cost to their
 inter-token latency. On a CPU a prompt token costs about as much as a decode step of 1/30 of a batch, and its cost
@@ -18,14 +18,11 @@ from dataclasses import dataclass
 @dataclass
 class AdaptivePrefillBudget:
     max_tokens: int  # the step's whole prefill budget (prefill_step_size)
-    # chunk time / decode step time: running streams see about 2x their usual latency while a prompt is admitted.
-    # Measured (8 streams, a 2,048-token prompt, chunks in the decode pass): 1.5 put the window's p99 near 3x the
-    # steady median, 1.0 near 2x (session 6, before the small-batch kernel;
-    # bench/results/throughput_itl_single_before_kernel.md; with the kernel and per-pass OpenBLAS threads: 2.8x,
-    # throughput_itl.md).
+    # chunk time / decode step time: running streams see about 2x their usual latency while a prompt is admitted
+    # (the admission-window latency this gives: bench/results/throughput_itl.md; docs/performance.md).
     ratio: float = 1.0
-    # Progress for the prompt even when its tokens are dear. A floor of 16 overshot the ratio at long contexts
-    # (16 chunk tokens attending to 2,000 keys cost about two decode steps on a 2-core CPU), so it is small.
+    # Progress for the prompt even when its tokens are dear; small, because at long contexts even a few chunk
+    # tokens attending to thousands of keys can cost more than a decode step on a CPU.
     min_tokens: int = 4
     smoothing: float = 0.5  # weight of the newest observation: costs change as the context grows
     decode_seconds: float | None = None  # running average of one decode step

@@ -1,7 +1,7 @@
 """mlx-lm cache protocol for one forward pass that decodes some sequences and prefills chunks of others.
 
 Without it, a step that decodes while a prompt is admitted runs two forward passes, and each pass pays the fixed
-cost of reading every weight (about 50 ms for SmolLM2 on this CPU, as much as half a decode step). Here the
+cost of reading every weight (on a CPU, a large part of a small model's decode step). Here the
 decode tokens and the prompt chunks share one pass, packed one token per batch row: the input is `[T, 1]` with
 the D decode tokens first, then each chunk's tokens in order. RoPE takes a per-row offset (`offset` is an array),
 so every row, a decode token or a chunk token, is rotated to its own position; the projections and the MLP see
@@ -155,9 +155,8 @@ def chunk_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: 
     `[1, H, L, D]`: what `mx.fast.scaled_dot_product_attention(..., mask="causal")` computes.
 
     On the CPU that call has no kernel of its own: with grouped query heads it broadcasts K and V to every query
-    head of a group, a copy of each per layer (measured over 2,000 keys: 1.7 ms per layer for one query, 3.5 ms for
-    four). Up to FOLD_MAX_TOKENS queries on the CPU, the G query heads of a KV head are instead rows of one matmul
-    (1.0 and 2.8 ms): the same operations (scale, q @ k^T, causal fill with the dtype's minimum, softmax with its
+    head of a group, a copy of each per layer. Up to FOLD_MAX_TOKENS queries on the CPU, the G query heads of a KV
+    head are instead rows of one matmul, with no copy: the same operations (scale, q @ k^T, causal fill with the dtype's minimum, softmax with its
     exp compiled, kernels/fast_softmax.py, @ v), equal to the fused call's output to float rounding (BLAS may sum
     in another order for another row count), as the `blocks` decode strategy is to the unbatched decode."""
     _, q_heads, n, dim = queries.shape

@@ -41,8 +41,8 @@ def prompt_to_tokens(tokenizer: Any, prompt: Any) -> list[int]:
 
 
 def _vocab_size(tokenizer: Any) -> int:
-    """len(get_vocab()), remembered on the tokenizer: get_vocab() builds a dict of the whole vocabulary (about
-    60 ms for SmolLM2's 49152 entries), which a server would otherwise pay on the engine thread per request."""
+    """len(get_vocab()), remembered on the tokenizer: get_vocab() builds a dict of the whole vocabulary, which a
+    server would otherwise pay on the engine thread per request."""
     size = getattr(tokenizer, "_cortexstream_vocab_size", None)
     if not isinstance(size, int):
         size = len(tokenizer.get_vocab())
