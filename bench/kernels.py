@@ -16,7 +16,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
-from cortexstream.benchmarks.common import percentile, write_results
+from cortexstream.benchmarks.common import percentile, show_report, write_results
 from cortexstream.benchmarks.machine import machine
 from cortexstream.benchmarks.runner import run_as_script
 from cortexstream.kernels import compress_gather as cg
@@ -142,9 +142,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     from cortexstream.cli.number_lists import at_least
 
     run(args.out, repeats=at_least(args.repeats, "--repeats", 1), dtype=args.dtype)
-    with open(f"{args.out}/kernels.md", encoding="utf-8") as f:
-        print(f.read())
-    return 0
+    return show_report(args.out, "kernels")
 
 
 def main(argv: list[str] | None = None) -> int:

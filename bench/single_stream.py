@@ -15,7 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from cortexstream.benchmarks.common import prompt_token_lists, write_results
+from cortexstream.benchmarks.common import prompt_token_lists, show_report, write_results
 from cortexstream.benchmarks.machine import machine, model_record
 from cortexstream.benchmarks.runner import run_as_script
 
@@ -114,9 +114,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     for option in ("prompt_tokens", "max_tokens", "repeats"):
         at_least(getattr(args, option), "--" + option.replace("_", "-"), 1)
     run(args.model, args.prompt_tokens, args.max_tokens, args.out, args.repeats)
-    with open(f"{args.out}/single_stream.md", encoding="utf-8") as f:
-        print(f.read())
-    return 0
+    return show_report(args.out, "single_stream")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,6 +62,13 @@ def write_report(out_dir: str, name: str, payload: dict[str, Any], markdown: str
         print(f"{name}: no PNG plot ({png}): matplotlib is missing; pip install 'cortexstream[bench]'", file=sys.stderr)
 
 
+def show_report(out_dir: str, name: str) -> int:
+    """Print `<out_dir>/<name>.md` (what a benchmark just wrote) and return the command's exit status, 0."""
+    with open(os.path.join(out_dir, f"{name}.md"), encoding="utf-8") as f:
+        print(f.read())
+    return 0
+
+
 def add_run_options(parser: argparse.ArgumentParser, quick_help: str, *, resume: bool = True) -> None:
     """The options of the long, resumable benchmarks: --quick, --max-minutes, --resume, --model and --out."""
     parser.add_argument("--quick", action="store_true", help=quick_help)

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from cortexstream.benchmarks.common import add_run_options, policy_specs, write_report
+from cortexstream.benchmarks.common import add_run_options, policy_specs, show_report, write_report
 from cortexstream.benchmarks.frontier_report import markdown, plot
 from cortexstream.benchmarks.result_store import ResultStore
 from cortexstream.errors import CortexStreamError
@@ -188,9 +188,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         passkey_trials=3 if args.quick else args.passkey_trials, needle_policies=policy_specs(args.needle_policies),
         needle_context=args.needle_context, needle_trials=args.needle_trials, resume=args.resume,
         max_minutes=args.max_minutes, name=name)
-    with open(os.path.join(args.out, f"{name}.md"), encoding="utf-8") as f:
-        print(f.read())
-    return 0
+    return show_report(args.out, name)
 
 
 def main(argv: list[str] | None = None) -> int:

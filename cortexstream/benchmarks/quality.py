@@ -28,7 +28,7 @@ import numpy as np
 
 from cortexstream.benchmarks.passkey import passkey_prompt
 from cortexstream.benchmarks.result_store import ResultStore
-from cortexstream.benchmarks.common import add_run_options, policy_specs, write_report
+from cortexstream.benchmarks.common import add_run_options, policy_specs, show_report, write_report
 from cortexstream.benchmarks.quality_report import markdown, plot
 from cortexstream.evaluation.perplexity import token_nlls
 from cortexstream.evaluation.wiki_corpus import wiki_text
@@ -286,9 +286,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         passkey_chunk=args.passkey_chunk, stream_tokens=args.stream_tokens, stream_cache=args.stream_cache,
         parts=parts, resume=args.resume, max_minutes=args.max_minutes)
     name = "quality_quick" if args.quick else "quality"
-    with open(os.path.join(args.out, f"{name}.md"), encoding="utf-8") as f:
-        print(f.read())
-    return 0
+    return show_report(args.out, name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,6 @@ the end), and `--resume` measures only what an interrupted run of the same confi
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -253,9 +252,9 @@ def run_from_args(a: argparse.Namespace) -> int:
 
         raise InvalidArgumentError(f"--name: '{name}' must be a plain file name stem (no '/', '\\' or '.')")
     payload = run(a.model, a.out, settings, name=name, resume=getattr(a, "resume", False))
-    with open(os.path.join(a.out, f"{payload['benchmark']}.md"), encoding="utf-8") as f:
-        print(f.read())
-    return 0
+    from cortexstream.benchmarks.common import show_report
+
+    return show_report(a.out, payload["benchmark"])
 
 
 def main(argv: list[str] | None = None) -> int:
