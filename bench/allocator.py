@@ -157,7 +157,8 @@ def run(impl: type, num_blocks: int, timed_steps: int, workload: str) -> dict:
     }
     if isinstance(alloc, Indexed):
         alloc.a.check_invariants()  # the fast numbers only count if the state is still right
-        out["free_runs_end"] = alloc.a._runs.num_runs
+        free = alloc.a.block_map() == -1  # maximal runs of free blocks, from the public block map
+        out["free_runs_end"] = int(free[0]) + int(np.count_nonzero(free[1:] & ~free[:-1])) if len(free) else 0
         out["fragmentation_end"] = round(alloc.a.fragmentation(), 4)
     return out
 

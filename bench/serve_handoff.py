@@ -26,14 +26,13 @@ from cortexstream.benchmarks.runner import run_as_script
 
 def _tiny_like(tokenizer: Any) -> Any:
     import mlx.core as mx
-    from mlx_lm.utils import _get_classes
+    from mlx_lm.models import llama
 
     config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
               "vocab_size": len(tokenizer.get_vocab()), "rope_traditional": True, "tie_word_embeddings": True}
     mx.random.seed(0)
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
+    model = llama.Model(llama.ModelArgs.from_dict(config))
     mx.eval(model.parameters())
     return model
 
