@@ -52,15 +52,9 @@ def test_output_folder_is_created_or_refused_up_front(tmp_path):
 
 
 def _result_stores():
-    """The benchmarks' resumable result store(s): the shared ResultStore once it exists, else the per-benchmark
-    classes it replaces."""
-    import importlib
+    """The benchmarks' one resumable result store, as a (path, settings, resume) constructor."""
+    from cortexstream.benchmarks.result_store import ResultStore
 
-    try:
-        from cortexstream.benchmarks.result_store import ResultStore
-    except ModuleNotFoundError:
-        return [getattr(importlib.import_module(m), c) for m, c in (("cortexstream.benchmarks.quality", "_Results"),
-                                                                    ("cortexstream.benchmarks.frontier", "_Doc"))]
     return [lambda path, settings, resume: ResultStore(path, "quality", settings, ["perplexity"], resume=resume)]
 
 
