@@ -133,6 +133,6 @@ def test_head_dim_of_uses_the_real_head_dim():
     gqa = SimpleNamespace(args=SimpleNamespace(hidden_size=576, num_attention_heads=9, num_key_value_heads=3))
     assert head_dim_of(gqa) == 64  # not 576 // 3 = 192 as the reference computes
     assert head_dim_of(SimpleNamespace(args=SimpleNamespace(head_dim=128, hidden_size=576))) == 128
-    assert head_dim_of(SimpleNamespace(_cortexstream_info=SimpleNamespace(head_dim=32))) == 32
+    assert head_dim_of(SimpleNamespace(cortexstream_info=SimpleNamespace(head_dim=32))) == 32
     with pytest.raises(InvalidArgumentError):
         head_dim_of(object())

@@ -141,7 +141,7 @@ def load_lowrank(path_or_state: str | Mapping[str, mx.array], gate_init: float =
 
 
 # --- our own safetensors format ----------------------------------------------------------------------------------
-def _describe(fuser: CacheFuser) -> dict[str, Any]:
+def describe_fuser(fuser: CacheFuser) -> dict[str, Any]:
     if isinstance(fuser, C2CFuser):
         return {"kind": "lowrank", **fuser.config()}
     if isinstance(fuser, C2CProjectorFuser):
@@ -149,7 +149,7 @@ def _describe(fuser: CacheFuser) -> dict[str, Any]:
             "kind": "c2c_projector",
             "num_target_layers": fuser.n_target, "num_source_layers": fuser.n_source,
             "layer_map": [[t, s, p] for t, s, p in fuser.plan.pairs],
-            "projectors": [dict(p._init_args) for p in fuser.projectors],
+            "projectors": [dict(p.init_args) for p in fuser.projectors],
             "gate_temperatures": [p.gate_temperature for p in fuser.projectors],
         }
     raise ModelLoadError(f"save_fuser: cannot describe {type(fuser).__name__}")
@@ -160,7 +160,7 @@ def save_fuser(fuser: CacheFuser, path: str) -> None:
     if not path.endswith(".safetensors"):
         raise ModelLoadError(f"{path}: fuser files must end in .safetensors")
     tensors = dict(tree_flatten(fuser.parameters()))
-    save_safetensors(path, tensors, {META_KEY: json.dumps(_describe(fuser))})
+    save_safetensors(path, tensors, {META_KEY: json.dumps(describe_fuser(fuser))})
 
 
 def load_fuser(path: str) -> CacheFuser:

@@ -93,7 +93,7 @@ class C2CProjector(nn.Module):
         self.initial_temperature, self.final_temperature = float(initial_temperature), float(final_temperature)
         self.anneal_steps = int(anneal_steps)
         self.gate_temperature = float(initial_temperature)
-        self._init_args = {
+        self.init_args = {
             "source_dim": source_dim, "target_dim": target_dim, "source_num_heads": source_num_heads,
             "target_num_heads": target_num_heads, "intermediate_dim": intermediate_dim, "hidden_dim": hidden_dim,
             "num_layers": num_layers, "dropout": dropout, "initial_temperature": initial_temperature,

@@ -72,7 +72,7 @@ class CompressorConfig:
 
 def head_dim_of(model: Any) -> int:
     """The real attention head dim of a loaded model (what the KV cache's last axis holds)."""
-    info = getattr(model, "_cortexstream_info", None)
+    info = getattr(model, "cortexstream_info", None)  # models.loader.model_info (foundation: no import)
     if info is not None and getattr(info, "head_dim", None):
         return int(info.head_dim)
     args = getattr(model, "args", None)

@@ -234,7 +234,6 @@ class PolicyState:
         other.pending = [None] * len(self.scores)
         other.mass = self.mass.copy()
         other.bias = [b.copy() for b in self.bias]
-        other._bias_arrays = {}
         other.num_evicted, other.num_evictions = self.num_evicted, self.num_evictions
         other.num_merged, other.num_merges = self.num_merged, self.num_merges
         other.rotate = self.rotate

@@ -5,6 +5,7 @@ Part of the engine (`Engine.add_request` takes any of the three forms), below th
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Sequence
 
 import mlx.core as mx
@@ -41,13 +42,15 @@ def prompt_to_tokens(tokenizer: Any, prompt: Any) -> list[int]:
 
 
 def _vocab_size(tokenizer: Any) -> int:
-    """len(get_vocab()), remembered on the tokenizer: get_vocab() builds a dict of the whole vocabulary, which a
-    server would otherwise pay on the engine thread per request."""
-    size = getattr(tokenizer, "_cortexstream_vocab_size", None)
-    if not isinstance(size, int):
-        size = len(tokenizer.get_vocab())
-        try:
-            setattr(tokenizer, "_cortexstream_vocab_size", size)
-        except (AttributeError, TypeError):
-            pass
+    """len(get_vocab()), remembered per tokenizer: get_vocab() builds a dict of the whole vocabulary, which a
+    server would otherwise pay on the engine thread per request. A memo only (weak keys): it changes no result."""
+    try:
+        size = _VOCAB_SIZES.get(tokenizer)
+    except TypeError:  # not weak-referenceable: no memo
+        return len(tokenizer.get_vocab())
+    if size is None:
+        size = _VOCAB_SIZES[tokenizer] = len(tokenizer.get_vocab())
     return size
+
+
+_VOCAB_SIZES: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()

@@ -45,7 +45,7 @@ def export_mlx_lm(model: nn.Module, tokenizer: Any, out_dir: str | Path, *, over
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    hf_tokenizer = getattr(tokenizer, "_tokenizer", tokenizer)
+    hf_tokenizer = tokenizer  # mlx-lm's TokenizerWrapper hands unknown attributes to the tokenizer it wraps
     hf_tokenizer.save_pretrained(str(out))
     template = getattr(hf_tokenizer, "chat_template", None)
     if template and not (out / "chat_template.jinja").exists():

@@ -54,7 +54,7 @@ def default_model_path() -> str:
 
 
 def model_info(model: nn.Module) -> ModelInfo | None:
-    return getattr(model, "_cortexstream_info", None)
+    return getattr(model, "cortexstream_info", None)
 
 
 def load(
@@ -86,15 +86,34 @@ def load(
         model, tokenizer, info = _load_gguf(source, dequantize, target)
     else:
         model, tokenizer, info = _load_directory(_resolve_directory(source), dequantize, target)
-    object.__setattr__(model, "_cortexstream_info", info)
+    object.__setattr__(model, "cortexstream_info", info)  # what `model_info` reads
     return model, tokenizer
 
 
-def _model_class(config: dict[str, Any], source: str) -> nn.Module:
-    from mlx_lm.utils import _get_classes
+def model_classes(config: dict[str, Any]) -> tuple[type, type]:
+    """mlx-lm's (Model, ModelArgs) classes for a config: its model type, remapped by architecture or by alias as
+    mlx-lm's own loader does (with its public remapping tables). ValueError when mlx-lm has no such model."""
+    import importlib
 
+    from mlx_lm.utils import MODEL_ARCHITECTURE_REMAPPING, MODEL_REMAPPING
+
+    model_type = config["model_type"]
+    architectures = config.get("architectures") or ()
+    if isinstance(architectures, str):
+        architectures = (architectures,)
+    remapped = [MODEL_ARCHITECTURE_REMAPPING.get((model_type, a)) for a in architectures]
+    remapped = [r for r in remapped if r is not None]
+    model_type = remapped[0] if remapped else MODEL_REMAPPING.get(model_type, model_type)
     try:
-        model_class, args_class = _get_classes(config)
+        module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    except ImportError as exc:
+        raise ValueError(f"model type {model_type} is not supported by mlx-lm") from exc
+    return module.Model, module.ModelArgs
+
+
+def _model_class(config: dict[str, Any], source: str) -> nn.Module:
+    try:
+        model_class, args_class = model_classes(config)
     except ValueError as exc:
         raise UnsupportedModelError(f"{source}: model type '{config.get('model_type')}' is not supported") from exc
     sizes = {k: v for k, v in config.items() if isinstance(v, int) and not isinstance(v, bool)}

@@ -26,7 +26,7 @@ import mlx.optimizers as optim
 import numpy as np
 
 from cortexstream.c2c.fusion import CacheFuser
-from cortexstream.c2c.porting import _describe, save_fuser
+from cortexstream.c2c.porting import describe_fuser, save_fuser
 from cortexstream.c2c.projector import C2CProjectorFuser
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.models.safetensors_check import check_safetensors
@@ -70,7 +70,7 @@ def _step_seed(seed: int, step: int) -> int:
 
 
 def _shape_of(fuser: CacheFuser) -> dict[str, Any]:
-    described = _describe(fuser)
+    described = describe_fuser(fuser)
     described.pop("gate_temperatures", None)  # annealed during training: a function of the step, not the shape
     return json.loads(json.dumps(described))
 
