@@ -3,16 +3,15 @@
 MLX compiles every fused elementwise kernel (anything under `mx.compile`: mlx-lm's `swiglu`, `gelu`, ...) at run
 time with `g++ -std=c++17 -O3 -Wall -fPIC -shared` and keeps the library under `<temp dir>/mlx/<version>/cpu`.
 Without a target ISA flag its `simd::exp` stays an out-of-line scalar function (a PLT call per element) that calls
-libm's `fmaf` (another PLT call). Measured here (2 Zen 3 cores): swiglu over 2,048 x 1,536 floats took 63 ms, about
-two thirds of the time of the matmul before it; it runs on one core while OpenBLAS's worker idles on the other.
-With `FLAGS` gcc inlines `exp` and vectorises the loop (AVX2 here): 5 ms.
+libm's `fmaf` (another PLT call), so an activation like swiglu costs a large share of a layer's time on one core.
+With `FLAGS` gcc inlines `exp` and vectorises the loop (how much faster: docs/linux-cpu.md).
 
 The values are bit for bit the same: no fast-math; `-ffp-contract=off` fuses no multiply-add that MLX's own build
 does not fuse; the `fma` calls MLX writes are exactly rounded either way; `-fno-trapping-math` only lets the
 compiler evaluate both sides of a select (it changes FP exception flags, which MLX never reads).
 tests/test_mlx_jit.py compares the kernels of both builds bit for bit, special values included.
 
-MLX takes no compiler option, so the CLI's re-exec (`backend.maybe_reexec_with_openblas`) starts the process
+MLX takes no compiler option, so the CLI's re-exec (`backend.enable_linux_cpu_tuning`) starts the process
 with a `g++` wrapper that appends the flags first on PATH, and TMPDIR at a folder of its own: kernels built
 without the flags (by any other process) are never loaded, and ours never reach another process. The temp-dir
 caches of our own kernels stay where they were (`pinned_caches`). CORTEXSTREAM_NO_JIT_FLAGS=1 opts out.

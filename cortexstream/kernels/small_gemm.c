@@ -140,7 +140,7 @@ int cs_small_gemm(const float *x, const float *w, float *y, int64_t M, int64_t N
 int cs_small_gemm_abi_version(void) { return 3; }
 
 /* ---- the BLAS interposer --------------------------------------------------------------------------------------
- * Loaded in LD_PRELOAD ahead of the BLAS (backend.py), this library's cblas_sgemm is the one MLX's CPU matmul
+ * Loaded in LD_PRELOAD ahead of the BLAS (backend/tuning.py), this library's cblas_sgemm is the one MLX's CPU matmul
  * calls. It takes the calls of an nn.Linear with at most cs_small_gemm_rows rows (row-major x [M, K] times a
  * transposed row-major weight [N, K], as MLX issues them) while that limit is above zero, and hands every other
  * call, unchanged, to the next cblas_sgemm in the search order (OpenBLAS or the reference BLAS).

@@ -1,12 +1,12 @@
 """The CPU small-batch matmul (small_gemm.c): built with the system C compiler, preloaded as a BLAS interposer.
 
 MLX's CPU backend multiplies float32 with `cblas_sgemm`. The library built from small_gemm.c defines its own
-`cblas_sgemm`; preloaded ahead of the BLAS (`backend.maybe_reexec_with_openblas` puts it in LD_PRELOAD), it takes
+`cblas_sgemm`; preloaded ahead of the BLAS (`backend.enable_linux_cpu_tuning` puts it in LD_PRELOAD), it takes
 the Linear layers' few-row calls while its row limit is above zero and passes every other call on to the real BLAS.
 The limit starts at 0, so a process that preloads it computes exactly as before until an engine's CPU backend
-holds it around its steps (`acquire` / `release`, backend/small_batch.py). The count of holders, the limit and OpenBLAS's
-saved thread count live in the C library, the one copy per process, not in Python. Working inside MLX's own
-evaluation keeps the graph lazy: no synchronisation per layer.
+holds it around its steps (`acquire` / `release`, backend/small_batch.py). The count of holders, the limit and
+OpenBLAS's saved thread count live in the C library, the one copy per process, not in Python. Working inside
+MLX's own evaluation keeps the graph lazy: no synchronisation per layer.
 
 The build is cached per source, compiler and flags (so a changed source or ABI is never loaded from an old build) under $CORTEXSTREAM_KERNEL_CACHE (default: a per-user folder
 in the temp dir). No compiler, a failed build, or CORTEXSTREAM_NO_SMALL_GEMM=1: `library_path()` is None and MLX's
