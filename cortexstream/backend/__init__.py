@@ -28,8 +28,8 @@ from cortexstream.backend.tuning import (
 __all__ = [
     "ATTENTION_ENV_VAR", "AttentionStrategy", "BackendInfo", "BackendKind", "ComputeBackend", "CpuAttention",
     "CpuBackend", "DEFAULT_MAX_ROWS", "DISABLE_ENV", "MetalAttention", "MetalBackend", "OPENBLAS_CANDIDATES",
-    "OPENMP_SPIN", "REEXEC_MARKER", "SmallBatchHold", "attention_for_device", "backend_info", "choose_kind", "dispatch_sdpa",
-    "enable_linux_cpu_tuning", "ensure_buffer_cache", "find_openblas", "loaded_blas", "maybe_reexec_with_openblas",
-    "on_cpu", "openblas_threads", "original_sdpa", "preload_libraries", "resolve_small_batch_rows", "route_sdpa",
-    "set_openblas_threads", "small_batch_usable",
+    "OPENMP_SPIN", "REEXEC_MARKER", "SmallBatchHold", "attention_for_device", "backend_info", "choose_kind",
+    "dispatch_sdpa", "enable_linux_cpu_tuning", "ensure_buffer_cache", "find_openblas", "loaded_blas",
+    "maybe_reexec_with_openblas", "on_cpu", "openblas_threads", "original_sdpa", "preload_libraries",
+    "resolve_small_batch_rows", "route_sdpa", "set_openblas_threads", "small_batch_usable",
 ]

@@ -9,9 +9,10 @@ sequence, with the mask cut to match (none when all are equally long).
 
 That gather is lazy and, on the default path, never computed: each layer cache carries an `attention_hook` (see
 `batch_attention`) that attends straight from the arena: on CPU over the strided view, else block by block with
-`gather_mm`; through the paged-attention kernel on Metal (the engine's compute backend chooses). The gather (or view) is what attention falls back to
-when the runner replaces the hook with its own (KV policies that need scores or logit biases), when the model
-passes learned sinks, or when the model's SDPA is not routed through hooks.
+`gather_mm`; through the paged-attention kernel on Metal (the engine's compute backend chooses). The gather
+(or view) is what attention falls back to when the runner replaces the hook with its own (KV policies that need
+scores or logit biases), when the model passes learned sinks, or when the model's SDPA is not routed through
+hooks.
 """
 
 from __future__ import annotations
