@@ -9,9 +9,9 @@ OpenBLAS's saved thread count live in the C library, the one copy per process, n
 MLX's own evaluation keeps the graph lazy: no synchronisation per layer.
 
 The build is cached per source, compiler and flags (a changed source or ABI is never loaded from an old build)
-under $CORTEXSTREAM_KERNEL_CACHE (default: a per-user folder in the temp dir). No compiler, a failed build, or CORTEXSTREAM_NO_SMALL_GEMM=1: `library_path()` is None and MLX's
-matmul stays the only path. `small_gemm(x, w)` calls the kernel directly (tests, benchmarks); its arguments are
-checked here, before any pointer reaches C.
+under $CORTEXSTREAM_KERNEL_CACHE (default: a per-user folder in the temp dir). No compiler, a failed build, or
+CORTEXSTREAM_NO_SMALL_GEMM=1: `library_path()` is None and MLX's matmul stays the only path. `small_gemm(x, w)`
+calls the kernel directly (tests, benchmarks); its arguments are checked here, before any pointer reaches C.
 """
 
 from __future__ import annotations
