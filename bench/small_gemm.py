@@ -92,7 +92,7 @@ def to_markdown(data: dict) -> str:
                      f"{data['weight_bytes'] / r['blas_ms'] / 1e6:.1f} | {data['weight_bytes'] / r['kernel_ms'] / 1e6:.1f} |")
     wins = [r["rows"] for r in data["rows"] if r["speedup"] > 1.0]
     lines += ["", f"The kernel is faster at M in {wins}; the engine's default row limit is "
-              f"{data['engine_default_rows']} (engine/small_batch_kernel.py)."]
+              f"{data['engine_default_rows']} (backend/small_batch.py)."]
     return "\n".join(lines) + "\n"
 
 
@@ -105,7 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_from_args(args: argparse.Namespace) -> int:
     from cortexstream.benchmarks.common import write_results
     from cortexstream.benchmarks.machine import machine
-    from cortexstream.engine.small_batch_kernel import DEFAULT_MAX_ROWS
+    from cortexstream.backend import DEFAULT_MAX_ROWS
 
     if args.passes < 1 or args.warmup < 0:
         raise SystemExit("bench small-gemm: --passes must be >= 1 and --warmup >= 0")

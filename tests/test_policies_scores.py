@@ -109,11 +109,11 @@ def test_positions_continue_from_the_logical_length_after_eviction(sharp):
 def test_unhooked_paths_are_bit_identical(sharp):
     model, _ = sharp
     ids = tokens(40)
-    attention_scores.uninstall_attention_hook()
-    assert not attention_scores.hook_installed()
+    attention_scores.unroute_sdpa()
+    assert not attention_scores.routed_modules()
     before = token_nlls(model, ids, None, chunk_size=7)
     token_nlls(model, ids, H2O(budget=1.0), chunk_size=7)  # installs the hook
-    assert attention_scores.hook_installed() and llama.scaled_dot_product_attention is attention_scores.dispatch_sdpa
+    assert attention_scores.routed_modules() and llama.scaled_dot_product_attention is attention_scores.dispatch_sdpa
     assert np.array_equal(token_nlls(model, ids, None, chunk_size=7), before)
     assert np.array_equal(token_nlls(model, ids, H2O(budget=1.0), chunk_size=7), before)
 

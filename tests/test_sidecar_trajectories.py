@@ -30,9 +30,9 @@ def _capture(model: Any, tokens: list[int]) -> list[dict[str, np.ndarray]]:
     """What SDPA saw and returned, per layer, through the same hook the collector uses."""
     from mlx_lm.models.cache import KVCache
 
-    from cortexstream.engine.attention_hook import install_attention_hook, original_sdpa
+    from cortexstream.backend.sdpa import original_sdpa, route_sdpa
 
-    install_attention_hook()
+    route_sdpa(model)
     seen: list[dict[str, np.ndarray]] = []
 
     class Recorder(KVCache):

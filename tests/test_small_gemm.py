@@ -120,7 +120,7 @@ def test_engine_uses_the_kernel_only_inside_its_steps(tiny):
     with_kernel = cortexstream.batch_generate(model, tok, prompts, max_tokens=12, return_token_ids=True)
     assert small_gemm.call_count() > before
     engine = Engine(model, tok, kv_tokens=512, small_batch_matmul=0)
-    assert engine.kernel_hold.rows == 0
+    assert engine.backend.small_batch_rows == 0
     ids = [engine.add_request(p, max_tokens=12, temperature=0.0) for p in prompts]
     tokens: dict[str, list[int]] = {i: [] for i in ids}
     before = small_gemm.call_count()
@@ -140,19 +140,19 @@ def test_engine_uses_the_kernel_only_inside_its_steps(tiny):
 @needs_interposer
 @pytest.mark.skipif(backend.openblas_threads() < 2, reason="needs OpenBLAS with two or more threads")
 def test_openblas_runs_one_thread_only_in_passes_the_kernel_covers(tiny, monkeypatch):
-    from cortexstream.engine import small_batch_kernel
+    from cortexstream.backend import CpuBackend
     from cortexstream.engine.engine import Engine
 
     model, tok = tiny
     threads = backend.openblas_threads()
     seen: list[tuple[int, int]] = []  # (rows of the pass, OpenBLAS threads while it is built)
-    choose = small_batch_kernel.blas_threads_for_pass
+    choose = CpuBackend.before_forward
 
-    def spy(rows):
-        choose(rows)
+    def spy(self, rows):
+        choose(self, rows)
         seen.append((rows, backend.openblas_threads()))
 
-    monkeypatch.setattr("cortexstream.engine.engine.blas_threads_for_pass", spy)
+    monkeypatch.setattr(CpuBackend, "before_forward", spy)
     engine = Engine(model, tok, kv_tokens=1024, small_batch_matmul=4, prefill_tokens_while_decoding=2)
     for prompt in ([1, 2, 3, 4, 5, 6], [7, 8, 9], [5, 6, 7, 8, 9, 10, 11, 12, 13]):
         engine.add_request(prompt, max_tokens=5)

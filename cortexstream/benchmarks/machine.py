@@ -45,7 +45,7 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "device": info.device,
         "blas": info.blas,
-        # The engine's CPU small-batch matmul (engine/small_batch_kernel.py) was preloaded in this process.
+        # The engine's CPU small-batch matmul (backend/small_batch.py) was preloaded in this process.
         "small_batch_kernel": interposer() is not None,
         # MLX's CPU JIT kernels built with vectorising flags (kernels/mlx_jit.py); False before session 10.
         "mlx_jit_flags": jit_flags_active(),

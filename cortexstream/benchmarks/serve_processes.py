@@ -25,7 +25,7 @@ def free_port() -> int:
 
 def _blas_env(system: str) -> dict[str, str]:
     """Both servers get the same BLAS: OpenBLAS preloaded when installed. cortexstream also gets what its own
-    command would re-exec into: the small-batch matmul interposer in front of it (engine/small_batch_kernel.py)."""
+    command would re-exec into: the small-batch matmul interposer in front of it (backend/small_batch.py)."""
     from cortexstream.backend import find_openblas, preload_libraries
 
     if os.environ.get("CORTEXSTREAM_NO_OPENBLAS"):

@@ -22,7 +22,6 @@ hook; padding is hidden by the batch's boolean mask).
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import mlx.core as mx
@@ -30,33 +29,6 @@ import mlx.core as mx
 from cortexstream.backend.sdpa import (  # noqa: F401  (re-exported: the names callers import from here)
     dispatch_sdpa, original_sdpa, route_loaded_modules, route_sdpa, routed_modules, unroute_sdpa,
 )
-
-# Legacy (remove once engine/, policy_runtime and training call `route_sdpa(model)` where they build for a model):
-# the number of modules `install_attention_hook` last saw, so that its per-step callers do not rescan sys.modules.
-_seen_modules = -1
-
-
-def install_attention_hook() -> None:
-    """Legacy: route every loaded mlx-lm model module (`route_loaded_modules`) when modules were imported since
-    the last call. New code calls `backend.route_sdpa(model)` once for the model it builds caches for."""
-    global _seen_modules
-    if len(sys.modules) == _seen_modules:
-        return
-    route_loaded_modules()
-    _seen_modules = len(sys.modules)
-
-
-def uninstall_attention_hook() -> None:
-    """Put the original function back everywhere (tests use this to prove the unhooked path is untouched)."""
-    global _seen_modules
-    unroute_sdpa()
-    _seen_modules = -1
-
-
-def hook_installed() -> bool:
-    """Whether any loaded mlx-lm model module calls `dispatch_sdpa`."""
-    return bool(routed_modules())
-
 
 def additive_mask(mask: Any, start: int, stop: int, num_queries: int, num_keys: int) -> mx.array | None:
     """Mask rows of queries [start, stop) as an additive float32 array broadcastable to `[B, Hq, n, K]`."""

@@ -30,7 +30,7 @@ from cortexstream.engine.batch_attention import (
 )
 from cortexstream.kv.arena import KVArena, as_dtype
 from cortexstream.kv.sequence_kv import SequenceKV
-from cortexstream.engine.attention_hook import install_attention_hook, original_sdpa
+from cortexstream.backend.sdpa import original_sdpa, route_loaded_modules
 
 if TYPE_CHECKING:
     from cortexstream.backend.compute import ComputeBackend
@@ -100,7 +100,7 @@ class DecodeBatch:
         self._lengths_array: mx.array | None = None
         self._block_indices: dict[int, tuple[mx.array, mx.array, mx.array]] = {}
         if self.strategy != GATHER and backend is None:
-            install_attention_hook()  # legacy: route loaded mlx-lm modules (an engine's backend routed its model)
+            route_loaded_modules()  # no engine routed a model: route every loaded mlx-lm module (scans modules)
         # Built here, once for all layers (not inside the first layer's attention).
         if self.strategy == BLOCKS:  # per buffer size: layers differ while the arena grows a layer at a time
             for num_blocks in {k.shape[2] // bs for k in arena.keys}:
@@ -186,7 +186,7 @@ class BatchLayerCache:
             return (strided_view(keys_buf, size, batch.strided, width),
                     strided_view(values_buf, size, batch.strided, width))
         # Lazy: only evaluated if attention does not go through `attend` (see the module docstring).
-        return self._gather(keys_buf), self._gather(values_buf)
+        return self.gather(keys_buf), self.gather(values_buf)
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
                sinks: mx.array | None = None) -> mx.array:
@@ -205,7 +205,7 @@ class BatchLayerCache:
             return strided_attention(queries, keys, values, scale, mask)
         return per_sequence_attention(batch, self.layer, queries, scale)
 
-    def _gather(self, buffer: mx.array) -> mx.array:
+    def gather(self, buffer: mx.array) -> mx.array:
         _, heads, _, dim = buffer.shape
         cfg = self.batch.arena.config
         blocked = buffer.reshape(heads, -1, cfg.block_size, dim)  # the buffer's own size (the arena grows)

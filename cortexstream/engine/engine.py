@@ -24,15 +24,12 @@ from typing import Any, Callable, Iterable
 import mlx.core as mx
 import mlx.nn as nn
 
-from cortexstream.backend import ensure_buffer_cache
+from cortexstream.backend import ComputeBackend
 from cortexstream.engine.block_manager import BlockManager
 from cortexstream.engine.bound_cache import BoundCache
 from cortexstream.engine.chunk_budget import AdaptivePrefillBudget
 from cortexstream.engine.finish_reason import FinishReason
 from cortexstream.engine.runner import ModelRunner
-from cortexstream.engine.small_batch_kernel import (
-    KernelHold, blas_threads_for_pass, resolve_small_batch_rows, with_row_limit,
-)
 from cortexstream.engine.scheduler import Scheduler, SchedulerConfig
 from cortexstream.engine.sequence import Sequence, SequenceHook
 from cortexstream.engine.snapshot import EngineView, take_snapshot
@@ -74,7 +71,9 @@ class Engine:
                 kv_tokens = 16384
             arena = KVArena(ArenaConfig.for_model(model, num_tokens=kv_tokens, num_bytes=kv_bytes,
                                                   block_size=block_size))
-        ensure_buffer_cache()
+        # Everything platform-specific (BLAS threads, the CPU small-batch kernel, attention strategies, Metal
+        # kernels, SDPA routing) is behind this, chosen once; the step below never asks what platform it runs on.
+        self.backend = ComputeBackend.for_engine(small_batch_matmul, model=model)
         self.model = model
         # Policy for requests that name none (a KVPolicy or a string such as 'h2o:budget=0.2').
         self.kv_policy = parse_policy(kv_policy)
@@ -92,9 +91,8 @@ class Engine:
             self._adaptive = AdaptivePrefillBudget(prefill_step_size)
             config = replace(config, prefill_tokens_while_decoding=self._adaptive.tokens())
         self.scheduler = Scheduler(self.block_manager, config)
-        self.kernel_hold = KernelHold(resolve_small_batch_rows(small_batch_matmul))  # engine/small_batch_kernel.py
-        self.runner = ModelRunner(model, arena, batch_prefill=batch_prefill, mixed_prefill=mixed_prefill,
-                                  before_forward=blas_threads_for_pass)
+        self.runner = ModelRunner(model, arena, self.backend, batch_prefill=batch_prefill,
+                                  mixed_prefill=mixed_prefill)
         self._states: dict[str, RequestText] = {}
         self._eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
         self.num_generated_tokens = 0
@@ -263,8 +261,25 @@ class Engine:
 
     # --- the step ---------------------------------------------------------------------------------------------
     @single_threaded
-    @with_row_limit
     def step(self) -> list[RequestOutput]:
+        """One step: schedule -> run -> apply. Returns the outputs of every request that produced a token or ended."""
+        self.backend.begin_step()
+        try:
+            return self._step()
+        finally:
+            self.backend.end_step(self.has_in_flight)  # a launched pass still computes with the step's settings
+
+    def close(self) -> None:
+        """Release what the backend holds for this engine (idempotent); the engine must not step afterwards."""
+        self.backend.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         if self._inflight and not (self.pipeline and self.scheduler.may_pipeline()):
             outputs.extend(self._drain())

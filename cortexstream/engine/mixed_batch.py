@@ -27,7 +27,6 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from cortexstream.engine.attention_hook import install_attention_hook
 from cortexstream.engine.batch_attention import GATHER, STRIDED, strided_view
 from cortexstream.engine.batch_cache import BatchLayerCache, DecodeBatch
 from cortexstream.kernels.fast_softmax import softmax
@@ -58,7 +57,6 @@ class MixedBatch:
                                       for kv, h, n in zip(self.chunks, self.histories, self.chunk_lengths)])
         self.slots = mx.concatenate([decode.slots, mx.array(chunk_slots.astype(np.int32))])
         self.firsts = [kv.contiguous_first() for kv in self.chunks]
-        install_attention_hook()  # attention must reach the hook below (idempotent, cheap)
 
     @property
     def num_rows(self) -> int:
@@ -113,7 +111,7 @@ class MixedLayerCache:
             self._decode_kv = (strided_view(keys_buf, batch.num_decode, decode.strided, width),
                                strided_view(values_buf, batch.num_decode, decode.strided, width))
         else:  # lazy: read only by the `gather` strategy
-            self._decode_kv = (self._decode._gather(keys_buf), self._decode._gather(values_buf))
+            self._decode_kv = (self._decode.gather(keys_buf), self._decode.gather(values_buf))
         self._chunk_kv = []
         for kv, first, history, n in zip(batch.chunks, batch.firsts, batch.histories, batch.chunk_lengths):
             if first is not None:

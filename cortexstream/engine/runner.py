@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from cortexstream.backend import ComputeBackend
 from cortexstream.engine.batch_cache import DecodeBatch
 from cortexstream.engine.forward import head_of, last_token_logits
 from cortexstream.engine.mixed_batch import MixedBatch
@@ -50,15 +51,16 @@ class _Request:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, arena: KVArena, *, batch_prefill: bool = True, mixed_prefill: bool = True,
-                 before_forward: Callable[[int], None] | None = None) -> None:
+    def __init__(self, model: nn.Module, arena: KVArena, backend: ComputeBackend | None = None, *,
+                 batch_prefill: bool = True, mixed_prefill: bool = True) -> None:
         self.model = model
         self.arena = arena
+        # The compute backend (attention strategies, per-pass settings); None: the one for this device.
+        self.backend = backend if backend is not None else ComputeBackend.for_engine(0, model=model)
         # Several requests' prefill chunks in one forward pass (False: one per pass).
         self.batch_prefill = batch_prefill
         # Prefill chunks packed into the decode forward of a step that decodes (see engine/mixed_batch.py).
         self.mixed_prefill = mixed_prefill
-        self.before_forward = before_forward or (lambda rows: None)  # the compute backend's per-pass hook
         self._requests: dict[str, _Request] = {}
 
     # --- per-request state ------------------------------------------------------------------------------------
@@ -161,7 +163,7 @@ class ModelRunner:
         """Prefill chunks in passes of their own; the first tokens of finished prompts are sampled and read."""
         drawn = []
         for group in self._groups(items):
-            self.before_forward(sum(item.num_tokens for item in group))
+            self.backend.before_forward(sum(item.num_tokens for item in group))
             logits = self._prefill_group(group, out) if len(group) > 1 else [self._prefill_one(group[0], out)]
             drawn += [self._draw(item, row, out) for item, row in zip(group, logits) if row is not None]
         drawn = [d for d in drawn if d is not None]
@@ -215,7 +217,7 @@ class ModelRunner:
             ]).reshape(-1, 1)
         else:
             tokens = mx.array(np.array([item.token_ids for item in items], dtype=np.uint32))
-        self.before_forward(len(items) + sum(item.num_tokens for item in chunks))
+        self.backend.before_forward(len(items) + sum(item.num_tokens for item in chunks))
         firsts: list[tuple[WorkItem, mx.array]] = []
         if chunks:
             logits, chunk_logits = self._mixed(items, tokens, chunks)
@@ -243,7 +245,7 @@ class ModelRunner:
         if len(items) == 1:  # contiguous tables get zero-copy views through the single-sequence cache
             logits = self.model(tokens, cache=self._caches(requests[0], kvs[0]))
         else:
-            batch = DecodeBatch(self.arena, kvs)
+            batch = DecodeBatch(self.arena, kvs, backend=self.backend)
             caches = batch.caches()
             if needs_batch_hook(states):  # attention scores (H2O) or logit biases of merged slots
                 for cache in caches:
@@ -265,7 +267,7 @@ class ModelRunner:
         self.arena.grow_ahead()
         kvs = [self._kv(self._requests[item.request_id], item) for item in items]
         chunk_kvs = [self._kv(self._requests[item.request_id], item) for item in chunks]
-        batch = MixedBatch(DecodeBatch(self.arena, kvs),
+        batch = MixedBatch(DecodeBatch(self.arena, kvs, backend=self.backend),
                            [(kv, list(item.token_ids)) for kv, item in zip(chunk_kvs, chunks)])
         hidden = self.model.model(batch.tokens(tokens), cache=batch.caches())  # [T, 1, hidden]
         batch.commit()

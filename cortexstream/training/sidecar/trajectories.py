@@ -1,7 +1,7 @@
 """Trajectory collection: windows of real K/V with the future post-RoPE queries that attend to them.
 
 How queries are captured. Model code only talks to its cache, and the queries never reach the cache. We reuse the
-SDPA hook of `cortexstream.engine.attention_hook`: `install_attention_hook()` routes mlx-lm's
+SDPA hook of `cortexstream.engine.attention_hook`: `backend.sdpa.route_sdpa(model)` routes mlx-lm's
 `scaled_dot_product_attention` through `dispatch_sdpa`, which hands the call to `cache.attention_hook` when the
 cache has one. `_CaptureCache` (an mlx-lm `KVCache`) has one: it computes the output with the original SDPA
 (bit-identical forward pass) and sees exactly what attention sees, for any architecture mlx-lm supports: post-RoPE
@@ -210,9 +210,9 @@ def collect_trajectories(model: Any, sequences: Iterable[Sequence[int]], directo
     from mlx_lm.models.cache import KVCache
     from tqdm import tqdm
 
-    from cortexstream.engine.attention_hook import install_attention_hook, original_sdpa
+    from cortexstream.backend.sdpa import original_sdpa, route_sdpa
 
-    install_attention_hook()
+    route_sdpa(model)
     num_layers = len(model.layers)
     layers = set(range(num_layers) if config.layers is None else config.layers)
     state: dict[str, Any] = {"sequence": 0, "writer": None}
