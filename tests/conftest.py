@@ -41,3 +41,24 @@ def sharp(tiny):
         layer.self_attn.q_proj.weight = layer.self_attn.q_proj.weight * 4.0
     mx.eval(model.parameters())
     return model, tiny[1]
+
+
+
+@pytest.fixture(autouse=True)
+def _close_engines(monkeypatch):
+    """Engines a test made are closed when it ends (`Engine.close`), as a program closes its own: an engine left
+    with a pipelined pass in flight still holds the process-wide small-batch kernel, and a test must not change
+    the next one's matmuls. Held strongly until then, so that one dropped early is closed too."""
+    from cortexstream.engine.engine import Engine
+
+    made: list = []
+    original = Engine.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(Engine, "__init__", init)
+    yield
+    for engine in made:
+        engine.close()

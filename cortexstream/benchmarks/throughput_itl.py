@@ -66,6 +66,7 @@ def _one_round(model: Any, tokenizer: Any, streams: int, stream_prompt_tokens: i
     for request_id in [*ids, long_id]:
         if request_id is not None:
             engine.abort(request_id)
+    engine.close()
     if admitted_at is None or first_long_token_at is None:
         raise RuntimeError("the admitted prompt produced no token (running streams ended before it?)")
     before, window, after = [], [], []

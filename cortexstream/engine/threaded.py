@@ -77,6 +77,8 @@ class ThreadedEngine:
         if self._thread.is_alive():
             self._thread.join(timeout)
         self._fail_pending_commands()
+        if not self._thread.is_alive():
+            self.engine.close()  # what its backend holds goes back; the engine could step again later
 
     def _check_running(self, what: str) -> None:
         if not self.running:

@@ -84,6 +84,7 @@ def batch_generate(
             raise InvalidArgumentError(f"prompts[{i}]: {exc}") from None
     samplings = [replace(s, max_tokens=fit_to_context(model, len(t), s.max_tokens, context_overflow))
                  for t, s in zip(prompt_ids, samplings)]
+    owned = engine is None
     if engine is None:
         # A private engine costs what this job needs: an arena for every request's prompt + max_tokens at once
         # (within the memory available), filled prompt-first: nothing waits for a stream to stay smooth.
@@ -107,22 +108,26 @@ def batch_generate(
     errors: list[str | None] = [None] * len(ids)
     first_token = [0.0] * len(ids)
     prompt_tokens = 0
-    while engine.has_unfinished:
-        for out in engine.step():
-            i = index.get(out.request_id)
-            if i is None:
-                continue
-            if out.token is not None:
-                if not tokens[i]:
-                    first_token[i] = time.perf_counter()
-                    prompt_tokens += out.prompt_tokens
-                tokens[i].append(out.token)
-                texts[i] += out.text
-            if out.finished:
-                reasons[i], errors[i] = out.finish_reason, out.error
-                if verbose:
-                    done = sum(1 for r in reasons if r)
-                    print(f"[batch_generate] finished {done}/{len(ids)}", end="\r")
+    try:
+        while engine.has_unfinished:
+            for out in engine.step():
+                i = index.get(out.request_id)
+                if i is None:
+                    continue
+                if out.token is not None:
+                    if not tokens[i]:
+                        first_token[i] = time.perf_counter()
+                        prompt_tokens += out.prompt_tokens
+                    tokens[i].append(out.token)
+                    texts[i] += out.text
+                if out.finished:
+                    reasons[i], errors[i] = out.finish_reason, out.error
+                    if verbose:
+                        done = sum(1 for r in reasons if r)
+                        print(f"[batch_generate] finished {done}/{len(ids)}", end="\r")
+    finally:
+        if owned:
+            engine.close()  # what its backend holds goes back now, even when a step raised
     end = time.perf_counter()
     started = [t for t in first_token if t > 0]
     prefill_done = max(started) if started else end

@@ -81,6 +81,7 @@ def _engine_generate(
 
     sampling = replace(sampling, max_tokens=fit_to_context(model, len(tokens), sampling.max_tokens,
                                                            context_overflow))
+    owned = engine is None
     if engine is None:
         from cortexstream.policies.parsing import parse_policy
 
@@ -92,6 +93,8 @@ def _engine_generate(
         engine = Engine(model, tokenizer, max_num_seqs=1, prefill_step_size=prefill_step_size,
                         prefix_caching=False, kv_tokens=16 if arena is None else None, arena=arena)
     if sampling.max_tokens == 0:
+        if owned:
+            engine.close()
         return
     start = time.perf_counter()
     request_id = engine.add_request(tokens, sampling, kv_policy=kv_policy, prompt_cache=prompt_cache,
@@ -126,6 +129,8 @@ def _engine_generate(
                     return
     finally:
         engine.abort(request_id)  # no-op once finished; frees the blocks if the caller stopped early
+        if owned:
+            engine.close()  # what its backend holds goes back now, even when the caller stopped mid-stream
 
 
 def generate(
