@@ -25,7 +25,7 @@ cache is emptied, so neither system starts with the other's buffers."""
 
 
 def _jit(m: dict[str, Any]) -> str:
-    """How MLX built its CPU JIT kernels in that run; records before session 10 do not say (MLX's own flags)."""
+    """How MLX built its CPU JIT kernels in that run; older records do not say (they ran with MLX's own flags)."""
     if "mlx_jit_flags" not in m:
         return ""
     return ", MLX CPU JIT kernels " + ("vectorised (kernels/mlx_jit.py)" if m["mlx_jit_flags"] else "with MLX's own flags")
