@@ -1,0 +1,212 @@
+"""How the KV arena stores keys and values: a float type, or 8/4-bit affine quantization in groups. Pure Python.
+
+`KVDtype` names the storage type of K and of V separately (they may differ, as in llama.cpp's `-ctk/-ctv`: keys
+are usually more sensitive to quantization than values), the group size of the quantized ones, and the float type
+rows arrive in from the model (`float_type`). The arena will size itself with `bytes_per_token` (so a byte budget
+holds 2x to 4x more tokens at 8/4 bits), allocate one `QuantizedRows` per layer for each quantized side (see
+`quantized_blocks.py`), and put `text` in the prefix-cache hash and the prompt-cache metadata, so that blocks of
+different dtypes are never mixed.
+
+Scales and biases of a quantized side are stored in `float_type`: `mx.quantize` returns them in the dtype of its
+input, and the arena quantizes rows in the model's float type (casting them first would only lose precision
+before the quantizer sees them). So one group of `group_size` values costs `group_size * bits / 8` bytes plus two
+`float_type` numbers.
+
+Group sizes are 32 or 64: `mx.quantize` supports 32, 64 and 128 and needs the last axis (the head dim) divisible
+by the group; 128 would not divide the 64-wide heads of small models and gains little. 64 is the default, as in
+mlx-lm's `QuantizedKVCache`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from cortexstream.errors import InvalidArgumentError
+
+
+class StorageType(str, Enum):
+    """Storage type of one side (K or V) of the arena."""
+
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+    INT8 = "int8"
+    INT4 = "int4"
+
+    @property
+    def quantized(self) -> bool:
+        return self in (StorageType.INT8, StorageType.INT4)
+
+    @property
+    def bits(self) -> int:
+        """Bits per stored value (scales and biases of quantized types not included)."""
+        return _BITS[self]
+
+
+_BITS = {
+    StorageType.FLOAT32: 32,
+    StorageType.FLOAT16: 16,
+    StorageType.BFLOAT16: 16,
+    StorageType.INT8: 8,
+    StorageType.INT4: 4,
+}
+FLOAT_TYPES = (StorageType.FLOAT32, StorageType.FLOAT16, StorageType.BFLOAT16)
+GROUP_SIZES = (32, 64)
+DEFAULT_GROUP_SIZE = 64
+AUTO = "auto"
+_CHOICES = ", ".join([AUTO] + [t.value for t in StorageType]) + ", or k=<type>,v=<type>"
+
+
+def storage_type(value: str | StorageType, argument: str) -> StorageType:
+    """`value` as a StorageType; an unknown name is refused naming `argument` and listing the choices."""
+    if isinstance(value, StorageType):
+        return value
+    try:
+        return StorageType(value)
+    except ValueError:
+        choices = ", ".join(t.value for t in StorageType)
+        raise InvalidArgumentError(f"{argument}: {value!r} is not a storage type; choose one of {choices}") from None
+
+
+def float_storage_type(value: str | StorageType, argument: str) -> StorageType:
+    kind = storage_type(value, argument)
+    if kind not in FLOAT_TYPES:
+        choices = ", ".join(t.value for t in FLOAT_TYPES)
+        raise InvalidArgumentError(f"{argument}: {kind.value!r} must be a float type, one of {choices}")
+    return kind
+
+
+@dataclass(frozen=True)
+class KVDtype:
+    """Storage of K and V: `key` and `value` types, the `group_size` of quantized ones, and `float_type`, the
+    model's float type (rows arrive and are dequantized in it; quantized sides keep scales and biases in it)."""
+
+    key: StorageType
+    value: StorageType
+    float_type: StorageType
+    group_size: int = DEFAULT_GROUP_SIZE
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", storage_type(self.key, "kv_dtype (key)"))
+        object.__setattr__(self, "value", storage_type(self.value, "kv_dtype (value)"))
+        object.__setattr__(self, "float_type", float_storage_type(self.float_type, "model_dtype"))
+        if isinstance(self.group_size, bool) or self.group_size not in GROUP_SIZES:
+            raise InvalidArgumentError(
+                f"kv_group_size: {self.group_size!r} is not supported; choose one of "
+                f"{', '.join(map(str, GROUP_SIZES))}"
+            )
+
+    @property
+    def quantized(self) -> bool:
+        """True when K or V (or both) is stored quantized."""
+        return self.key.quantized or self.value.quantized
+
+    @property
+    def key_bits(self) -> int:
+        return self.key.bits
+
+    @property
+    def value_bits(self) -> int:
+        return self.value.bits
+
+    @property
+    def text(self) -> str:
+        """Canonical spelling, accepted back by `parse_kv_dtype`: "int8", or "k=int8,v=int4" when they differ.
+        Group size and float type are not in it; `cache_key` has all of it."""
+        if self.key == self.value:
+            return self.key.value
+        return f"k={self.key.value},v={self.value.value}"
+
+    @property
+    def cache_key(self) -> str:
+        """Everything that decides the stored bytes of a block, for prefix-cache hashes and saved-cache metadata."""
+        group = f",group={self.group_size}" if self.quantized else ""
+        return f"{self.text}{group},float={self.float_type.value}"
+
+    def check_head_dims(self, head_dim: int, v_head_dim: int | None = None) -> None:
+        """Refuse head dims a quantized side cannot be grouped along (mx.quantize needs the last axis divisible by
+        the group size)."""
+        dims = (("head_dim", head_dim, self.key), ("v_head_dim", v_head_dim or head_dim, self.value))
+        for name, dim, kind in dims:
+            if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
+                raise InvalidArgumentError(f"{name}: {dim!r} must be a positive integer")
+            if kind.quantized and dim % self.group_size:
+                fits = [g for g in GROUP_SIZES if dim % g == 0]
+                hint = f"use kv_group_size={fits[0]}" if fits else "use a float kv_dtype for this model"
+                raise InvalidArgumentError(
+                    f"kv_group_size: {self.group_size} does not divide the model's {name} {dim} "
+                    f"({kind.value} groups run along the head dim); {hint}"
+                )
+
+    def side_bytes(self, kind: StorageType, dim: int) -> int:
+        """Bytes of one token of one KV head stored as `kind` with `dim` values."""
+        if not kind.quantized:
+            return dim * kind.bits // 8
+        groups = dim // self.group_size
+        return dim * kind.bits // 8 + 2 * groups * self.float_type.bits // 8
+
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None) -> int:
+        """K + V bytes of one token over all layers and KV heads: packed values plus, for quantized sides, one
+        scale and one bias per group in `float_type`."""
+        for name, count in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads)):
+            if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+                raise InvalidArgumentError(f"{name}: {count!r} must be a positive integer")
+        self.check_head_dims(head_dim, v_head_dim)
+        per_head = self.side_bytes(self.key, head_dim) + self.side_bytes(self.value, v_head_dim or head_dim)
+        return num_layers * num_kv_heads * per_head
+
+
+def parse_kv_dtype(
+    text: str | None, group_size: int | None = None, *, model_dtype: str | StorageType
+) -> KVDtype:
+    """A `KVDtype` from a user's spelling: "int8", "int4", "float16", ..., "k=int8,v=int4", or "auto"/None (the
+    model's float type for both). `group_size` None means the default (64); giving one with no quantized side is
+    refused, since it would have no effect. `model_dtype` is the model's float type."""
+    model = float_storage_type(model_dtype, "model_dtype")
+    if text is None:
+        text = AUTO
+    if not isinstance(text, str):
+        raise InvalidArgumentError(f"kv_dtype: {text!r} must be a string: {_CHOICES}")
+    spelled = text.strip().lower()
+    if "=" in spelled or "," in spelled:
+        key, value = _parse_sides(text, spelled, model)
+    else:
+        key = value = _side(spelled, text, model)
+    if group_size is None:
+        group = DEFAULT_GROUP_SIZE
+    elif not (key.quantized or value.quantized):
+        raise InvalidArgumentError(
+            f"kv_group_size: {group_size!r} given, but kv_dtype {text!r} quantizes nothing; "
+            "a group size applies only to int8 and int4"
+        )
+    else:
+        group = group_size
+    return KVDtype(key, value, model, group)
+
+
+def _side(name: str, text: str, model: StorageType) -> StorageType:
+    if name == AUTO:
+        return model
+    try:
+        return StorageType(name)
+    except ValueError:
+        where = "" if name == text.strip().lower() else f" ({name!r})"
+        raise InvalidArgumentError(f"kv_dtype: {text!r}{where} is not a KV dtype; choose {_CHOICES}") from None
+
+
+def _parse_sides(text: str, spelled: str, model: StorageType) -> tuple[StorageType, StorageType]:
+    sides: dict[str, StorageType] = {}
+    for part in spelled.split(","):
+        name, eq, kind = (s.strip() for s in part.partition("="))
+        if not eq or name not in ("k", "v") or not kind:
+            raise InvalidArgumentError(
+                f"kv_dtype: {text!r}: {part.strip()!r} is not k=<type> or v=<type>; write e.g. k=int8,v=int4"
+            )
+        if name in sides:
+            raise InvalidArgumentError(f"kv_dtype: {text!r} gives {name}= twice")
+        sides[name] = _side(kind, text, model)
+    if set(sides) != {"k", "v"}:
+        missing = "k" if "k" not in sides else "v"
+        raise InvalidArgumentError(f"kv_dtype: {text!r} lacks {missing}=<type>; give both, e.g. k=int8,v=int4")
+    return sides["k"], sides["v"]

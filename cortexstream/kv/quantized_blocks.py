@@ -1,0 +1,210 @@
+"""The codec for quantized K or V rows in the arena's layout, and the container that holds them per layer.
+
+The arena keeps, per layer, K and V as `[1, kv_heads, num_slots, head_dim]` (slot `b * block_size + i` is token
+`i` of block `b`). A quantized side keeps the same slot axis in three arrays that always move together:
+- `packed`  uint32 `[1, H, S, D * bits / 32]`: `bits`-bit codes, packed low bits first (mx.quantize's format);
+- `scales`  `[1, H, S, D / group_size]` and
+- `biases`  `[1, H, S, D / group_size]`, in the float type the rows were quantized from,
+so that `x ~= code * scale + bias` per group of `group_size` values along the head dim. This is MLX's affine
+quantization (`mx.quantize` / `mx.dequantize`, the layout of mlx-lm's `QuantizedKVCache`), so the arena's
+attention can later read the blocks through `mx.quantized_matmul` as well as by dequantizing them.
+
+How the arena will use it: one `QuantizedRows` per layer for each quantized side, in place of the float buffer.
+A decode or prefill write quantizes the new rows and scatters them to their slots (`write`, in place, as the
+float arena's `buf[..., idx, :] = rows`); a block gather, eviction or copy-on-write moves codes with their scales
+and biases (`gather`), so a row never meets another row's scale; attention dequantizes the gathered rows
+(`dequantize`) or feeds the three arrays to a quantized matmul. Sizes come from `KVDtype.bytes_per_token`; `nbytes`
+is what the buffers really hold.
+
+Note on accuracy: MLX's affine quantizer anchors each group at its endpoint of larger magnitude and rounds the
+step so that zero is exactly representable, so the far endpoint can be clipped: the error per value is up to
+`(max - min) / 2**bits` (about a full step), not the half step `(max - min) / (2**bits - 1) / 2` of a plain
+min/max quantizer.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import mlx.core as mx
+import numpy as np
+
+from cortexstream.errors import InvalidArgumentError
+from cortexstream.kv.kv_dtype import GROUP_SIZES
+
+QUANTIZED_BITS = (4, 8)
+Slots = Union[slice, Sequence[int], np.ndarray, mx.array]
+
+
+def _check_codec(bits: int, group_size: int) -> None:
+    if isinstance(bits, bool) or bits not in QUANTIZED_BITS:
+        raise InvalidArgumentError(f"bits: {bits!r} must be one of {', '.join(map(str, QUANTIZED_BITS))}")
+    if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
+        raise InvalidArgumentError(
+            f"kv_group_size: {group_size!r} must be one of {', '.join(map(str, GROUP_SIZES))}"
+        )
+
+
+def quantize_rows(x: mx.array, bits: int, group_size: int) -> tuple[mx.array, mx.array, mx.array]:
+    """(packed, scales, biases) of float rows `x` `[1, H, S, D]`, grouped along D; scales and biases in x's dtype."""
+    _check_codec(bits, group_size)
+    if x.ndim != 4 or x.shape[0] != 1:
+        raise InvalidArgumentError(f"x: shape {tuple(x.shape)} must be [1, heads, slots, dim]")
+    if not mx.issubdtype(x.dtype, mx.floating):
+        raise InvalidArgumentError(f"x: dtype {x.dtype} must be a float type")
+    if x.shape[-1] % group_size:
+        raise InvalidArgumentError(
+            f"kv_group_size: {group_size} does not divide the rows' last axis {x.shape[-1]} (the head dim)"
+        )
+    if x.size == 0:  # mx.quantize cannot reshape an empty array
+        heads_slots = tuple(x.shape[:-1])
+        groups = x.shape[-1] // group_size
+        return (mx.zeros((*heads_slots, x.shape[-1] * bits // 32), mx.uint32),
+                mx.zeros((*heads_slots, groups), x.dtype), mx.zeros((*heads_slots, groups), x.dtype))
+    packed, scales, biases = mx.quantize(x, group_size=group_size, bits=bits)
+    return packed, scales, biases
+
+
+def dequantize_rows(
+    packed: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int, dtype: mx.Dtype
+) -> mx.array:
+    """Float rows `[1, H, S, D]` in `dtype` from the arrays `quantize_rows` returned."""
+    _check_codec(bits, group_size)
+    dim = packed.shape[-1] * 32 // bits
+    if scales.shape != biases.shape or scales.shape[:-1] != packed.shape[:-1] or scales.shape[-1] * group_size != dim:
+        raise InvalidArgumentError(
+            f"packed/scales/biases: shapes {tuple(packed.shape)}, {tuple(scales.shape)}, {tuple(biases.shape)} "
+            f"do not match {bits}-bit codes in groups of {group_size}"
+        )
+    if packed.size == 0:  # mx.dequantize cannot reshape an empty array
+        return mx.zeros((*packed.shape[:-1], dim), dtype)
+    return mx.dequantize(packed, scales, biases, group_size=group_size, bits=bits, dtype=dtype)
+
+
+class QuantizedRows:
+    """Packed codes with their per-group scales and biases for `num_slots` slots of every KV head of one layer.
+
+    Mutable like the arena's buffers: `write` replaces the arrays with scattered copies (MLX updates them in place
+    when nothing else holds them)."""
+
+    def __init__(self, packed: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int) -> None:
+        _check_codec(bits, group_size)
+        if packed.dtype != mx.uint32:
+            raise InvalidArgumentError(f"packed: dtype {packed.dtype} must be uint32")
+        if packed.ndim != 4 or packed.shape[0] != 1:
+            raise InvalidArgumentError(f"packed: shape {tuple(packed.shape)} must be [1, heads, slots, packed_dim]")
+        dim = packed.shape[-1] * 32 // bits
+        if scales.shape != biases.shape or scales.dtype != biases.dtype:
+            raise InvalidArgumentError(
+                f"scales/biases: {tuple(scales.shape)} {scales.dtype} vs {tuple(biases.shape)} {biases.dtype} differ"
+            )
+        if scales.shape[:-1] != packed.shape[:-1] or scales.shape[-1] * group_size != dim:
+            raise InvalidArgumentError(
+                f"scales: shape {tuple(scales.shape)} does not match packed {tuple(packed.shape)} "
+                f"({bits}-bit codes, groups of {group_size})"
+            )
+        if not mx.issubdtype(scales.dtype, mx.floating):
+            raise InvalidArgumentError(f"scales: dtype {scales.dtype} must be a float type")
+        self.packed = packed
+        self.scales = scales
+        self.biases = biases
+        self.bits = bits
+        self.group_size = group_size
+
+    @classmethod
+    def zeros(
+        cls, num_heads: int, num_slots: int, dim: int, bits: int, group_size: int, dtype: mx.Dtype
+    ) -> "QuantizedRows":
+        """Preallocated storage for `num_slots` slots of `num_heads` heads of width `dim`; scales in `dtype`."""
+        _check_codec(bits, group_size)
+        for name, value in (("num_heads", num_heads), ("num_slots", num_slots), ("dim", dim)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise InvalidArgumentError(f"{name}: {value!r} must be a positive integer")
+        if dim % group_size:
+            raise InvalidArgumentError(f"kv_group_size: {group_size} does not divide the head dim {dim}")
+        shape = (1, num_heads, num_slots)
+        return cls(
+            mx.zeros((*shape, dim * bits // 32), mx.uint32),
+            mx.zeros((*shape, dim // group_size), dtype),
+            mx.zeros((*shape, dim // group_size), dtype),
+            bits,
+            group_size,
+        )
+
+    @classmethod
+    def from_rows(cls, rows: mx.array, bits: int, group_size: int) -> "QuantizedRows":
+        """Quantize float rows `[1, H, S, D]` into a new container (scales in the rows' dtype)."""
+        return cls(*quantize_rows(rows, bits, group_size), bits, group_size)
+
+    @property
+    def num_heads(self) -> int:
+        return self.packed.shape[1]
+
+    @property
+    def num_slots(self) -> int:
+        return self.packed.shape[2]
+
+    @property
+    def dim(self) -> int:
+        """Float values per row (the head dim)."""
+        return self.packed.shape[-1] * 32 // self.bits
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        """Float type of the scales and biases, which rows are quantized from and dequantized to by default."""
+        return self.scales.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by codes, scales and biases."""
+        return self.packed.nbytes + self.scales.nbytes + self.biases.nbytes
+
+    def gather(self, slots: Slots) -> "QuantizedRows":
+        """A new container of the rows at `slots` (in that order), codes with their own scales and biases."""
+        index = self._index(slots)
+        if isinstance(index, slice):
+            parts = [a[:, :, index, :] for a in (self.packed, self.scales, self.biases)]
+        else:
+            parts = [mx.take(a, index, axis=2) for a in (self.packed, self.scales, self.biases)]
+        return QuantizedRows(*parts, self.bits, self.group_size)
+
+    def write(self, slots: Slots, rows: mx.array) -> None:
+        """Quantize float rows `[1, H, n, D]` and store them at `slots` (n of them, distinct), in place."""
+        index = self._index(slots)
+        if not isinstance(slots, (slice, mx.array)) and len(set(np.asarray(slots).tolist())) != len(slots):
+            raise InvalidArgumentError(f"slots: {slots!r} repeats a slot; a write needs distinct slots")
+        count = len(range(*index.indices(self.num_slots))) if isinstance(index, slice) else index.shape[0]
+        expected = (1, self.num_heads, count, self.dim)
+        if tuple(rows.shape) != expected:
+            raise InvalidArgumentError(f"rows: shape {tuple(rows.shape)} must be {expected} for these slots")
+        if rows.dtype != self.dtype:
+            rows = rows.astype(self.dtype)  # scales come out in the input's dtype; keep the container's
+        packed, scales, biases = quantize_rows(rows, self.bits, self.group_size)
+        self.packed[:, :, index, :] = packed
+        self.scales[:, :, index, :] = scales
+        self.biases[:, :, index, :] = biases
+
+    def dequantize(self, dtype: mx.Dtype | None = None) -> mx.array:
+        """All rows as floats `[1, H, S, D]`, in `dtype` (default: the scales' float type)."""
+        return dequantize_rows(
+            self.packed, self.scales, self.biases, self.bits, self.group_size, dtype or self.dtype
+        )
+
+    def _index(self, slots: Slots) -> Union[slice, mx.array]:
+        """`slots` as a slice or an int32 index. Python and numpy slot lists are range-checked; an mx.array index
+        is trusted (checking it would force evaluation on every decode step; the arena's slots come from its
+        allocator)."""
+        if isinstance(slots, slice):
+            if slots.step not in (None, 1):
+                raise InvalidArgumentError(f"slots: slice step {slots.step!r} must be 1")
+            return slots
+        if isinstance(slots, mx.array):
+            if slots.ndim != 1 or not mx.issubdtype(slots.dtype, mx.integer):
+                raise InvalidArgumentError(f"slots: must be a 1-D integer array, got {slots.dtype} {slots.shape}")
+            return slots
+        values = np.asarray(slots)
+        if values.ndim != 1 or (values.size and not np.issubdtype(values.dtype, np.integer)):
+            raise InvalidArgumentError(f"slots: {slots!r} must be a 1-D sequence of slot numbers")
+        if values.size and (values.min() < 0 or values.max() >= self.num_slots):
+            raise InvalidArgumentError(f"slots: every slot must be in [0, {self.num_slots}), got {slots!r}")
+        return mx.array(values.astype(np.int32))
