@@ -4,7 +4,7 @@
 are usually more sensitive to quantization than values), the group size of the quantized ones, and the float type
 rows arrive in from the model (`float_type`). The arena will size itself with `bytes_per_token` (so a byte budget
 holds 2x to 4x more tokens at 8/4 bits), allocate one `QuantizedRows` per layer for each quantized side (see
-`quantized_blocks.py`), and put `text` in the prefix-cache hash and the prompt-cache metadata, so that blocks of
+`quantized_blocks.py`), and put `cache_key` in the prefix-cache hash and the prompt-cache metadata, so that blocks of
 different dtypes are never mixed.
 
 Scales and biases of a quantized side are stored in `float_type`: `mx.quantize` returns them in the dtype of its
@@ -13,8 +13,8 @@ before the quantizer sees them). So one group of `group_size` values costs `grou
 `float_type` numbers.
 
 Group sizes are 32 or 64: `mx.quantize` supports 32, 64 and 128 and needs the last axis (the head dim) divisible
-by the group; 128 would not divide the 64-wide heads of small models and gains little. 64 is the default, as in
-mlx-lm's `QuantizedKVCache`.
+by the group; 128 would not divide the 64-wide heads of small models. 64 is the default, as in mlx-lm's
+`QuantizedKVCache`.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class KVDtype:
         object.__setattr__(self, "key", storage_type(self.key, "kv_dtype (key)"))
         object.__setattr__(self, "value", storage_type(self.value, "kv_dtype (value)"))
         object.__setattr__(self, "float_type", float_storage_type(self.float_type, "model_dtype"))
-        if isinstance(self.group_size, bool) or self.group_size not in GROUP_SIZES:
+        if type(self.group_size) is not int or self.group_size not in GROUP_SIZES:
             raise InvalidArgumentError(
                 f"kv_group_size: {self.group_size!r} is not supported; choose one of "
                 f"{', '.join(map(str, GROUP_SIZES))}"

@@ -37,9 +37,9 @@ Slots = Union[slice, Sequence[int], np.ndarray, mx.array]
 
 
 def _check_codec(bits: int, group_size: int) -> None:
-    if isinstance(bits, bool) or bits not in QUANTIZED_BITS:
+    if type(bits) is not int or bits not in QUANTIZED_BITS:
         raise InvalidArgumentError(f"bits: {bits!r} must be one of {', '.join(map(str, QUANTIZED_BITS))}")
-    if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
+    if type(group_size) is not int or group_size not in GROUP_SIZES:
         raise InvalidArgumentError(
             f"kv_group_size: {group_size!r} must be one of {', '.join(map(str, GROUP_SIZES))}"
         )
