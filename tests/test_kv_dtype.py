@@ -16,7 +16,8 @@ SMOLLM2 = dict(num_layers=30, num_kv_heads=3, head_dim=64)  # SmolLM2-135M: 30 l
 
 def test_single_types_apply_to_both_sides():
     d = parse_kv_dtype("int8", model_dtype="float16")
-    assert (d.key, d.value, d.group_size, d.float_type) == (StorageType.INT8, StorageType.INT8, 64, StorageType.FLOAT16)
+    assert (d.key, d.value, d.group_size) == (StorageType.INT8, StorageType.INT8, 64)
+    assert d.float_type == StorageType.FLOAT16
     assert d.quantized and (d.key_bits, d.value_bits) == (8, 8)
     d = parse_kv_dtype("int4", 32, model_dtype="bfloat16")
     assert (d.key, d.value, d.group_size, d.float_type) == (StorageType.INT4, StorageType.INT4, 32, StorageType.BFLOAT16)
@@ -128,8 +129,8 @@ def test_non_string_dtype_is_refused():
 
 
 @pytest.mark.parametrize(
-    "text", ["k=int8", "v=int4", "k=int8,v=int4,k=int8", "x=int8,v=int8", "k=int8,,v=int8", "k=,v=int8", "k:int8,v:int4",
-             "k=int8,v"]
+    "text",
+    ["k=int8", "v=int4", "k=int8,v=int4,k=int8", "x=int8,v=int8", "k=int8,,v=int8", "k=,v=int8", "k:int8,v:int4", "k=int8,v"],
 )
 def test_bad_key_value_syntax_is_refused(text):
     _refused("kv_dtype", parse_kv_dtype, text, model_dtype="float16")
