@@ -20,7 +20,8 @@ def test_single_types_apply_to_both_sides():
     assert d.float_type == StorageType.FLOAT16
     assert d.quantized and (d.key_bits, d.value_bits) == (8, 8)
     d = parse_kv_dtype("int4", 32, model_dtype="bfloat16")
-    assert (d.key, d.value, d.group_size, d.float_type) == (StorageType.INT4, StorageType.INT4, 32, StorageType.BFLOAT16)
+    assert (d.key, d.value, d.group_size) == (StorageType.INT4, StorageType.INT4, 32)
+    assert d.float_type == StorageType.BFLOAT16
     assert (d.key_bits, d.value_bits) == (4, 4)
     d = parse_kv_dtype("float16", model_dtype="float32")
     assert (d.key, d.value, d.float_type) == (StorageType.FLOAT16, StorageType.FLOAT16, StorageType.FLOAT32)
@@ -130,7 +131,8 @@ def test_non_string_dtype_is_refused():
 
 @pytest.mark.parametrize(
     "text",
-    ["k=int8", "v=int4", "k=int8,v=int4,k=int8", "x=int8,v=int8", "k=int8,,v=int8", "k=,v=int8", "k:int8,v:int4", "k=int8,v"],
+    ["k=int8", "v=int4", "k=int8,v=int4,k=int8", "x=int8,v=int8", "k=int8,,v=int8", "k=,v=int8", "k:int8,v:int4",
+     "k=int8,v"],
 )
 def test_bad_key_value_syntax_is_refused(text):
     _refused("kv_dtype", parse_kv_dtype, text, model_dtype="float16")
