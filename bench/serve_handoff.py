@@ -78,14 +78,14 @@ def measure(model: Any, tokenizer: Any, handoff: str, clients: int, max_tokens: 
 
 
 def measure_bridge(model: Any, tokenizer: Any, handoff: str, clients: int, max_tokens: int) -> float:
-    """The hand-off alone: EngineBridge with `clients` requests read by asyncio consumers, no HTTP."""
+    """The hand-off alone: EventLoopBridge with `clients` requests read by asyncio consumers, no HTTP."""
     from cortexstream.engine.sampling import SamplingParams
     from cortexstream.server.app import build_engine
-    from cortexstream.server.bridge import EngineBridge, EngineJob
+    from cortexstream.server.bridge import EngineJob, EventLoopBridge
     from cortexstream.server.config import ServerConfig
 
     config = ServerConfig(kv_tokens=clients * (max_tokens + 64) + 1024, max_num_seqs=clients)
-    bridge = EngineBridge(build_engine(model, tokenizer, config), handoff=handoff)
+    bridge = EventLoopBridge(build_engine(model, tokenizer, config), handoff=handoff)
 
     async def run() -> float:
         bridge.start(asyncio.get_running_loop())
