@@ -27,6 +27,7 @@ import mlx.nn as nn
 from cortexstream.backend import ComputeBackend
 from cortexstream.engine.block_manager import BlockManager
 from cortexstream.engine.bound_cache import BoundCache
+from cortexstream.engine import kv_edits
 from cortexstream.engine.chunk_budget import AdaptivePrefillBudget
 from cortexstream.engine.finish_reason import FinishReason
 from cortexstream.engine.runner import ModelRunner
@@ -102,7 +103,6 @@ class Engine:
         self.decode_time = 0.0
         self.num_decode_tokens = 0
         self.pipeline = pipeline
-        self.mixed_prefill = mixed_prefill
         # Called with every plan before the runner executes it (a recorder, a replaying second runner).
         self.plan_listener: Callable[[StepPlan], None] | None = None
         # request id -> (sequence, lazy sampled token [1], lazy logprobs [V]) of the decode step in flight
@@ -211,39 +211,14 @@ class Engine:
 
     def read_kv(self, request_id: str, num_tokens: int | None = None) -> list[tuple[mx.array, mx.array]]:
         """Per layer `(K, V)` `[1, H, N, D]` of a running request's first `num_tokens` (default all) KV slots, as
-        evaluated copies. Between steps only (for a `ThreadedEngine`, inside `call`)."""
-        seq = self._live(request_id)
-        n = seq.num_physical if num_tokens is None else int(num_tokens)
-        if not 0 < n <= seq.num_physical or not seq.uses_arena:
-            raise InvalidArgumentError(f"num_tokens: {n} must be in 1..{seq.num_physical} for request "
-                                       f"'{request_id}' (on the arena)")
-        return self.runner.read_kv(tuple(seq.block_table), n)
+        evaluated copies. Between steps only (for a `ThreadedEngine`, inside `call`). See engine/kv_edits.py."""
+        return kv_edits.read_kv(self.runner, self._live(request_id), num_tokens)
 
     def write_kv(self, request_id: str, layers: list[tuple[mx.array, mx.array] | None], start: int = 0) -> int:
         """Overwrite KV slots [start, start + N) of a running request with `(K, V)` `[1, H, N, D]` per layer
         (None leaves a layer alone). Shared blocks are copied first, and the request is never recomputed from its
         tokens afterwards (nor prefix-cached). Between steps only. Returns the number of layers written."""
-        seq = self._live(request_id)
-        cfg = self.arena.config
-        if len(layers) != cfg.num_layers:
-            raise InvalidArgumentError(f"write_kv: {len(layers)} layers given, the engine's model has "
-                                       f"{cfg.num_layers}")
-        written = [(i, pair) for i, pair in enumerate(layers) if pair is not None]
-        if not written:
-            return 0
-        n = written[0][1][0].shape[2]
-        if start < 0 or start + n > seq.num_physical or not seq.uses_arena:
-            raise InvalidArgumentError(f"write_kv: tokens [{start}, {start + n}) outside the request's "
-                                       f"0..{seq.num_physical}")
-        for i, (k, v) in written:
-            want_k, want_v = (1, cfg.num_kv_heads, n, cfg.head_dim), (1, cfg.num_kv_heads, n, cfg.value_head_dim)
-            if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
-                raise InvalidArgumentError(f"write_kv: layer {i} K/V {k.shape}/{v.shape}, expected "
-                                           f"{want_k}/{want_v}")
-        mx.eval([pair for _, pair in written])
-        self.runner.copy_blocks(self.scheduler.make_writable(seq, start, start + n))
-        self.runner.write_kv(tuple(seq.block_table), start, written)
-        return len(written)
+        return kv_edits.write_kv(self.scheduler, self.runner, self._live(request_id), layers, start)
 
     @single_threaded
     def drop_cached(self, owners: Iterable[int]) -> int:
@@ -270,7 +245,8 @@ class Engine:
             self.backend.end_step(self.has_in_flight)  # a launched pass still computes with the step's settings
 
     def close(self) -> None:
-        """Release what the backend holds for this engine (idempotent); the engine must not step afterwards."""
+        """Release what the backend holds for this engine now (idempotent): call it when done with the engine, or
+        when abandoning it with a pass in flight. A later step takes what it needs again."""
         self.backend.close()
 
     def __enter__(self) -> "Engine":
@@ -349,7 +325,7 @@ class Engine:
                                decode_seconds if plan.decode and not mixed else None)
         if mixed and decode_seconds is not None:
             self._adaptive.observe_mixed(mixed, decode_seconds)
-        budget = self._adaptive.tokens(mixed=self.mixed_prefill)
+        budget = self._adaptive.tokens(mixed=self.runner.mixed_prefill)
         if budget != self.scheduler.config.prefill_tokens_while_decoding:
             self.scheduler.config = replace(self.scheduler.config, prefill_tokens_while_decoding=budget)
 
@@ -380,17 +356,7 @@ class Engine:
         state = self._states[seq.request_id]
         self.scheduler.record_token(seq, token_id, time.perf_counter())
         self.num_generated_tokens += 1
-        reason = None
-        if token_id in state.eos_ids:
-            text, reason = state.text.finish(), FinishReason.STOP
-        else:
-            text = state.text.add_token(token_id)
-            if state.text.stopped:
-                reason = FinishReason.STOP
-            elif len(seq.output_ids) >= seq.sampling.max_tokens:
-                text = text + state.text.finish()
-                # The flush can complete a stop string that the held-back text hid until now.
-                reason = FinishReason.STOP if state.text.stopped else FinishReason.LENGTH
+        text, reason = state.accept(token_id)
         if not seq.kv_policy.evicts:
             # An evicting sequence's blocks stay private: a shared block would have to be copied on write
             # by the next eviction, which may find no free block.

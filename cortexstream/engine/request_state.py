@@ -38,3 +38,17 @@ class RequestText:
         self.seq = seq
         self.text = TextStream(tokenizer, seq.sampling.stop)
         self.eos_ids = eos_ids
+
+    def accept(self, token_id: int) -> tuple[str, FinishReason | None]:
+        """The text a token just appended to the sequence's output adds, and why the request ends with it (eos, a
+        stop string, max_tokens) or None."""
+        if token_id in self.eos_ids:
+            return self.text.finish(), FinishReason.STOP
+        text = self.text.add_token(token_id)
+        if self.text.stopped:
+            return text, FinishReason.STOP
+        if len(self.seq.output_ids) >= self.seq.sampling.max_tokens:
+            text = text + self.text.finish()
+            # The flush can complete a stop string that the held-back text hid until now.
+            return text, FinishReason.STOP if self.text.stopped else FinishReason.LENGTH
+        return text, None
