@@ -13,6 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from cortexstream.backend.sdpa import route_loaded_modules, route_sdpa
 from cortexstream.engine.policy_runtime import PolicyKVCache, PolicyState, policy_caches
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.kv.arena_cache import ArenaKVCache
@@ -47,6 +48,9 @@ def attach_policy(prompt_cache: list[Any], kv_policy: "KVPolicy | str | None", m
     if any(c.sequence is not seq for c in prompt_cache):
         raise InvalidArgumentError("kv_policy: the prompt cache's layers must belong to one sequence")
     state = PolicyState.for_sequence(policy, seq, model)
+    if policy.needs_attention_scores or policy.uses_logit_bias:
+        # The caches' hooks are reached only through routed SDPA (an engine's backend routes its own model).
+        route_sdpa(model) if model is not None else route_loaded_modules()
     prompt_cache[:] = policy_caches(seq, state)
     return state
 

@@ -19,7 +19,7 @@ from cortexstream.errors import InvalidArgumentError
 from cortexstream.kv.arena_cache import ArenaKVCache
 from cortexstream.kv.sequence_kv import SequenceKV
 from cortexstream.engine.attention_hook import (
-    additive_mask, attention_received, original_sdpa, route_loaded_modules, route_sdpa,
+    additive_mask, attention_received, original_sdpa,
 )
 from cortexstream.policies.base import KVPolicy
 from cortexstream.engine.rerotate import KeyRotator, key_rotator, renumber
@@ -49,9 +49,7 @@ class PolicyState:
     def for_sequence(cls, policy: KVPolicy, seq: SequenceKV, model: Any = None) -> "PolicyState":
         """State for a sequence that already holds tokens; only valid while nothing has been evicted.
 
-        model: needed by policies that re-rotate keys (its RoPE module). Policies that read attention scores or
-        bias attention logits need mlx-lm's SDPA routed to their caches' hooks: the model's modules are routed here,
-        once per sequence (every loaded mlx-lm module when no model is given)."""
+        model: needed by policies that re-rotate keys (its RoPE module); ignored otherwise."""
         if seq.num_tokens != seq.logical_length:
             raise InvalidArgumentError(
                 "kv_policy: this cache was already evicted by another runtime; its slots' positions are unknown"
@@ -60,8 +58,6 @@ class PolicyState:
         state = cls(policy, cfg.num_layers, cfg.num_kv_heads, seq.num_tokens)
         if policy.rerotate and model is not None:
             state.rotate = key_rotator(model)
-        if policy.needs_attention_scores or policy.uses_logit_bias:
-            route_sdpa(model) if model is not None else route_loaded_modules()
         return state
 
     @property
@@ -255,7 +251,7 @@ class PolicyKVCache(ArenaKVCache):
         self.policy_state = state
         policy = state.policy
         if policy.needs_attention_scores or policy.uses_logit_bias:
-            self.attention_hook = self._hook  # reached through the SDPA routing of `PolicyState.for_sequence`
+            self.attention_hook = self._hook  # reached once the model's SDPA is routed (engine or attach_policy)
 
     def _hook(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
               sinks: mx.array | None) -> mx.array:
