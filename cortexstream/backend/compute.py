@@ -90,7 +90,7 @@ class ComputeBackend:
         return f"{self.kind.value} ({self._attention.describe()})"
 
     def close(self) -> None:
-        """Release whatever the backend holds; idempotent. The engine is not stepped after this."""
+        """Release whatever the backend holds now; idempotent. A later step takes what it needs again."""
 
 
 class CpuBackend(ComputeBackend):

@@ -25,11 +25,12 @@ import mlx.core as mx
 import numpy as np
 
 from cortexstream.engine.batch_attention import (
-    BLOCKS, GATHER, PAGED, PER_SEQUENCE, STRIDED, block_matmul_attention, choose_strategy, evenly_spaced, hook_applies,
+    BLOCKS, GATHER, PAGED, PER_SEQUENCE, STRIDED, block_matmul_attention, evenly_spaced, hook_applies,
     paged_kernel_attention, per_sequence_attention, strided_attention, strided_layout, strided_view,
 )
 from cortexstream.kv.arena import KVArena, as_dtype
 from cortexstream.kv.sequence_kv import SequenceKV
+from cortexstream.backend.attention import attention_for_device
 from cortexstream.backend.sdpa import original_sdpa, route_loaded_modules
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ class DecodeBatch:
     attention: None / `auto` (the backend's rule decides), or one of `batch_attention.STRATEGIES`.
     backend: the engine's compute backend: its `decode_attention()` rule picks the strategy, and it routed the
     model's SDPA when it was built. None (tests, benchmarks): the current device's rule
-    (`batch_attention.choose_strategy`), and the SDPA of loaded mlx-lm modules is routed here.
+    (`backend.attention.attention_for_device`), and the SDPA of loaded mlx-lm modules is routed here.
     """
 
     def __init__(self, arena: KVArena, sequences: list[SequenceKV], attention: str | None = None,
@@ -83,11 +84,8 @@ class DecodeBatch:
         # sequence, else None
         longest = int(self.lengths_after.max())
         self.strided = strided_layout(self.firsts, longest, bs, arena.config.num_slots)
-        if backend is None:
-            self.strategy = choose_strategy(attention, arena.dtype, strided=self.strided is not None, num_keys=longest)
-        else:
-            self.strategy = backend.decode_attention().choose(attention, arena.dtype, self.strided is not None,
-                                                              longest)
+        rule = attention_for_device() if backend is None else backend.decode_attention()
+        self.strategy = rule.choose(attention, arena.dtype, self.strided is not None, longest)
         if self.strategy == STRIDED:  # the last window may reach past the blocks in use: back it (the budget allows)
             first, pitch = self.strided
             arena.ensure_blocks(-(-(first + pitch * (len(sequences) - 1) + longest) // bs))

@@ -164,7 +164,7 @@ class ModelRunner:
         drawn = []
         for group in self._groups(items):
             self.backend.before_forward(sum(item.num_tokens for item in group))
-            logits = self._prefill_group(group, out) if len(group) > 1 else [self._prefill_one(group[0], out)]
+            logits = self._prefill_group(group) if len(group) > 1 else [self._prefill_one(group[0], out)]
             drawn += [self._draw(item, row, out) for item, row in zip(group, logits) if row is not None]
         drawn = [d for d in drawn if d is not None]
         if drawn:
@@ -194,7 +194,7 @@ class ModelRunner:
         self._after_forward(request, kv, item, out)
         return logits
 
-    def _prefill_group(self, items: list[WorkItem], out: "_Outcome") -> list[mx.array | None]:
+    def _prefill_group(self, items: list[WorkItem]) -> list[mx.array | None]:
         """One forward over several requests' chunks (none with an evicting policy or a caller's cache)."""
         self.arena.grow_ahead()
         requests = [self._requests[item.request_id] for item in items]

@@ -45,6 +45,7 @@ class SequenceKV:
         # keeps len/first/last (copy-on-write, regrowth) bumps the epoch.
         self._table_epoch = 0
         self._contiguity: tuple[tuple[int, int, int, int], int | None] | None = None
+        self._synced: tuple[int, ...] | None = None  # the table `sync` last took (managed views)
         self.lengths = [0] * arena.config.num_layers
         self.offsets = [0] * arena.config.num_layers
 
@@ -96,8 +97,10 @@ class SequenceKV:
 
     def sync(self, blocks: Sequence[int], num_physical: int, num_logical: int) -> None:
         """A managed view takes the step's block table and counters from its owner (see `managed`)."""
-        if len(blocks) != len(self.blocks) or any(a != b for a, b in zip(blocks, self.blocks)):
+        blocks = tuple(blocks)
+        if blocks != self._synced:  # one C-level comparison per step, not a Python loop over the table
             self.blocks[:] = blocks
+            self._synced = blocks
             self._table_epoch += 1
         self.lengths = [num_physical] * len(self.lengths)
         self.offsets = [num_logical] * len(self.offsets)
