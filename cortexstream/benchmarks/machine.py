@@ -47,7 +47,7 @@ def machine() -> dict[str, Any]:
         "blas": info.blas,
         # The engine's CPU small-batch matmul (backend/small_batch.py) was preloaded in this process.
         "small_batch_kernel": interposer() is not None,
-        # MLX's CPU JIT kernels built with vectorising flags (kernels/mlx_jit.py); False before session 10.
+        # MLX's CPU JIT kernels built with vectorising flags (kernels/mlx_jit.py); False: MLX's own flags.
         "mlx_jit_flags": jit_flags_active(),
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
