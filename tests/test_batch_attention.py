@@ -39,7 +39,7 @@ def build(seed: int = 0, layout: list[bool] = PAGED, dtype: str = "float32") -> 
     arena = KVArena(ArenaConfig(LAYERS, KV_HEADS, DIM, 40, BS, dtype))
     seqs, step = fill(arena, np.random.default_rng(seed), layout)
     assert [s.contiguous_first() is None for s in seqs] == layout
-    mx.eval(arena.keys, arena.values)
+    mx.eval(arena.arrays())
     return arena, seqs, step
 
 

@@ -53,7 +53,7 @@ def _sequence(tokens: int, fragmented: bool, seed: int = 0) -> SequenceKV:
         k, v = (mx.array(rng.standard_normal((HEADS, tokens, DIM)).astype(np.float32)) for _ in "kv")
         arena.write(layer, seq.blocks, 0, k, v)
     seq.lengths, seq.offsets = [tokens] * LAYERS, [tokens] * LAYERS
-    mx.eval(arena.keys, arena.values)
+    mx.eval(arena.arrays())
     return seq
 
 

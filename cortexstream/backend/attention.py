@@ -7,6 +7,11 @@ it was measured faster (bench/results/strategy_crossover.md); `per_sequence` for
 `gather_mm` is float32 only). Metal: the paged-attention kernel when the custom kernels run on Metal, else
 `blocks` (the strided view's cost on Metal is unmeasured). CORTEXSTREAM_BATCH_ATTENTION or a batch's `attention=`
 forces one (debugging, benchmarks).
+
+A quantized arena (int8/int4 K or V) has its own strategy, `quantized`: each sequence attends over its stored rows
+(`kv.quantized_attention`); `gather` (dequantized) is the only other one it accepts. How the codes are read is the
+platform's part: through `mx.quantized_matmul`, except on the CPU with half-precision scales, where MLX's quantized
+matmul is 15-18x slower than dequantizing first (bench/results/kv_quant_attention.md): `dequantize_quantized`.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class AttentionStrategy(str, enum.Enum):
     BLOCKS = "blocks"
     STRIDED = "strided"
     PAGED = "paged"
+    QUANTIZED = "quantized"
 
     def __str__(self) -> str:
         return self.value
@@ -54,7 +60,10 @@ def strategy_from_env() -> AttentionStrategy | None:
 class AttentionChoice(Protocol):
     """A backend's rule: the strategy for one decode batch."""
 
-    def choose(self, requested: str | None, dtype: Any, strided: bool, num_keys: int) -> AttentionStrategy: ...
+    def choose(self, requested: str | None, dtype: Any, strided: bool, num_keys: int,
+               quantized: bool = False) -> AttentionStrategy: ...
+
+    def dequantize_quantized(self, dtype: Any) -> bool: ...
 
     def describe(self) -> str: ...
 
@@ -63,6 +72,8 @@ def _forced(requested: str | None, override: AttentionStrategy | None, strided: 
     """The strategy asked for (the batch's `requested`, else the backend's override), None for the automatic
     choice; a `strided` the layout does not allow falls back to the automatic choice."""
     forced = parse_strategy(requested, "attention=") if requested is not None else override
+    if forced is AttentionStrategy.QUANTIZED:
+        raise ValueError("attention 'quantized' is chosen by a quantized arena itself (kv_dtype int8/int4)")
     if forced is AttentionStrategy.STRIDED and not strided:
         return None
     return forced
@@ -82,9 +93,12 @@ class CpuAttention:
             raise ValueError(f"strided_max_keys {self.strided_max_keys} and blocks_max_keys {self.blocks_max_keys}: "
                              "need 0 <= strided_max_keys <= blocks_max_keys")
 
-    def choose(self, requested: str | None, dtype: Any, strided: bool, num_keys: int) -> AttentionStrategy:
+    def choose(self, requested: str | None, dtype: Any, strided: bool, num_keys: int,
+               quantized: bool = False) -> AttentionStrategy:
         import mlx.core as mx
 
+        if quantized:
+            return _quantized_choice(requested, self.override)
         no_gather_mm = dtype != mx.float32 and mx.default_device() == mx.cpu
         forced = _forced(requested, self.override, strided)
         if forced is None:
@@ -95,6 +109,13 @@ class CpuAttention:
             raise ValueError(f"batch attention 'blocks' needs a float32 arena on CPU (mx.gather_mm), this one is "
                              f"{dtype}: use per_sequence or gather")
         return forced
+
+    def dequantize_quantized(self, dtype: Any) -> bool:
+        """Read quantized rows by dequantizing first: for half-precision scales (MLX's CPU quantized matmul is
+        slow for them), not for float32 ones."""
+        import mlx.core as mx
+
+        return dtype != mx.float32
 
     def describe(self) -> str:
         if self.override is not None:
@@ -109,7 +130,10 @@ class MetalAttention:
     paged_kernel: bool = True
     override: AttentionStrategy | None = None
 
-    def choose(self, requested: str | None, dtype: Any, strided: bool, num_keys: int) -> AttentionStrategy:
+    def choose(self, requested: str | None, dtype: Any, strided: bool, num_keys: int,
+               quantized: bool = False) -> AttentionStrategy:
+        if quantized:
+            return _quantized_choice(requested, self.override)
         forced = _forced(requested, self.override, strided)
         if forced is not None:
             return forced
@@ -119,6 +143,22 @@ class MetalAttention:
         if self.override is not None:
             return f"attention {self.override.value} ({ENV_VAR})"
         return "attention paged (Metal kernel)" if self.paged_kernel else "attention blocks (reference kernels)"
+
+    def dequantize_quantized(self, dtype: Any) -> bool:
+        """Metal reads codes through MLX's quantized matmul kernels at every float type."""
+        return False
+
+
+def _quantized_choice(requested: str | None, override: AttentionStrategy | None) -> AttentionStrategy:
+    """A quantized arena's strategy: `quantized`, or `gather` when asked for; the float arena's layouts (strided
+    views, gather_mm blocks, the paged kernel) read float buffers and do not apply."""
+    forced = parse_strategy(requested, "attention=") if requested is not None else override
+    if forced is AttentionStrategy.GATHER:
+        return AttentionStrategy.GATHER
+    if requested is not None and forced is not None:
+        raise ValueError(f"attention {forced.value!r} reads float buffers; a quantized arena (kv_dtype int8/int4) "
+                         "runs 'quantized' or 'gather'")
+    return AttentionStrategy.QUANTIZED
 
 
 def attention_for_device() -> AttentionChoice:

@@ -80,7 +80,7 @@ def write_layers(cache: Sequence[Any], fused: Sequence[LayerKV], target: Sequenc
         else:
             cache[i].state = fused[i]
     for arena in arenas.values():
-        mx.eval(arena.keys, arena.values)
+        mx.eval(arena.arrays())
     return cache
 
 

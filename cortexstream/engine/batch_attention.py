@@ -44,6 +44,7 @@ import numpy as np
 from cortexstream.backend.attention import ENV_VAR, AttentionStrategy, attention_for_device  # noqa: F401 (ENV_VAR)
 from cortexstream.kernels.fast_softmax import softmax
 from cortexstream.kernels.paged_attention import paged_attention
+from cortexstream.kv.quantized_attention import decode_attention
 
 
 class DecodeBatch(Protocol):
@@ -52,7 +53,8 @@ class DecodeBatch(Protocol):
 
     arena: Any  # KVArena
     sequences: Sequence[Any]  # SequenceKV per row
-    firsts: list[int | None]  # contiguous start slot per row (None: paged)
+    firsts: list[int | None]  # contiguous start block per row (None: paged)
+    dequantize: bool  # a quantized arena's rows are read by dequantizing first
     lengths_after: np.ndarray  # physical keys per row after this step
     table: mx.array  # padded block table [B, max_blocks]
     mask: mx.array  # padding mask [B, 1, 1, max_blocks * block_size]
@@ -66,10 +68,10 @@ class DecodeBatch(Protocol):
     def lengths_array(self) -> mx.array: ...
 
 
-GATHER, PER_SEQUENCE, BLOCKS, STRIDED, PAGED = (
+GATHER, PER_SEQUENCE, BLOCKS, STRIDED, PAGED, QUANTIZED = (
     AttentionStrategy.GATHER, AttentionStrategy.PER_SEQUENCE, AttentionStrategy.BLOCKS, AttentionStrategy.STRIDED,
-    AttentionStrategy.PAGED)
-STRATEGIES = tuple(AttentionStrategy)
+    AttentionStrategy.PAGED, AttentionStrategy.QUANTIZED)
+STRATEGIES = tuple(s for s in AttentionStrategy if s is not QUANTIZED)  # what a float arena can be asked for
 
 
 def choose_strategy(requested: str | None = None, dtype: mx.Dtype = mx.float32, strided: bool = False,
@@ -140,6 +142,23 @@ def per_sequence_attention(batch: "DecodeBatch", layer: int, queries: mx.array, 
         k, v = arena.run_view(layer, first, int(batch.lengths_after[b]))
         # mask None: every query of a decode step sees every key; exactly what the unbatched decode computes
         outs.append(mx.fast.scaled_dot_product_attention(queries[b : b + 1], k, v, scale=scale))
+    return mx.concatenate(outs, axis=0)
+
+
+def quantized_attention(batch: "DecodeBatch", layer: int, queries: mx.array, scale: float) -> mx.array:
+    """The `quantized` strategy: each sequence attends over its stored rows (codes with scales and biases; a
+    contiguous table's are slices, a paged one's a gather of its slots), reading the codes as the batch's
+    backend says (`kv.quantized_attention.decode_attention`). Outputs in batch order: [B, Hq, 1, DV]."""
+    arena = batch.arena
+    outs = []
+    for b, seq in enumerate(batch.sequences):
+        length = int(batch.lengths_after[b])
+        first = batch.firsts[b]
+        if first is not None:
+            keys, values = arena.run_rows(layer, first, length)
+        else:
+            keys, values = arena.table_rows(layer, seq.blocks, length)
+        outs.append(decode_attention(queries[b : b + 1], keys, values, scale, None, batch.dequantize))
     return mx.concatenate(outs, axis=0)
 
 

@@ -25,10 +25,11 @@ import mlx.core as mx
 import numpy as np
 
 from cortexstream.engine.batch_attention import (
-    BLOCKS, GATHER, PAGED, PER_SEQUENCE, STRIDED, block_matmul_attention, evenly_spaced, hook_applies,
-    paged_kernel_attention, per_sequence_attention, strided_attention, strided_layout, strided_view,
+    BLOCKS, GATHER, PAGED, PER_SEQUENCE, QUANTIZED, STRIDED, block_matmul_attention, evenly_spaced, hook_applies,
+    paged_kernel_attention, per_sequence_attention, quantized_attention, strided_attention, strided_layout,
+    strided_view,
 )
-from cortexstream.kv.arena import KVArena, as_dtype
+from cortexstream.kv.arena import KVArena
 from cortexstream.kv.sequence_kv import SequenceKV
 from cortexstream.backend.attention import attention_for_device
 from cortexstream.backend.sdpa import original_sdpa, route_loaded_modules
@@ -85,7 +86,9 @@ class DecodeBatch:
         longest = int(self.lengths_after.max())
         self.strided = strided_layout(self.firsts, longest, bs, arena.config.num_slots)
         rule = attention_for_device() if backend is None else backend.decode_attention()
-        self.strategy = rule.choose(attention, arena.dtype, self.strided is not None, longest)
+        self.strategy = rule.choose(attention, arena.dtype, self.strided is not None, longest, arena.quantized)
+        # A quantized arena's rows are read by dequantizing first where the platform's quantized matmul is slow.
+        self.dequantize = arena.quantized and rule.dequantize_quantized(arena.dtype)
         if self.strategy == STRIDED:  # the last window may reach past the blocks in use: back it (the budget allows)
             first, pitch = self.strided
             arena.ensure_blocks(-(-(first + pitch * (len(sequences) - 1) + longest) // bs))
@@ -173,18 +176,17 @@ class BatchLayerCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         arena, batch = self.batch.arena, self.batch
-        keys_buf, values_buf = arena.keys[self.layer], arena.values[self.layer]
         size, heads, _, _ = keys.shape
         # [B, H, 1, D] -> [H, B, D] (broadcast into the [1, H, B, D] target), one write per buffer
-        keys_buf[:, :, batch.write_at, :] = as_dtype(keys.reshape(size, heads, -1).swapaxes(0, 1), keys_buf.dtype)
-        values_buf[:, :, batch.write_at, :] = as_dtype(values.reshape(size, heads, -1).swapaxes(0, 1),
-                                                         values_buf.dtype)
+        arena.write_slots(self.layer, batch.write_at, keys.reshape(size, heads, -1).swapaxes(0, 1),
+                          values.reshape(size, heads, -1).swapaxes(0, 1))
         if batch.strategy == STRIDED:  # the batch is a view: no gather to build
             width = int(batch.lengths_after.max())
+            keys_buf, values_buf = arena.keys[self.layer], arena.values[self.layer]
             return (strided_view(keys_buf, size, batch.strided, width),
                     strided_view(values_buf, size, batch.strided, width))
         # Lazy: only evaluated if attention does not go through `attend` (see the module docstring).
-        return self.gather(keys_buf), self.gather(values_buf)
+        return arena.gather_tables(self.layer, batch.table)
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
                sinks: mx.array | None = None) -> mx.array:
@@ -201,12 +203,6 @@ class BatchLayerCache:
             return block_matmul_attention(batch, self.layer, queries, scale)
         if batch.strategy == STRIDED:
             return strided_attention(queries, keys, values, scale, mask)
+        if batch.strategy == QUANTIZED:
+            return quantized_attention(batch, self.layer, queries, scale)
         return per_sequence_attention(batch, self.layer, queries, scale)
-
-    def gather(self, buffer: mx.array) -> mx.array:
-        _, heads, _, dim = buffer.shape
-        cfg = self.batch.arena.config
-        blocked = buffer.reshape(heads, -1, cfg.block_size, dim)  # the buffer's own size (the arena grows)
-        gathered = blocked[:, self.batch.table]  # [H, B, max_blocks, bs, D]
-        batch, max_blocks = self.batch.table.shape
-        return gathered.transpose(1, 0, 2, 3, 4).reshape(batch, heads, max_blocks * cfg.block_size, dim)

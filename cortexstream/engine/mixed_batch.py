@@ -30,7 +30,6 @@ import numpy as np
 from cortexstream.engine.batch_attention import GATHER, STRIDED, strided_view
 from cortexstream.engine.batch_cache import BatchLayerCache, DecodeBatch
 from cortexstream.kernels.fast_softmax import softmax
-from cortexstream.kv.arena import as_dtype
 from cortexstream.kv.sequence_kv import SequenceKV
 
 
@@ -99,19 +98,18 @@ class MixedLayerCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         batch, arena = self.batch, self.batch.arena
-        keys_buf, values_buf = arena.keys[self.layer], arena.values[self.layer]
         rows, heads = keys.shape[0], keys.shape[1]
         # [T, H, 1, D] -> [H, T, D], broadcast into the [1, H, T, D] target: every write before any read
-        keys_buf[:, :, batch.slots, :] = as_dtype(keys.reshape(rows, heads, -1).swapaxes(0, 1), keys_buf.dtype)
-        values_buf[:, :, batch.slots, :] = as_dtype(values.reshape(rows, heads, -1).swapaxes(0, 1),
-                                                     values_buf.dtype)
+        arena.write_slots(self.layer, batch.slots, keys.reshape(rows, heads, -1).swapaxes(0, 1),
+                          values.reshape(rows, heads, -1).swapaxes(0, 1))
         decode = batch.decode
         if decode.strategy == STRIDED:
             width = int(decode.lengths_after.max())
+            keys_buf, values_buf = arena.keys[self.layer], arena.values[self.layer]
             self._decode_kv = (strided_view(keys_buf, batch.num_decode, decode.strided, width),
                                strided_view(values_buf, batch.num_decode, decode.strided, width))
         else:  # lazy: read only by the `gather` strategy
-            self._decode_kv = (self._decode.gather(keys_buf), self._decode.gather(values_buf))
+            self._decode_kv = arena.gather_tables(self.layer, decode.table)
         self._chunk_kv = []
         for kv, first, history, n in zip(batch.chunks, batch.firsts, batch.histories, batch.chunk_lengths):
             if first is not None:

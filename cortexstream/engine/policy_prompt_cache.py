@@ -61,7 +61,7 @@ def apply_policy(prompt_cache: list[Any], context: int) -> int:
     seq = prompt_cache[0].sequence
     if state is None:
         return 0
-    mx.eval(seq.arena.keys, seq.arena.values, state.pending_arrays())
+    mx.eval(seq.arena.arrays(), state.pending_arrays())
     return state.after_forward(seq, context)
 
 
@@ -84,7 +84,7 @@ def fork_cache(prompt_cache: list[Any]) -> list[Any]:
         k, v = seq.arena.read(layer, seq.blocks, seq.lengths[layer])
         copy.arena.write(layer, copy.blocks, 0, k, v)
     copy.lengths, copy.offsets = list(seq.lengths), list(seq.offsets)
-    mx.eval(copy.arena.keys, copy.arena.values)
+    mx.eval(copy.arena.arrays())
     state = policy_state_of(prompt_cache)
     if state is None:
         return [type(c)(copy, layer) for layer, c in enumerate(prompt_cache)]

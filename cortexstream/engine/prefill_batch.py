@@ -106,13 +106,12 @@ class PrefillLayerCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         batch, arena = self.batch, self.batch.arena
-        keys_buf, values_buf = arena.keys[self.layer], arena.values[self.layer]
-        keys_buf[:, :, batch.slots, :] = as_dtype(self._real_tokens(keys), keys_buf.dtype)
-        values_buf[:, :, batch.slots, :] = as_dtype(self._real_tokens(values), values_buf.dtype)
+        arena.write_slots(self.layer, batch.slots, self._real_tokens(keys), self._real_tokens(values))
+        keys, values = arena.as_stored(keys, values)  # a quantized arena's chunk reads back quantized
         if batch.history_slots is None:
             return keys, values
-        return (mx.concatenate([self._history(keys_buf, keys.dtype), keys], axis=2),
-                mx.concatenate([self._history(values_buf, values.dtype), values], axis=2))
+        history_keys, history_values = self._history(keys.dtype)
+        return (mx.concatenate([history_keys, keys], axis=2), mx.concatenate([history_values, values], axis=2))
 
     def _real_tokens(self, array: mx.array) -> mx.array:
         """[B, H, L, D] -> [H, real tokens, D] in slot order (rows in order, padding dropped)."""
@@ -120,6 +119,10 @@ class PrefillLayerCache:
         flat = array.transpose(1, 0, 2, 3).reshape(heads, size * width, dim)
         return flat if self.batch.source is None else flat[:, self.batch.source]
 
-    def _history(self, buffer: mx.array, dtype: mx.Dtype) -> mx.array:
-        gathered = buffer[0][:, self.batch.history_slots]  # [H, B, hist_max, D]
-        return as_dtype(gathered.transpose(1, 0, 2, 3), dtype)
+    def _history(self, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        """Each row's earlier K and V, right-aligned: [B, H, hist_max, D] each."""
+        slots = self.batch.history_slots
+        batch, width = slots.shape
+        keys, values = self.batch.arena.gather_slots(self.layer, slots.reshape(-1))  # [H, B * hist_max, D]
+        return tuple(as_dtype(x.reshape(x.shape[0], batch, width, -1).transpose(1, 0, 2, 3), dtype)
+                     for x in (keys, values))  # type: ignore[return-value]

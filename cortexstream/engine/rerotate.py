@@ -77,4 +77,4 @@ def renumber(seq: Any, positions: list[np.ndarray], rotate: KeyRotator) -> None:
                 seq.arena.write(layer, seq.blocks, start, moved, kept_values)
             positions[layer] = np.broadcast_to(target, pos.shape).copy()
             seq.offsets[layer] = n
-        mx.eval(seq.arena.keys, seq.arena.values)
+        mx.eval(seq.arena.arrays())

@@ -112,7 +112,7 @@ class ModelRunner:
         with self.arena.lock:
             for layer, (k, v) in layers:
                 self.arena.write(layer, list(block_table), start, k[0], v[0])
-            mx.eval(self.arena.keys, self.arena.values)
+            mx.eval(self.arena.arrays())
 
     # --- the step ---------------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -189,7 +189,7 @@ class ModelRunner:
         # Evaluate now, not with the step's other logits: a later pass in the same step writing the arena while
         # this graph (holding views of the layer buffers) is pending would make MLX copy every layer buffer.
         policy = request.policy
-        mx.eval([a for a in (logits,) if a is not None], self.arena.keys, self.arena.values,
+        mx.eval([a for a in (logits,) if a is not None], self.arena.arrays(),
                 policy.pending_arrays() if policy is not None else [])
         self._after_forward(request, kv, item, out)
         return logits
@@ -203,7 +203,7 @@ class ModelRunner:
         logits = last_token_logits(self.model, batch.tokens, batch.caches())[:, 0, :]
         batch.commit()
         done = [item.sample for item in items]
-        mx.eval(logits if any(done) else [], self.arena.keys, self.arena.values)  # as in `_prefill_one`
+        mx.eval(logits if any(done) else [], self.arena.arrays())  # as in `_prefill_one`
         return [logits[i : i + 1] if finished else None for i, finished in enumerate(done)]
 
     def _decode(self, items: list[WorkItem], chunks: list[WorkItem], out: "_Outcome") -> None:

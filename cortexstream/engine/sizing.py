@@ -80,11 +80,13 @@ def job_kv_tokens(requests: Sequence[tuple[int, int, KVPolicy]], block_size: int
 
 
 def private_arena_tokens(model: Any, requests: Sequence[tuple[int, int, KVPolicy]], *, block_size: int,
-                         prefill_step_size: int) -> int:
+                         prefill_step_size: int, kv_dtype: str | None = None,
+                         kv_group_size: int | None = None) -> int:
     """The arena size for a private engine running `requests`: all of them at once when memory allows, else as
     many slots as memory allows (requests then queue), never less than the largest single request needs."""
     need = job_kv_tokens(requests, block_size, prefill_step_size)
-    probe = ArenaConfig.for_model(model, num_tokens=block_size, block_size=block_size)
+    probe = ArenaConfig.for_model(model, num_tokens=block_size, block_size=block_size, kv_dtype=kv_dtype,
+                                  kv_group_size=kv_group_size)
     per_token = probe.bytes_per_token
     budget = int(available_memory_bytes() * MEMORY_SHARE)
     if need * per_token <= budget:
@@ -101,10 +103,12 @@ def private_arena_tokens(model: Any, requests: Sequence[tuple[int, int, KVPolicy
 
 
 def private_arena(model: Any, requests: Sequence[tuple[int, int, KVPolicy]], *, block_size: int,
-                  prefill_step_size: int) -> KVArena:
+                  prefill_step_size: int, kv_dtype: str | None = None, kv_group_size: int | None = None) -> KVArena:
     """The arena of a private engine (`private_arena_tokens` slots), committed at once: a job-sized arena is
     used in full, so one zero-fill costs less than growing it in doublings (each a copy)."""
     from cortexstream.kv.arena import KVArena
 
-    tokens = private_arena_tokens(model, requests, block_size=block_size, prefill_step_size=prefill_step_size)
-    return KVArena(ArenaConfig.for_model(model, num_tokens=tokens, block_size=block_size), preallocate=True)
+    tokens = private_arena_tokens(model, requests, block_size=block_size, prefill_step_size=prefill_step_size,
+                                  kv_dtype=kv_dtype, kv_group_size=kv_group_size)
+    return KVArena(ArenaConfig.for_model(model, num_tokens=tokens, block_size=block_size, kv_dtype=kv_dtype,
+                                         kv_group_size=kv_group_size), preallocate=True)

@@ -48,11 +48,15 @@ def batch_generate(
     max_num_seqs: int | None = None,
     prefill_step_size: int = 512,
     context_overflow: str = "warn",
+    kv_dtype: str | None = None,
+    kv_group_size: int | None = None,
     **sampling_kwargs: Any,
 ) -> BatchResponse:
     """Generate for every prompt concurrently; texts come back in prompt order.
 
     `kv_policy`: one policy (object or string) for every prompt, or a list with one per prompt (None: full cache).
+    `kv_dtype` / `kv_group_size`: how the private engine's arena stores K/V (as in `stream_generate`; with an
+    `engine` they must match its arena or be left out).
     Each request's max_tokens is cut to the model's context; a prompt longer than the context is warned about
     (`context_overflow="warn"`) or refused (`"error"`).
 
@@ -85,6 +89,10 @@ def batch_generate(
     samplings = [replace(s, max_tokens=fit_to_context(model, len(t), s.max_tokens, context_overflow))
                  for t, s in zip(prompt_ids, samplings)]
     owned = engine is None
+    if engine is not None:
+        from cortexstream.kv.arena_config import check_arena_storage
+
+        check_arena_storage(engine.arena, model, kv_dtype, kv_group_size)
     if engine is None:
         # A private engine costs what this job needs: an arena for every request's prompt + max_tokens at once
         # (within the memory available), filled prompt-first: nothing waits for a stream to stay smooth.
@@ -92,8 +100,11 @@ def batch_generate(
         engine = Engine(
             model, tokenizer,
             kv_tokens=kv_tokens,
+            kv_dtype=kv_dtype if kv_tokens else None,
+            kv_group_size=kv_group_size if kv_tokens else None,
             arena=None if kv_tokens else private_arena(model, jobs, block_size=16,
-                                                       prefill_step_size=prefill_step_size),
+                                                       prefill_step_size=prefill_step_size, kv_dtype=kv_dtype,
+                                                       kv_group_size=kv_group_size),
             max_num_seqs=max_num_seqs or len(prompts),
             prefill_step_size=prefill_step_size,
             prefill_tokens_while_decoding=None,

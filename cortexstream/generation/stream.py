@@ -47,6 +47,8 @@ def stream_generate(
     kv_policy: Any = None,
     engine: Any = None,
     context_overflow: str = "warn",
+    kv_dtype: str | None = None,
+    kv_group_size: int | None = None,
     **sampling_kwargs: Any,
 ) -> Iterator[GenerationResponse]:
     """Yield a `GenerationResponse` per generated token; the last one carries `finish_reason`
@@ -60,6 +62,9 @@ def stream_generate(
     `kv_policy` (a `cortexstream.policies` object or a string such as 'h2o:budget=0.2') bounds the physical KV.
     With a `prompt_cache` the policy travels with the cache (it is upgraded in place), so calling again with the
     same cache and only the next turn's tokens continues on the evicted cache without recomputing it.
+
+    `kv_dtype` ("float16", "int8", "int4", "k=int8,v=int4", ...; `kv_group_size` 32 or 64) is how the private
+    engine's arena stores K/V; with an `engine` or a `prompt_cache` it must match what they store (or be left out).
     """
     if sampling is None:
         sampling = sampling_from_kwargs(max_tokens, **sampling_kwargs)
@@ -68,20 +73,28 @@ def stream_generate(
     tokens = prompt_to_tokens(tokenizer, prompt)
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
+    storage = (kv_dtype, kv_group_size)
     yield from _engine_generate(model, tokenizer, tokens, sampling, kv_policy, engine, prefill_step_size,
-                                context_overflow, prompt_cache, sampler)
+                                context_overflow, prompt_cache, sampler, storage)
 
 
 def _engine_generate(
     model: nn.Module, tokenizer: Any, tokens: list[int], sampling: SamplingParams, kv_policy: Any, engine: Any,
     prefill_step_size: int, context_overflow: str, prompt_cache: list[Any] | None, sampler: Any,
+    storage: tuple[str | None, int | None],
 ) -> Iterator[GenerationResponse]:
+    from cortexstream.kv.arena_config import check_arena_storage
+
     from cortexstream.engine.engine import Engine
     from cortexstream.engine.sizing import fit_to_context, private_arena
 
     sampling = replace(sampling, max_tokens=fit_to_context(model, len(tokens), sampling.max_tokens,
                                                            context_overflow))
     owned = engine is None
+    if engine is not None:
+        check_arena_storage(engine.arena, model, *storage)
+    elif prompt_cache is not None and prompt_cache and hasattr(prompt_cache[0], "sequence"):
+        check_arena_storage(prompt_cache[0].sequence.arena, model, *storage)
     if engine is None:
         from cortexstream.policies.parsing import parse_policy
 
@@ -89,7 +102,8 @@ def _engine_generate(
         job = [(len(tokens), sampling.max_tokens, kv_policy)]
         # A request on the caller's prompt cache keeps its KV there: its engine needs no arena to speak of.
         arena = None if prompt_cache is not None else private_arena(
-            model, job, block_size=16, prefill_step_size=prefill_step_size)
+            model, job, block_size=16, prefill_step_size=prefill_step_size, kv_dtype=storage[0],
+            kv_group_size=storage[1])
         engine = Engine(model, tokenizer, max_num_seqs=1, prefill_step_size=prefill_step_size,
                         prefix_caching=False, kv_tokens=16 if arena is None else None, arena=arena)
     if sampling.max_tokens == 0:

@@ -82,7 +82,19 @@ def evict_gather(
 def compact_layer(arena: Any, layer: int, blocks: Sequence[int], keep: Any, *, backend: str | None = None) -> int:
     """Keep only positions `keep` ([n] or [H, n], ascending, unique, in range) of one layer of a sequence,
     moved to positions 0..n-1 of its block table. Returns n. The caller owns locking, copy-on-write and lengths.
+
+    A quantized arena moves the kept rows' codes with their own scales and biases (`arena.move_rows`): no
+    requantization, so a kept row is bit-identical to what it was.
     """
+    if arena.quantized:
+        bs = arena.config.block_size
+        table = as_index_array(list(blocks))
+        rows = as_index_array(keep)
+        slots = arena_slots(table, rows[None, :] if rows.ndim == 1 else rows, bs)  # [1 or H, n]
+        n = int(slots.shape[1])
+        destination = arena_slots(table, mx.arange(n, dtype=mx.int32)[None, :], bs)[0]
+        arena.move_rows(layer, slots[0] if rows.ndim == 1 else slots, destination)
+        return n
     keys, values = evict_gather(*arena.layer_buffers(layer), list(blocks), keep,
                                 arena.config.block_size, backend=backend)
     mx.eval(keys, values)  # materialise before the in-place write into the same buffers

@@ -26,6 +26,13 @@ layer at a time is padded to the next size, so that a long-lived engine commits 
 than in one stall, and the old and new buffer coexist for one layer at a time. Layers may therefore differ in size
 for a while: code that views a buffer takes its block count from the buffer's own shape, never from the config.
 `preallocate=True` builds the whole budget up front (benchmarks that measure steady state).
+
+Quantized storage (`config.kv_dtype`): a quantized side of a layer is a `QuantizedRows` (codes, scales, biases on
+the same slot axis) instead of the float buffer, so `keys[layer]` / `values[layer]` are then not arrays: code that
+touches the buffers directly (the batched decode strategies, the kernels) runs only on float sides, and everything
+else goes through the methods here, which quantize on write, dequantize on read (`arena_sides.py`), and move
+stored rows unchanged (`copy_blocks`, `move_rows`). `run_rows` / `table_rows` hand attention the stored rows of a
+run or a block table, so that it can read codes directly (`mx.quantized_matmul`) instead of dequantizing.
 """
 
 from __future__ import annotations
@@ -38,17 +45,16 @@ import numpy as np
 
 from cortexstream.kv.allocator import BlockAllocator
 from cortexstream.kv.arena_config import ArenaConfig
+from cortexstream.kv.arena_sides import (
+    Side, as_dtype, as_read_back, full_float, new_side, pad_side, put_side, read_side, read_side_per_head, side_arrays,
+    side_nbytes, take_side, take_side_per_head, write_side,
+)
+from cortexstream.kv.kv_dtype import StorageType
 
 _UNKNOWN = object()  # sentinel: contiguity of a block table not known by the caller
 _MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 MIN_PHYSICAL_SLOTS = 1024  # token slots an arena starts with (unless its budget is smaller or preallocated)
 GROW_AHEAD_AT = 0.75  # high water / physical blocks above which `grow_ahead` starts the next doubling
-
-
-def as_dtype(array: mx.array, dtype: mx.Dtype) -> mx.array:
-    """`array` in `dtype`; astype even to the same dtype adds a copy to the graph, and every decode step writes
-    every layer."""
-    return array if array.dtype == dtype else array.astype(dtype)
 
 
 class KVArena:
@@ -69,9 +75,14 @@ class KVArena:
         initial = min(initial, config.num_blocks)
         dtype = _MX_DTYPES[config.dtype]
         heads, slots = config.num_kv_heads, initial * config.block_size
-        self.keys = [mx.zeros((1, heads, slots, config.head_dim), dtype) for _ in range(config.num_layers)]
-        self.values = [mx.zeros((1, heads, slots, config.value_head_dim), dtype) for _ in range(config.num_layers)]
-        mx.eval(self.keys, self.values)
+        storage = config.storage
+        self.key_type, self.value_type = storage.key, storage.value
+        group = storage.group_size
+        self.keys: list[Side] = [new_side(storage.key, heads, slots, config.head_dim, dtype, group)
+                                 for _ in range(config.num_layers)]
+        self.values: list[Side] = [new_side(storage.value, heads, slots, config.value_head_dim, dtype, group)
+                                   for _ in range(config.num_layers)]
+        mx.eval(self.arrays())
         self._layer_blocks = [initial] * config.num_layers  # blocks each layer's buffers hold
         self._physical = initial  # min(_layer_blocks): every block id below it is backed in every layer
         self._target = initial  # the size layers are being grown to
@@ -82,7 +93,24 @@ class KVArena:
 
     @property
     def dtype(self) -> mx.Dtype:
+        """The float type rows are written and read in (a quantized side's scales are in it too)."""
         return _MX_DTYPES[self.config.dtype]
+
+    @property
+    def quantized(self) -> bool:
+        """Whether K or V is stored quantized (then `keys`/`values` hold `QuantizedRows` for that side)."""
+        return self.config.quantized
+
+    @property
+    def storage_types(self) -> tuple[StorageType, StorageType]:
+        return self.key_type, self.value_type
+
+    def arrays(self) -> list[mx.array]:
+        """Every array of the K and V storage (for `mx.eval`)."""
+        out: list[mx.array] = []
+        for side in (*self.keys, *self.values):
+            out.extend(side_arrays(side))
+        return out
 
     # --- physical size ---------------------------------------------------------------------------------------
     @property
@@ -93,7 +121,7 @@ class KVArena:
     @property
     def physical_bytes(self) -> int:
         """Bytes of the K and V buffers as they are now (the budget is `config.total_bytes`)."""
-        return sum(self._layer_blocks) * (self.config.bytes_per_block // self.config.num_layers)
+        return sum(side_nbytes(k) + side_nbytes(v) for k, v in zip(self.keys, self.values))
 
     def ensure_blocks(self, num_blocks: int) -> None:
         """Back block ids [0, num_blocks) in every layer, padding the layers that fall short to twice the present
@@ -128,9 +156,8 @@ class KVArena:
     def _grow_layer(self, layer: int) -> None:
         """Pad one layer's K and V buffers to `_target` blocks (lazily, zeros at the end). Caller holds the lock."""
         extra = (self._target - self._layer_blocks[layer]) * self.config.block_size
-        widths = [(0, 0), (0, 0), (0, extra), (0, 0)]
-        self.keys[layer] = mx.pad(self.keys[layer], widths)
-        self.values[layer] = mx.pad(self.values[layer], widths)
+        self.keys[layer] = pad_side(self.keys[layer], extra)
+        self.values[layer] = pad_side(self.values[layer], extra)
         self._layer_blocks[layer] = self._target
         self._physical = min(self._layer_blocks)
         self.num_growths += 1
@@ -138,8 +165,9 @@ class KVArena:
     def layer_buffers(self, layer: int) -> tuple[mx.array, mx.array]:
         """This layer's K and V storage as `[H, S, D]` (free reshapes; S: its physical slots, at least
         `num_physical_blocks * block_size`) for kernels and gathers to read.
-        Writes go through the arena's methods, which update the `[1, H, S, D]` buffers in place."""
-        keys, values = self.keys[layer], self.values[layer]
+        Writes go through the arena's methods, which update the `[1, H, S, D]` buffers in place.
+        A quantized side is dequantized in full here (every slot): hot paths read `run_rows`/`table_rows`."""
+        keys, values = full_float(self.keys[layer], self.dtype), full_float(self.values[layer], self.dtype)
         return keys.reshape(keys.shape[1:]), values.reshape(values.shape[1:])
 
     # --- addressing -------------------------------------------------------------------------------------------
@@ -175,10 +203,20 @@ class KVArena:
             first = self.contiguous_start(blocks)
         if first is not None:
             lo = first * bs
-            return self.keys[layer][0, :, lo : lo + length, :], self.values[layer][0, :, lo : lo + length, :]
+            where = slice(lo, lo + length)
+            return (read_side(self.keys[layer], where, self.dtype)[0],
+                    read_side(self.values[layer], where, self.dtype)[0])
+        if self.quantized:
+            slots = self.slots_array(blocks, length)
+            return (read_side(self.keys[layer], slots, self.dtype)[0],
+                    read_side(self.values[layer], slots, self.dtype)[0])
         used = -(-length // bs)
         table = mx.array(np.asarray(blocks[:used], dtype=np.int32))
         return self._gather_blocks(self.keys[layer], table, length), self._gather_blocks(self.values[layer], table, length)
+
+    def slots_array(self, blocks: Sequence[int], length: int) -> mx.array:
+        """int32 arena slots of a sequence's first `length` tokens."""
+        return mx.array(self.slot_indices(blocks, 0, length).astype(np.int32))
 
     def _gather_blocks(self, buffer: mx.array, table: mx.array, length: int) -> mx.array:
         _, heads, _, dim = buffer.shape
@@ -186,16 +224,55 @@ class KVArena:
         blocked = buffer.reshape(heads, -1, bs, dim)  # the buffer's own block count (see the module docstring)
         return blocked[:, table, :, :].reshape(heads, -1, dim)[:, :length, :]
 
+    def gather_tables(self, layer: int, table: mx.array) -> tuple[mx.array, mx.array]:
+        """K and V of a batch's padded block tables `[B, MB]` as floats `[B, H, MB * bs, D]` (padding entries
+        read whatever block they name; the batch's mask hides them)."""
+        bs = self.config.block_size
+        batch, max_blocks = table.shape
+        if self.quantized:
+            slots = (table[:, :, None] * bs + mx.arange(bs, dtype=mx.int32)).reshape(-1)
+            out = []
+            for side in (self.keys[layer], self.values[layer]):
+                rows = read_side(side, slots, self.dtype)[0]  # [H, B * MB * bs, D]
+                heads, _, dim = rows.shape
+                out.append(rows.reshape(heads, batch, max_blocks * bs, dim).transpose(1, 0, 2, 3))
+            return out[0], out[1]
+        out = []
+        for buffer in (self.keys[layer], self.values[layer]):
+            _, heads, _, dim = buffer.shape
+            blocked = buffer.reshape(heads, -1, bs, dim)  # the buffer's own size (the arena grows)
+            gathered = blocked[:, table]  # [H, B, max_blocks, bs, D]
+            out.append(gathered.transpose(1, 0, 2, 3, 4).reshape(batch, heads, max_blocks * bs, dim))
+        return out[0], out[1]
+
+    def as_stored(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """New K/V rows as a read of the arena would return them once written: through the quantizer and back
+        for a quantized side (so a pass that attends over its own fresh rows sees what the arena stores, as
+        every other path does), unchanged for a float side."""
+        return as_read_back(self.keys[0], keys, self.dtype), as_read_back(self.values[0], values, self.dtype)
+
+    def run_rows(self, layer: int, first: int, length: int) -> tuple[Side, Side]:
+        """The stored K and V rows of the first `length` tokens of the run that begins at block `first`: slices
+        of the float buffers (views) or of the quantized rows, for attention that reads codes directly."""
+        lo = first * self.config.block_size
+        where = slice(lo, lo + length)
+        return take_side(self.keys[layer], where), take_side(self.values[layer], where)
+
+    def table_rows(self, layer: int, blocks: Sequence[int], length: int) -> tuple[Side, Side]:
+        """The stored K and V rows of a sequence's first `length` tokens through its block table (a gather)."""
+        first = self.contiguous_start(blocks)
+        if first is not None:
+            return self.run_rows(layer, first, length)
+        slots = self.slots_array(blocks, length)
+        return take_side(self.keys[layer], slots), take_side(self.values[layer], slots)
+
     def gather_slots(self, layer: int, slots: np.ndarray | mx.array) -> tuple[mx.array, mx.array]:
         """K, V at arbitrary slots; `slots` is [n] or [H, n] (per-head selection)."""
         slots = mx.array(np.asarray(slots, dtype=np.int32)) if isinstance(slots, np.ndarray) else slots
-        keys, values = self.layer_buffers(layer)
+        keys, values = self.keys[layer], self.values[layer]
         if slots.ndim == 1:
-            return keys[:, slots, :], values[:, slots, :]
-        return (
-            mx.take_along_axis(keys, slots[:, :, None], axis=1),
-            mx.take_along_axis(values, slots[:, :, None], axis=1),
-        )
+            return read_side(keys, slots, self.dtype)[0], read_side(values, slots, self.dtype)[0]
+        return read_side_per_head(keys, slots, self.dtype), read_side_per_head(values, slots, self.dtype)
 
     # --- writes -----------------------------------------------------------------------------------------------
     def write(
@@ -212,12 +289,33 @@ class KVArena:
         k, v = as_dtype(keys, self.dtype), as_dtype(values, self.dtype)
         if first is not None or (start // bs == (start + n - 1) // bs):
             lo = (first * bs + start) if first is not None else blocks[start // bs] * bs + start % bs
-            self.keys[layer][:, :, lo : lo + n, :] = k
-            self.values[layer][:, :, lo : lo + n, :] = v
+            self.write_slots(layer, slice(lo, lo + n), k, v)
             return
         slots = mx.array(self.slot_indices(blocks, start, start + n).astype(np.int32))
-        self.keys[layer][:, :, slots, :] = k
-        self.values[layer][:, :, slots, :] = v
+        self.write_slots(layer, slots, k, v)
+
+    def write_slots(self, layer: int, where: slice | mx.array, keys: mx.array, values: mx.array) -> None:
+        """Write K/V rows `[H, n, D]` (or `[1, H, n, D]`) at arena slots `where` (a slice or n distinct slots),
+        in place: one update per side (quantized on the way in for a quantized side)."""
+        write_side(self.keys[layer], where, keys)
+        write_side(self.values[layer], where, values)
+
+    def put_rows(self, layer: int, first_slot: int, keys: Side, values: Side) -> None:
+        """Store rows another arena of the same storage returned (`run_rows` / `table_rows`) at slots
+        [first_slot, first_slot + n), unchanged."""
+        n = keys.num_slots if not isinstance(keys, mx.array) else keys.shape[2]
+        put_side(self.keys[layer], slice(first_slot, first_slot + n), keys)
+        put_side(self.values[layer], slice(first_slot, first_slot + n), values)
+
+    def move_rows(self, layer: int, source: mx.array, destination: slice | mx.array) -> None:
+        """Move stored rows of one layer: `source` int32 slots `[n]` or per KV head `[H, n]` to `destination`
+        (n slots), unchanged (no requantization). Reads happen before the writes in the graph, but the caller
+        evaluates the arena before anything else reads a destination slot that was also a source."""
+        for sides in (self.keys, self.values):
+            side = sides[layer]
+            rows = take_side(side, source) if source.ndim == 1 else take_side_per_head(side, source)
+            mx.eval(side_arrays(rows))  # materialise before the in-place write into the same storage
+            put_side(side, destination, rows)
 
     def append_to_run(
         self, layer: int, first: int, start: int, keys: mx.array, values: mx.array
@@ -225,6 +323,9 @@ class KVArena:
         """Write one sequence's `[1, H, n, D]` keys/values at tokens [start, start+n) of the contiguous run that
         begins at block `first`, and return its tokens [0, start+n) as `[1, H, start+n, D]` views (no copy)."""
         lo = first * self.config.block_size + start
+        if self.quantized:
+            self.write_slots(layer, slice(lo, lo + keys.shape[2]), keys, values)
+            return self.run_view(layer, first, start + keys.shape[2])
         self.keys[layer][..., lo : lo + keys.shape[2], :] = as_dtype(keys, self.dtype)
         self.values[layer][..., lo : lo + keys.shape[2], :] = as_dtype(values, self.dtype)
         return self.run_view(layer, first, start + keys.shape[2])
@@ -233,7 +334,8 @@ class KVArena:
         """The first `length` tokens of the contiguous run that begins at block `first`, as `[1, H, length, D]`
         views of this layer's buffers: what SDPA reads, no copy."""
         lo = first * self.config.block_size
-        return self.keys[layer][..., lo : lo + length, :], self.values[layer][..., lo : lo + length, :]
+        where = slice(lo, lo + length)
+        return read_side(self.keys[layer], where, self.dtype), read_side(self.values[layer], where, self.dtype)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's slots, every layer (copy-on-write and relocation)."""
@@ -245,10 +347,10 @@ class KVArena:
         bs = self.config.block_size
         src_slots = mx.array((np.repeat(np.asarray(src) * bs, bs) + np.tile(np.arange(bs), len(src))).astype(np.int32))
         dst_slots = mx.array((np.repeat(np.asarray(dst) * bs, bs) + np.tile(np.arange(bs), len(dst))).astype(np.int32))
-        for layer in range(self.config.num_layers):
-            self.keys[layer][:, :, dst_slots, :] = self.keys[layer][:, :, src_slots, :]
-            self.values[layer][:, :, dst_slots, :] = self.values[layer][:, :, src_slots, :]
-        mx.eval(self.keys, self.values)
+        for sides in (self.keys, self.values):
+            for side in sides:
+                put_side(side, dst_slots, take_side(side, src_slots))
+        mx.eval(self.arrays())
 
     # --- stats ------------------------------------------------------------------------------------------------
     @property
@@ -275,6 +377,8 @@ class KVArena:
             "num_physical_blocks": self.num_physical_blocks,
             "physical_bytes": self.physical_bytes,
             "fragmentation": alloc.fragmentation(),
+            "kv_dtype": self.config.storage.text,
+            "bytes_per_token": self.config.bytes_per_token,
             "evicted_tokens": self.num_evicted_tokens,
             "compressed_tokens": self.num_compressed_tokens,
         }

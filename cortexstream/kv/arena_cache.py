@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 
+from cortexstream.backend.attention import attention_for_device
+from cortexstream.backend.sdpa import original_sdpa
 from cortexstream.errors import InvalidArgumentError
+from cortexstream.kv.quantized_attention import decode_attention
 from cortexstream.kv.sequence_kv import SequenceKV, private_sequence
 
 
@@ -14,11 +17,23 @@ class ArenaKVCache:
     """Per-layer view of a sequence's KV in the arena (batch size 1).
 
     `offset` is the logical position (RoPE); `size()` the physical slots; they differ after eviction or compression.
+
+    On a quantized arena, `update_and_fetch` returns the dequantized K/V (lazily) and the cache carries an
+    `attention_hook` (reached once the model's SDPA is routed, see `backend.sdpa`) that attends a decode step's one
+    query over the stored codes instead (`kv.quantized_attention`); any other call (a prefill chunk, a mask,
+    learned sinks) attends over the dequantized K/V. An unrouted model simply consumes those: slower, never wrong.
+    The cache has no `bits` attribute, so mlx-lm's own SDPA never takes its K/V for mlx-lm's quantized tuples.
     """
+
+    attention_hook: Callable[..., mx.array] | None = None
 
     def __init__(self, sequence: SequenceKV, layer: int) -> None:
         self.sequence = sequence
         self.layer = layer
+        self._rows: tuple[Any, Any] | None = None  # a quantized arena's stored rows from the last update
+        if sequence.arena.quantized:
+            self._dequantize = attention_for_device().dequantize_quantized(sequence.arena.dtype)
+            self.attention_hook = self._quantized_attend
 
     # --- protocol: positions ----------------------------------------------------------------------------------
     @property
@@ -57,6 +72,9 @@ class ArenaKVCache:
         first = seq.contiguous_first()
         seq.lengths[layer] = end
         seq.offsets[layer] += n
+        if arena.quantized:
+            self._rows = (arena.run_rows(layer, first, end) if first is not None
+                          else arena.table_rows(layer, seq.blocks, end))
         if first is not None:
             # The decode hot path, run per layer per token: one slice update (in place) and one slice per buffer,
             # the same graph as mlx-lm's KVCache.
@@ -64,6 +82,12 @@ class ArenaKVCache:
         arena.write(layer, seq.blocks, start, keys[0], values[0], first)
         k, v = arena.read(layer, seq.blocks, end, first)
         return k[None], v[None]
+
+    def _quantized_attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
+                          sinks: mx.array | None = None) -> mx.array:
+        if self._rows is None or sinks is not None or mask is not None or queries.shape[2] != 1:
+            return original_sdpa(queries, keys, values, None, scale=scale, mask=mask, sinks=sinks)
+        return decode_attention(queries, *self._rows, scale, None, self._dequantize)
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
         """Causal mask for n new queries over the physical keys (prior slots are all visible)."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cortexstream.errors import InvalidArgumentError
+from cortexstream.kv.kv_dtype import KVDtype, StorageType
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -21,6 +22,9 @@ class ArenaConfig:
     block_size: int = 16
     dtype: str = "float32"
     v_head_dim: int | None = None  # None: same as head_dim
+    # Quantized storage of K and/or V (None: both stored as `dtype`). `dtype` stays the float type rows arrive
+    # and are read back in; a float side of a quantized arena is stored in it. See `storage`.
+    kv_dtype: KVDtype | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "num_blocks", "block_size"):
@@ -31,6 +35,42 @@ class ArenaConfig:
             raise InvalidArgumentError(f"ArenaConfig.v_head_dim: {self.v_head_dim!r} must be a positive integer or None")
         if self.dtype not in _ITEMSIZE:
             raise InvalidArgumentError(f"ArenaConfig.dtype: {self.dtype!r} must be one of {', '.join(_ITEMSIZE)}")
+        if self.kv_dtype is not None:
+            self._check_kv_dtype(self.kv_dtype)
+
+    def _check_kv_dtype(self, kv: KVDtype) -> None:
+        if not isinstance(kv, KVDtype):
+            raise InvalidArgumentError(f"ArenaConfig.kv_dtype: {kv!r} must be a KVDtype or None")
+        if not kv.quantized:
+            raise InvalidArgumentError(
+                f"ArenaConfig.kv_dtype: {kv.text!r} quantizes nothing; a float arena is ArenaConfig.dtype "
+                "(ArenaConfig.for_model(kv_dtype=...) does this for you)")
+        if kv.float_type.value != self.dtype:
+            raise InvalidArgumentError(
+                f"ArenaConfig.kv_dtype: its float type {kv.float_type.value} differs from dtype {self.dtype}")
+        for side, kind in (("k", kv.key), ("v", kv.value)):
+            if not kind.quantized and kind.value != self.dtype:
+                raise InvalidArgumentError(
+                    f"kv_dtype: {kv.text!r}: the float side {side}={kind.value} must be the model's float type "
+                    f"{self.dtype} when the other side is quantized")
+        kv.check_head_dims(self.head_dim, self.value_head_dim)
+
+    @property
+    def storage(self) -> KVDtype:
+        """How K and V are stored: `kv_dtype`, or both sides in `dtype`."""
+        if self.kv_dtype is not None:
+            return self.kv_dtype
+        kind = StorageType(self.dtype)
+        return KVDtype(kind, kind, kind)
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype is not None
+
+    @property
+    def cache_key(self) -> str:
+        """What decides a block's stored bytes (prefix-cache hashes, saved prompt caches)."""
+        return self.storage.cache_key
 
     @property
     def value_head_dim(self) -> int:
@@ -43,6 +83,9 @@ class ArenaConfig:
     @property
     def bytes_per_token(self) -> int:
         """K + V bytes of one token over all layers and KV heads."""
+        if self.kv_dtype is not None:
+            return self.kv_dtype.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
+                                                 self.value_head_dim)
         per_layer = self.num_kv_heads * (self.head_dim + self.value_head_dim) * _ITEMSIZE[self.dtype]
         return per_layer * self.num_layers
 
@@ -67,13 +110,20 @@ class ArenaConfig:
         memory_fraction: float | None = None,
         block_size: int = 16,
         dtype: str | None = None,
+        kv_dtype: str | KVDtype | None = None,
+        kv_group_size: int | None = None,
     ) -> "ArenaConfig":
-        """Size an arena for `model` from exactly one of a token count, a byte budget or a fraction of device memory."""
+        """Size an arena for `model` from exactly one of a token count, a byte budget or a fraction of device memory.
+
+        `kv_dtype`: how K/V are stored ("auto" / None: `dtype`, else the model's float type; "float16", "int8",
+        "int4", "k=int8,v=int4", ... see `kv_dtype.parse_kv_dtype`); a byte budget then holds the matching
+        multiple of tokens. `kv_group_size`: 32 or 64 for quantized sides."""
         given = [x for x in (num_tokens, num_bytes, memory_fraction) if x is not None]
         if len(given) != 1:
             raise InvalidArgumentError("ArenaConfig.for_model: give exactly one of num_tokens, num_bytes, memory_fraction")
         layers, kv_heads, head_dim, model_dtype = model_kv_shape(model)
-        probe = cls(layers, kv_heads, head_dim, 1, block_size, dtype or model_dtype)
+        dtype, storage = resolve_storage(dtype or model_dtype, kv_dtype, kv_group_size)
+        probe = cls(layers, kv_heads, head_dim, 1, block_size, dtype, kv_dtype=storage)
         if num_tokens is not None:
             if not isinstance(num_tokens, int) or num_tokens <= 0:
                 raise InvalidArgumentError(f"num_tokens: {num_tokens!r} must be a positive integer")
@@ -92,7 +142,42 @@ class ArenaConfig:
                     f"num_bytes: {num_bytes!r} is smaller than one block ({probe.bytes_per_block} bytes)"
                 )
             blocks = num_bytes // probe.bytes_per_block
-        return cls(layers, kv_heads, head_dim, blocks, block_size, dtype or model_dtype)
+        return cls(layers, kv_heads, head_dim, blocks, block_size, dtype, kv_dtype=storage)
+
+
+def check_arena_storage(arena: Any, model: Any, kv_dtype: str | KVDtype | None,
+                        group_size: int | None = None) -> None:
+    """Refuse a `kv_dtype` that contradicts the storage of an arena given alongside it (None: nothing asked)."""
+    if kv_dtype is None and group_size is None:
+        return
+    cfg = arena.config
+    model_dtype = model_kv_shape(model)[3]
+    wanted = resolve_storage(model_dtype, kv_dtype, group_size)
+    if wanted != (cfg.dtype, cfg.kv_dtype):
+        asked = wanted[1].cache_key if wanted[1] is not None else wanted[0]
+        raise InvalidArgumentError(
+            f"kv_dtype: {asked} was asked for, but the arena given stores {cfg.cache_key}; build the arena with "
+            "ArenaConfig.for_model(..., kv_dtype=...) or leave kv_dtype out")
+
+
+def resolve_storage(float_dtype: str, kv_dtype: str | KVDtype | None,
+                    group_size: int | None = None) -> tuple[str, KVDtype | None]:
+    """(ArenaConfig.dtype, ArenaConfig.kv_dtype) for a user's `kv_dtype` on rows of `float_dtype`: a float
+    kv_dtype on both sides becomes the arena's dtype; a quantized one keeps `float_dtype` for scales and reads."""
+    from cortexstream.kv.kv_dtype import parse_kv_dtype
+
+    if isinstance(kv_dtype, KVDtype):
+        if group_size is not None and group_size != kv_dtype.group_size:
+            raise InvalidArgumentError(f"kv_group_size: {group_size} contradicts the KVDtype's {kv_dtype.group_size}")
+        parsed = kv_dtype
+    else:
+        parsed = parse_kv_dtype(kv_dtype, group_size, model_dtype=float_dtype)
+    if not parsed.quantized:
+        if parsed.key != parsed.value:
+            raise InvalidArgumentError(
+                f"kv_dtype: {parsed.text!r}: K and V may differ only when one is quantized (int8/int4)")
+        return parsed.key.value, None
+    return parsed.float_type.value, parsed
 
 
 def model_kv_shape(model: Any) -> tuple[int, int, int, str]:

@@ -104,6 +104,6 @@ def load_prompt_cache(
     for layer, layer_cache in enumerate(caches):
         layer_cache.state = (arrays[f"{layer}.keys"], arrays[f"{layer}.values"])
         layer_cache.offset = info.offsets[layer]
-    mx.eval(seq.arena.keys, seq.arena.values)
+    mx.eval(seq.arena.arrays())
     user_meta = {k: v for k, v in metadata.items() if k != METADATA_KEY}
     return (caches, user_meta) if return_metadata else caches

@@ -184,6 +184,39 @@ class QuantizedRows:
         self.scales[:, :, index, :] = scales
         self.biases[:, :, index, :] = biases
 
+    def put(self, slots: Slots, rows: "QuantizedRows") -> None:
+        """Store already quantized `rows` (codes with their scales and biases, as `gather` returns them) at
+        `slots`, in place: moving rows never requantizes them, so a moved row is bit-identical."""
+        if (rows.bits, rows.group_size, rows.dim, rows.num_heads) != (self.bits, self.group_size, self.dim,
+                                                                       self.num_heads):
+            raise InvalidArgumentError(
+                f"rows: {rows.bits}-bit groups of {rows.group_size}, dim {rows.dim}, {rows.num_heads} heads do not "
+                f"match this container's {self.bits}-bit groups of {self.group_size}, dim {self.dim}, "
+                f"{self.num_heads} heads")
+        index = self._index(slots)
+        self.packed[:, :, index, :] = rows.packed
+        self.scales[:, :, index, :] = rows.scales.astype(self.dtype)
+        self.biases[:, :, index, :] = rows.biases.astype(self.dtype)
+
+    def take_per_head(self, slots: mx.array) -> "QuantizedRows":
+        """The rows at `slots` int32 `[H, n]`: head h's row i is head h's slot `slots[h, i]` (per-head selection,
+        as eviction keeps different tokens in different KV heads)."""
+        if slots.ndim != 2 or slots.shape[0] != self.num_heads:
+            raise InvalidArgumentError(f"slots: shape {tuple(slots.shape)} must be [heads={self.num_heads}, n]")
+        index = slots[None, :, :, None]
+        parts = [mx.take_along_axis(a, index, axis=2) for a in (self.packed, self.scales, self.biases)]
+        return QuantizedRows(*parts, self.bits, self.group_size)
+
+    def padded(self, extra_slots: int) -> "QuantizedRows":
+        """A container with `extra_slots` more (zero) slots at the end; lazy, like the float arena's `mx.pad`."""
+        widths = [(0, 0), (0, 0), (0, extra_slots), (0, 0)]
+        return QuantizedRows(*(mx.pad(a, widths) for a in (self.packed, self.scales, self.biases)), self.bits,
+                             self.group_size)
+
+    def arrays(self) -> list[mx.array]:
+        """The three arrays (for `mx.eval`)."""
+        return [self.packed, self.scales, self.biases]
+
     def dequantize(self, dtype: mx.Dtype | None = None) -> mx.array:
         """All rows as floats `[1, H, S, D]`, in `dtype` (default: the scales' float type)."""
         return dequantize_rows(
@@ -195,8 +228,8 @@ class QuantizedRows:
         is trusted (checking it would force evaluation on every decode step; the arena's slots come from its
         allocator)."""
         if isinstance(slots, slice):
-            if slots.step not in (None, 1):
-                raise InvalidArgumentError(f"slots: slice step {slots.step!r} must be 1")
+            if slots.step is not None and slots.step < 1:
+                raise InvalidArgumentError(f"slots: slice step {slots.step!r} must be positive")
             return slots
         if isinstance(slots, mx.array):
             if slots.ndim != 1 or not mx.issubdtype(slots.dtype, mx.integer):

@@ -146,13 +146,12 @@ class SequenceKV:
         cfg = old.config
         blocks = max(cfg.blocks_for_tokens(num_tokens), 2 * cfg.num_blocks)
         arena = KVArena(ArenaConfig(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, blocks, cfg.block_size,
-                                    cfg.dtype, cfg.v_head_dim), preallocate=True)
+                                    cfg.dtype, cfg.v_head_dim, cfg.kv_dtype), preallocate=True)
         new_blocks = arena.allocator.allocate(cfg.blocks_for_tokens(num_tokens), owner=self.owner, contiguous=True)
         used = self.num_tokens
-        for layer in range(cfg.num_layers):
-            k, v = old.read(layer, self.blocks, used)
-            arena.write(layer, new_blocks, 0, k, v)
-        mx.eval(arena.keys, arena.values)
+        for layer in range(cfg.num_layers):  # stored rows move as they are (a quantized arena's are not requantized)
+            arena.put_rows(layer, new_blocks[0] * cfg.block_size, *old.table_rows(layer, self.blocks, used))
+        mx.eval(arena.arrays())
         self.arena = arena
         self.blocks[:] = new_blocks
         self._table_epoch += 1
@@ -222,7 +221,7 @@ class SequenceKV:
                 compact_layer(self.arena, layer, self.blocks, index[layer])
                 self.arena.num_evicted_tokens += self.lengths[layer] - kept
                 self.lengths[layer] = kept
-            mx.eval(self.arena.keys, self.arena.values)
+            mx.eval(self.arena.arrays())
             return self._free_unused_blocks()
 
     def replace(self, start: int, end: int, new_keys: Sequence[mx.array], new_values: Sequence[mx.array]) -> int:
@@ -256,7 +255,7 @@ class SequenceKV:
                 self.arena.write(layer, self.blocks, start, k, v)
                 self.lengths[layer] = new_length
             self.arena.num_compressed_tokens += end - start - m
-            mx.eval(self.arena.keys, self.arena.values)
+            mx.eval(self.arena.arrays())
             return self._free_unused_blocks()
 
     def _free_unused_blocks(self) -> int:

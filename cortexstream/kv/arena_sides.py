@@ -1,0 +1,125 @@
+"""One side (K or V) of one arena layer: a float buffer or quantized rows, and the operations the arena needs on it.
+
+A float side is the `[1, H, S, D]` array the arena has always held: the hot paths (strided views, `gather_mm`
+blocks, the paged kernel) read it directly. A quantized side is a `QuantizedRows` over the same slot axis (codes
+with per-group scales and biases, see `quantized_blocks.py`). The functions here give both one vocabulary:
+- `write_side`: float rows in, stored at slots (quantized on the way in);
+- `read_side`: float rows out (dequantized; lazy, so a read nothing consumes costs nothing);
+- `take_side` / `put_side`: move stored rows as they are (codes with their own scales and biases; a float row is
+  a float row), for copy-on-write, relocation and eviction's compaction: a moved row is bit-identical, never
+  requantized.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import mlx.core as mx
+
+from cortexstream.kv.kv_dtype import StorageType
+from cortexstream.kv.quantized_blocks import QuantizedRows
+
+Side = Union[mx.array, QuantizedRows]
+Index = Union[slice, mx.array]
+MX_FLOAT = {StorageType.FLOAT32: mx.float32, StorageType.FLOAT16: mx.float16, StorageType.BFLOAT16: mx.bfloat16}
+
+
+def as_dtype(array: mx.array, dtype: mx.Dtype) -> mx.array:
+    """`array` in `dtype`; astype even to the same dtype adds a copy to the graph, and every decode step writes
+    every layer."""
+    return array if array.dtype == dtype else array.astype(dtype)
+
+
+def new_side(kind: StorageType, heads: int, slots: int, dim: int, float_type: mx.Dtype, group_size: int) -> Side:
+    """Zeroed storage for `slots` slots of `heads` heads of width `dim`."""
+    if kind.quantized:
+        return QuantizedRows.zeros(heads, slots, dim, kind.bits, group_size, float_type)
+    return mx.zeros((1, heads, slots, dim), MX_FLOAT[kind])
+
+
+def side_slots(side: Side) -> int:
+    return side.num_slots if isinstance(side, QuantizedRows) else side.shape[2]
+
+
+def side_dim(side: Side) -> int:
+    return side.dim if isinstance(side, QuantizedRows) else side.shape[3]
+
+
+def side_arrays(side: Side) -> list[mx.array]:
+    return side.arrays() if isinstance(side, QuantizedRows) else [side]
+
+
+def side_nbytes(side: Side) -> int:
+    return side.nbytes if isinstance(side, QuantizedRows) else side.nbytes
+
+
+def pad_side(side: Side, extra_slots: int) -> Side:
+    """`side` with `extra_slots` zero slots appended (lazy)."""
+    if isinstance(side, QuantizedRows):
+        return side.padded(extra_slots)
+    return mx.pad(side, [(0, 0), (0, 0), (0, extra_slots), (0, 0)])
+
+
+def write_side(side: Side, index: Index, rows: mx.array) -> None:
+    """Store float rows `[1, H, n, D]` (or `[H, n, D]`) at `index` (n distinct slots), in place."""
+    if rows.ndim == 3:
+        rows = rows[None]
+    if isinstance(side, QuantizedRows):
+        side.write(index, rows)
+    else:
+        side[:, :, index, :] = as_dtype(rows, side.dtype)
+
+
+def read_side(side: Side, index: Index, dtype: mx.Dtype) -> mx.array:
+    """Float rows `[1, H, n, D]` at `index` (a slice is a view of a float side), in `dtype` for quantized sides."""
+    if isinstance(side, QuantizedRows):
+        return side.gather(index).dequantize(dtype)
+    return side[:, :, index, :]
+
+
+def read_side_per_head(side: Side, slots: mx.array, dtype: mx.Dtype) -> mx.array:
+    """Float rows `[H, n, D]` where head h's row i is its slot `slots[h, i]` (`slots`: int32 `[H, n]`)."""
+    if isinstance(side, QuantizedRows):
+        return side.take_per_head(slots).dequantize(dtype)[0]
+    return mx.take_along_axis(side[0], slots[:, :, None], axis=1)
+
+
+def take_side(side: Side, index: Index) -> Side:
+    """The stored rows at `index`, as stored (for `put_side`)."""
+    if isinstance(side, QuantizedRows):
+        return side.gather(index)
+    return side[:, :, index, :]
+
+
+def take_side_per_head(side: Side, slots: mx.array) -> Side:
+    """The stored rows at per-head `slots` int32 `[H, n]`, as stored (for `put_side`)."""
+    if isinstance(side, QuantizedRows):
+        return side.take_per_head(slots)
+    return mx.take_along_axis(side, slots[None, :, :, None], axis=2)
+
+
+def put_side(side: Side, index: Index, rows: Side) -> None:
+    """Store rows `take_side` returned at `index`, in place and unchanged."""
+    if isinstance(side, QuantizedRows):
+        if not isinstance(rows, QuantizedRows):
+            raise TypeError("put_side: a quantized side takes quantized rows (write_side quantizes floats)")
+        side.put(index, rows)
+    else:
+        side[:, :, index, :] = rows
+
+
+def as_read_back(side: Side, rows: mx.array, dtype: mx.Dtype) -> mx.array:
+    """Float rows `[..., D]` as `side` would return them after storing them: quantized and dequantized for a
+    quantized side (the codec is per row, so this equals a write followed by a read), unchanged for a float side."""
+    if not isinstance(side, QuantizedRows):
+        return rows
+    packed, scales, biases = mx.quantize(as_dtype(rows, side.dtype), group_size=side.group_size, bits=side.bits)
+    return mx.dequantize(packed, scales, biases, group_size=side.group_size, bits=side.bits, dtype=dtype)
+
+
+def full_float(side: Side, dtype: mx.Dtype) -> mx.array:
+    """The whole side as float `[1, H, S, D]` (a quantized side is dequantized in full: readers that need every
+    slot as floats, such as the compressor's and sidecar's gathers, pay for it)."""
+    if isinstance(side, QuantizedRows):
+        return side.dequantize(dtype)
+    return side

@@ -1,0 +1,65 @@
+"""Decode attention over quantized K/V rows: one query per sequence against codes with per-group scales and biases.
+
+Two ways to read the codes (bench/results/kv_quant_attention.md has the measurements):
+- `matmul`: never build float K/V. The G query heads of a KV head are G rows of one `mx.quantized_matmul` against
+  the packed keys (scores), a precise softmax, then one `mx.quantized_matmul` of the probabilities against the
+  packed values. The same arithmetic as mlx-lm's `quantized_scaled_dot_product_attention`; on Metal this is MLX's
+  quantized matmul kernel, on the CPU with float32 scales it costs about what float SDPA over float rows costs.
+- `dequantize`: dequantize the rows to floats, then the fused SDPA. On the CPU MLX's quantized matmul is very slow
+  for float16/bfloat16 scales (15-18x float SDPA), where dequantizing first is 2.5-3x: the CPU backend picks this
+  way for half-precision arenas (`backend.attention.CpuAttention.dequantize_quantized`).
+
+A side may also be float rows (`k=int8,v=float16` keeps V in floats): that side is a plain matmul.
+It lives beside the codec (kv/) because it reads `QuantizedRows`; it is plain MLX, the same on every device.
+Outputs agree with SDPA over the dequantized rows to float rounding (test_quantized_attention.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import mlx.core as mx
+
+from cortexstream.kv.quantized_blocks import QuantizedRows
+
+Rows = Union[mx.array, QuantizedRows]
+
+
+def _floats(rows: Rows, dtype: mx.Dtype) -> mx.array:
+    return rows.dequantize(dtype) if isinstance(rows, QuantizedRows) else rows
+
+
+def decode_attention(queries: mx.array, keys: Rows, values: Rows, scale: float, mask: Any = None,
+                     dequantize: bool = False) -> mx.array:
+    """Attention of `queries` `[B, Hq, 1, D]` over `keys`/`values` (`[B, H, L, D]` floats or `QuantizedRows` of
+    that shape, B = 1 for a container) -> `[B, Hq, 1, DV]`. `mask`: None, or a boolean / additive array
+    broadcastable to `[B, 1, 1, L]` (a batch's padding). `dequantize`: read codes by dequantizing first."""
+    if dequantize or not (isinstance(keys, QuantizedRows) or isinstance(values, QuantizedRows)):
+        return mx.fast.scaled_dot_product_attention(queries, _floats(keys, queries.dtype),
+                                                    _floats(values, queries.dtype), scale=scale, mask=mask)
+    batch, q_heads, num_queries, dim = queries.shape
+    heads = keys.num_heads if isinstance(keys, QuantizedRows) else keys.shape[1]
+    if num_queries != 1 or q_heads % heads:
+        raise ValueError(f"decode_attention: queries {tuple(queries.shape)} must be one per sequence, with query "
+                         f"heads a multiple of the {heads} KV heads")
+    group = q_heads // heads
+    # query head h * G + g reads KV head h (mlx-lm's GQA mapping); scaled first, as the fused SDPA does
+    q = (queries * mx.array(scale, queries.dtype)).reshape(batch, heads, group, dim)
+    scores = _matmul(q, keys, transpose=True)  # [B, H, G, L]
+    if mask is not None:
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
+        else:
+            scores = scores + mask.astype(scores.dtype)
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    out = _matmul(probs.astype(queries.dtype), values, transpose=False)  # [B, H, G, DV]
+    return out.reshape(batch, q_heads, 1, -1).astype(queries.dtype)
+
+
+def _matmul(x: mx.array, rows: Rows, transpose: bool) -> mx.array:
+    """`x @ rows^T` (transpose) or `x @ rows`, rows as codes or floats."""
+    if isinstance(rows, QuantizedRows):
+        return mx.quantized_matmul(x, rows.packed, rows.scales, rows.biases, transpose=transpose,
+                                   group_size=rows.group_size, bits=rows.bits)
+    rows = rows.astype(x.dtype) if rows.dtype != x.dtype else rows
+    return x @ (rows.swapaxes(-1, -2) if transpose else rows)

@@ -1,0 +1,130 @@
+"""Quantized KV blocks (kv_dtype int8/int4) through the engine: the float arena's greedy tokens on short outputs,
+batched equal to unbatched, policies, forks, preemption and the prefix cache on quantized blocks."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from cortexstream.engine.engine import Engine
+from cortexstream.engine.sampling import SamplingParams
+from cortexstream.errors import InvalidArgumentError
+from tiny_models import tiny_model
+
+PROMPTS = [list(range(3, 3 + n)) for n in (5, 19, 40, 33)]
+
+
+@pytest.fixture(scope="module")
+def model32():
+    """The tiny model with 32-wide heads (group sizes 32 and 64 need a head dim they divide)."""
+    return tiny_model(seed=5, head_dim=32)
+
+
+@pytest.fixture(scope="module")
+def model64():
+    return tiny_model(seed=6, head_dim=64, num_attention_heads=2, num_key_value_heads=1)
+
+
+def run(model, tokenizer, prompts, *, max_tokens=8, **engine_kwargs):
+    engine = Engine(model, tokenizer, kv_tokens=2048, **engine_kwargs)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0.0)) for p in prompts]
+    tokens = {rid: [] for rid in ids}
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.token is not None:
+                tokens[out.request_id].append(out.token)
+    return [tokens[rid] for rid in ids], engine
+
+
+def test_int8_arena_gives_the_float_arenas_greedy_tokens(model32, tiny):
+    tokenizer = tiny[1]
+    floats, _ = run(model32, tokenizer, PROMPTS[:2], max_tokens=6)
+    quantized, engine = run(model32, tokenizer, PROMPTS[:2], max_tokens=6, kv_dtype="int8", kv_group_size=32)
+    assert engine.arena.quantized and engine.arena.config.storage.text == "int8"
+    assert quantized == floats
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "k=int8,v=int4", "k=int4,v=float32"])
+def test_batched_equals_unbatched_on_quantized_blocks(model32, tiny, kv_dtype):
+    tokenizer = tiny[1]
+    together, _ = run(model32, tokenizer, PROMPTS, kv_dtype=kv_dtype, kv_group_size=32)
+    alone = [run(model32, tokenizer, [p], kv_dtype=kv_dtype, kv_group_size=32)[0][0] for p in PROMPTS]
+    assert together == alone
+
+
+def test_quantized_arena_holds_more_tokens_per_byte(model64):
+    from cortexstream.kv.arena_config import ArenaConfig
+
+    budget = 4 << 20
+    sizes = {d: ArenaConfig.for_model(model64, num_bytes=budget, kv_dtype=d).num_slots
+             for d in ("float32", "float16", "int8", "int4")}
+    assert sizes["float16"] == 2 * sizes["float32"]
+    # int8 in groups of 64 on float32 scales: 64 + 8 bytes per 64 values vs 256 (float32)
+    assert sizes["int8"] / sizes["float32"] == pytest.approx(256 / 72, rel=0.02)
+    assert sizes["int4"] / sizes["float32"] == pytest.approx(256 / 40, rel=0.02)
+
+
+def test_bad_kv_dtype_and_group_size_name_the_argument(model32, tiny):
+    with pytest.raises(InvalidArgumentError, match="kv_dtype"):
+        Engine(model32, tiny[1], kv_tokens=256, kv_dtype="int3")
+    with pytest.raises(InvalidArgumentError, match="kv_group_size"):
+        Engine(model32, tiny[1], kv_tokens=256, kv_dtype="int8", kv_group_size=48)
+    with pytest.raises(InvalidArgumentError, match="kv_group_size"):  # 64 does not divide the 32-wide heads
+        Engine(model32, tiny[1], kv_tokens=256, kv_dtype="int8", kv_group_size=64)
+
+
+def test_prefix_cache_hit_is_exact_on_quantized_blocks(model32, tiny):
+    tokenizer = tiny[1]
+    shared = list(range(5, 5 + 64))
+    engine = Engine(model32, tokenizer, kv_tokens=2048, kv_dtype="int4", kv_group_size=32, max_num_seqs=1)
+    outs = []
+    for _ in range(3):
+        rid = engine.add_request(shared, SamplingParams(max_tokens=8, temperature=0.0))
+        tokens = []
+        while engine.has_unfinished:
+            tokens += [o.token for o in engine.step() if o.request_id == rid and o.token is not None]
+        outs.append(tokens)
+    assert engine.stats()["prefix_hit_blocks"] >= 2 * (64 // 16 - 1)  # the later runs start from cached blocks
+    assert outs[0] == outs[1] == outs[2]
+
+
+@pytest.mark.parametrize("policy", ["h2o:budget=24,recent=8", "streaming:sinks=4,window=20"])
+def test_policies_run_on_quantized_blocks(model32, tiny, policy):
+    tokenizer = tiny[1]
+    together, engine = run(model32, tokenizer, PROMPTS, max_tokens=12, kv_dtype="int8", kv_group_size=32,
+                           kv_policy=policy)
+    alone = [run(model32, tokenizer, [p], max_tokens=12, kv_dtype="int8", kv_group_size=32, kv_policy=policy)[0][0]
+             for p in PROMPTS]
+    assert all(len(t) == 12 for t in together)
+    assert together == alone
+
+
+def test_preemption_recomputes_on_quantized_blocks(model32, tiny):
+    """A budget too small for every request at once: requests are preempted and rerun, and each still gets the
+    tokens it gets alone."""
+    tokenizer = tiny[1]
+    prompts = [list(range(7, 7 + 60)), list(range(9, 9 + 60)), list(range(11, 11 + 60))]
+    engine = Engine(model32, tokenizer, kv_tokens=160, kv_dtype="int8", kv_group_size=32)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=20, temperature=0.0)) for p in prompts]
+    got = {rid: [] for rid in ids}
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.token is not None:
+                got[out.request_id].append(out.token)
+    alone = [run(model32, tokenizer, [p], max_tokens=20, kv_dtype="int8", kv_group_size=32)[0][0] for p in prompts]
+    assert [got[r] for r in ids] == alone
+
+
+def test_n_forks_share_quantized_blocks(model32, tiny):
+    tokenizer = tiny[1]
+    engine = Engine(model32, tokenizer, kv_tokens=2048, kv_dtype="int8", kv_group_size=32)
+    engine.fork(PROMPTS[2], SamplingParams(max_tokens=6, temperature=0.0), ["a", "b", "c"])
+    texts: dict[str, list[int]] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.token is not None:
+                texts.setdefault(out.request_id, []).append(out.token)
+    assert len(texts) == 3 and len({tuple(t) for t in texts.values()}) == 1  # greedy: three equal samples
+    alone = run(model32, tokenizer, [PROMPTS[2]], max_tokens=6, kv_dtype="int8", kv_group_size=32)[0][0]
+    assert next(iter(texts.values())) == alone
