@@ -1,7 +1,8 @@
 """Block accounting for the scheduler: admission, growth, release and the prefix cache. Pure Python.
 
 Prefix cache: every full block of a sequence whose KV matches its tokens one-to-one is hashed by
-(parent hash, token ids), with the chain rooted in a per-tenant salt so a prefix never crosses tenants. The cache
+(parent hash, token ids), with the chain rooted in a salt of the tenant and of the arena's storage (`storage_key`:
+dtype, bits, group size), so a prefix never crosses tenants and blocks of different storage are never mixed. The cache
 holds its own reference on each registered block, so (a) any later write to it goes through copy-on-write and
 (b) it survives the sequence that computed it; those pool-only blocks are reclaimed, least recently used first,
 when an allocation would otherwise fail.
@@ -29,8 +30,10 @@ class _CachedBlock:
 
 
 class BlockManager:
-    def __init__(self, allocator: BlockAllocator, block_size: int, prefix_caching: bool = True) -> None:
+    def __init__(self, allocator: BlockAllocator, block_size: int, prefix_caching: bool = True,
+                 storage_key: str = "") -> None:
         self.allocator = allocator
+        self.storage_key = storage_key  # how the arena stores a block (`ArenaConfig.cache_key`)
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self._by_hash: dict[int, _CachedBlock] = {}
@@ -61,8 +64,9 @@ class BlockManager:
         return sum(1 for block in self._lru if self.allocator.ref_count(block) == 1)
 
     # --- prefix cache -----------------------------------------------------------------------------------------
-    def _root(self, tenant: str | None) -> int:
-        return hash(("cortexstream-prefix-root", tenant))
+    def prefix_root(self, tenant: str | None) -> int:
+        """The salt a tenant's prefix chains start from in this arena's storage."""
+        return hash(("cortexstream-prefix-root", self.storage_key, tenant))
 
     def _match(self, seq: Sequence) -> tuple[list[int], list[int]]:
         """Blocks (and their hashes) of the longest cached chain of full prompt blocks."""
@@ -70,7 +74,7 @@ class BlockManager:
             return [], []
         blocks: list[int] = []
         hashes: list[int] = []
-        for h, tokens in self._chain(seq, 0, len(seq.all_ids) // self.block_size, self._root(seq.tenant)):
+        for h, tokens in self._chain(seq, 0, len(seq.all_ids) // self.block_size, self.prefix_root(seq.tenant)):
             cached = self._by_hash.get(h)
             if cached is None or cached.tokens != tokens:
                 break
@@ -95,13 +99,13 @@ class BlockManager:
         hits, hashes = self._match(seq)
         if (len(hits) + 1) * self.block_size > len(seq.prompt_ids):
             return False
-        parent = hashes[-1] if hashes else self._root(seq.tenant)
+        parent = hashes[-1] if hashes else self.prefix_root(seq.tenant)
         next_hash, _ = next(self._chain(seq, len(hits), len(hits) + 1, parent))
         owner = self._pending.get(next_hash)
         return owner is not None and owner != seq.owner
 
     def _add_pending(self, seq: Sequence, num_hits: int) -> None:
-        parent = seq.block_hashes[-1] if seq.block_hashes else self._root(seq.tenant)
+        parent = seq.block_hashes[-1] if seq.block_hashes else self.prefix_root(seq.tenant)
         hashes = [h for h, _ in self._chain(seq, num_hits, len(seq.prompt_ids) // self.block_size, parent)
                   if h not in self._by_hash and h not in self._pending]
         for h in hashes:
@@ -119,7 +123,7 @@ class BlockManager:
         if not self.prefix_caching or not seq.kv_from_tokens or seq.num_physical != seq.num_computed:
             return
         full = min(seq.num_computed // self.block_size, len(seq.block_table))
-        parent = seq.block_hashes[-1] if seq.block_hashes else self._root(seq.tenant)
+        parent = seq.block_hashes[-1] if seq.block_hashes else self.prefix_root(seq.tenant)
         for i, (h, tokens) in enumerate(self._chain(seq, len(seq.block_hashes), full, parent),
                                         start=len(seq.block_hashes)):
             seq.block_hashes.append(h)

@@ -85,7 +85,8 @@ class Engine:
         self.kv_policy = parse_policy(kv_policy)
         self.tokenizer = tokenizer
         self.arena = arena
-        self.block_manager = BlockManager(arena.allocator, arena.config.block_size, prefix_caching)
+        self.block_manager = BlockManager(arena.allocator, arena.config.block_size, prefix_caching,
+                                          arena.config.cache_key)
         # "auto": chunks sized so that one costs about one decode step (see chunk_budget); an int: fixed.
         self._adaptive = None
         auto = prefill_tokens_while_decoding == "auto"

@@ -300,12 +300,14 @@ class KVArena:
         write_side(self.keys[layer], where, keys)
         write_side(self.values[layer], where, values)
 
-    def put_rows(self, layer: int, first_slot: int, keys: Side, values: Side) -> None:
-        """Store rows another arena of the same storage returned (`run_rows` / `table_rows`) at slots
-        [first_slot, first_slot + n), unchanged."""
-        n = keys.num_slots if not isinstance(keys, mx.array) else keys.shape[2]
-        put_side(self.keys[layer], slice(first_slot, first_slot + n), keys)
-        put_side(self.values[layer], slice(first_slot, first_slot + n), values)
+    def put_rows(self, layer: int, where: int | slice | mx.array, keys: Side, values: Side) -> None:
+        """Store rows an arena of the same storage returned (`run_rows` / `table_rows`, or a saved cache's) at
+        slots `where` (an int: the n slots from there), unchanged."""
+        if isinstance(where, int):
+            n = keys.shape[2] if isinstance(keys, mx.array) else keys.num_slots
+            where = slice(where, where + n)
+        put_side(self.keys[layer], where, keys)
+        put_side(self.values[layer], where, values)
 
     def move_rows(self, layer: int, source: mx.array, destination: slice | mx.array) -> None:
         """Move stored rows of one layer: `source` int32 slots `[n]` or per KV head `[H, n]` to `destination`

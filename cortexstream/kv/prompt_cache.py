@@ -11,7 +11,11 @@ from cortexstream.atomic_files import atomic_write
 from cortexstream.errors import InvalidArgumentError, ModelLoadError
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_cache import ArenaKVCache
-from cortexstream.kv.arena_config import ArenaConfig, device_memory_bytes, model_kv_shape
+from cortexstream.kv.arena_config import (
+    ArenaConfig, check_arena_storage, device_memory_bytes, model_kv_shape, resolve_storage,
+)
+from cortexstream.kv.kv_dtype import KVDtype, StorageType
+from cortexstream.kv.quantized_blocks import QuantizedRows
 from cortexstream.kv.memory_check import check_kv_fits
 from cortexstream.kv.prompt_cache_check import FORMAT, METADATA_KEY, check_prompt_cache_file, check_user_metadata
 from cortexstream.kv.sequence_kv import SequenceKV, private_sequence
@@ -28,20 +32,26 @@ def make_prompt_cache(
     arena: KVArena | None = None,
     contiguous: bool = True,
     owner: int = 0,
+    kv_dtype: str | KVDtype | None = None,
+    kv_group_size: int | None = None,
 ) -> list[ArenaKVCache]:
     """Per-layer caches for one sequence. Without `arena`, the sequence gets a private arena sized for
-    `max_tokens` (default 1024), grown on demand; with one, it takes blocks from the shared arena."""
+    `max_tokens` (default 1024), grown on demand, storing K/V as `kv_dtype` ("int8", "int4", "k=int8,v=int4",
+    "float16", ...; `kv_group_size` 32 or 64); with one, it takes blocks from the shared arena (whose storage a
+    `kv_dtype` given too must match)."""
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 0):
         raise InvalidArgumentError(f"max_tokens: {max_tokens!r} must be a non-negative integer")
     if not isinstance(getattr(model, "layers", None), (list, tuple)) or not model.layers:
         raise InvalidArgumentError(f"model: expected an mlx-lm model with `layers`, got {type(model).__name__}")
     if arena is None:
-        layers, kv_heads, head_dim, dtype = model_kv_shape(model)
-        itemsize = 4 if dtype == "float32" else 2
-        check_kv_fits(max_tokens or DEFAULT_PRIVATE_TOKENS, 2 * layers * kv_heads * head_dim * itemsize, "max_tokens",
-                      device_memory_bytes())
-        seq = private_sequence(layers, kv_heads, head_dim, head_dim, max_tokens or DEFAULT_PRIVATE_TOKENS, dtype)
+        layers, kv_heads, head_dim, model_dtype = model_kv_shape(model)
+        dtype, storage = resolve_storage(model_dtype, kv_dtype, kv_group_size)
+        probe = ArenaConfig(layers, kv_heads, head_dim, 1, 16, dtype, kv_dtype=storage)
+        check_kv_fits(max_tokens or DEFAULT_PRIVATE_TOKENS, probe.bytes_per_token, "max_tokens", device_memory_bytes())
+        seq = private_sequence(layers, kv_heads, head_dim, head_dim, max_tokens or DEFAULT_PRIVATE_TOKENS, dtype,
+                               kv_dtype=storage)
     else:
+        check_arena_storage(arena, model, kv_dtype, kv_group_size)
         layers, kv_heads, head_dim, _ = model_kv_shape(model)
         cfg = arena.config
         if (layers, kv_heads, head_dim) != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
@@ -64,17 +74,28 @@ def save_prompt_cache(path: str, cache: list[ArenaKVCache], metadata: dict[str, 
         raise InvalidArgumentError("cache: expected the list of per-layer caches from make_prompt_cache")
     user = check_user_metadata(path, metadata)
     arrays: dict[str, mx.array] = {}
+    seq = cache[0].sequence
     for layer, layer_cache in enumerate(cache):
-        state = layer_cache.state
-        if not state:
+        if layer_cache.size() == 0:
             raise InvalidArgumentError(f"cache: layer {layer} holds no tokens; only filled caches can be saved")
-        arrays[f"{layer}.keys"], arrays[f"{layer}.values"] = state
-    info = {
+        if seq.arena.quantized:  # stored rows as they are: codes, scales and biases, never requantized
+            rows = seq.arena.table_rows(layer, seq.blocks, layer_cache.size())
+            for side, stored in zip(("keys", "values"), rows):
+                if isinstance(stored, QuantizedRows):
+                    for part, array in zip(("packed", "scales", "biases"), stored.arrays()):
+                        arrays[f"{layer}.{side}.{part}"] = array
+                else:
+                    arrays[f"{layer}.{side}"] = stored
+        else:
+            arrays[f"{layer}.keys"], arrays[f"{layer}.values"] = layer_cache.state
+    info: dict[str, object] = {
         "format": FORMAT,
         "num_layers": len(cache),
         "offsets": [c.offset for c in cache],
         "lengths": [c.size() for c in cache],
     }
+    if seq.arena.quantized:
+        info["kv_dtype"] = storage_metadata(seq.arena.config.storage)
     atomic_write(path, lambda tmp: mx.save_safetensors(tmp, arrays, metadata={METADATA_KEY: json.dumps(info), **user}))
 
 
@@ -88,22 +109,52 @@ def load_prompt_cache(
     info = check_prompt_cache_file(path, check_safetensors(path))
     if arena is None:
         seq = private_sequence(info.num_layers, info.kv_heads, info.head_dim, info.v_head_dim, max(info.lengths),
-                               info.dtype)
+                               info.dtype, kv_dtype=info.kv_dtype)
     else:
         cfg = arena.config
         if (info.num_layers, info.kv_heads, info.head_dim) != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
             raise ModelLoadError(
                 f"{path}: cache is {info.num_layers} layers x {info.kv_heads} KV heads x {info.head_dim}, the arena "
                 f"is {cfg.num_layers} x {cfg.num_kv_heads} x {cfg.head_dim}")
+        stored = info.kv_dtype.cache_key if info.kv_dtype is not None else info.dtype
+        wanted = cfg.cache_key if cfg.quantized else cfg.dtype
+        if stored != wanted:
+            raise ModelLoadError(
+                f"{path}: the cache stores K/V as {stored}, the arena as {wanted}: load it into an arena of the same "
+                "kv_dtype (or without an arena: it gets a private one of its own kind)")
         seq = SequenceKV(arena, owner=0)
     try:
         arrays, metadata = mx.load(path, return_metadata=True)
     except (ValueError, RuntimeError) as exc:
         raise ModelLoadError(f"{path}: cannot read prompt cache tensors: {exc}") from exc
     caches = [ArenaKVCache(seq, layer) for layer in range(info.num_layers)]
+    if info.kv_dtype is not None:
+        seq.ensure_capacity(max(info.lengths))
     for layer, layer_cache in enumerate(caches):
-        layer_cache.state = (arrays[f"{layer}.keys"], arrays[f"{layer}.values"])
+        if info.kv_dtype is None:
+            layer_cache.state = (arrays[f"{layer}.keys"], arrays[f"{layer}.values"])
+        else:
+            rows = [stored_rows(arrays, f"{layer}.{side}", kind, info.kv_dtype.group_size) for side, kind in
+                    (("keys", info.kv_dtype.key), ("values", info.kv_dtype.value))]
+            seq.arena.put_rows(layer, seq.arena.slots_array(seq.blocks, info.lengths[layer]), *rows)
+            seq.lengths[layer] = info.lengths[layer]
         layer_cache.offset = info.offsets[layer]
     mx.eval(seq.arena.arrays())
     user_meta = {k: v for k, v in metadata.items() if k != METADATA_KEY}
     return (caches, user_meta) if return_metadata else caches
+
+
+def storage_metadata(storage: KVDtype) -> dict[str, object]:
+    """How a saved quantized cache's rows are stored (read back by `prompt_cache_check.storage_from_metadata`)."""
+    return {"key": storage.key.value, "value": storage.value.value, "group_size": storage.group_size,
+            "float_type": storage.float_type.value}
+
+
+def stored_rows(arrays: dict[str, mx.array], name: str, kind: StorageType,
+                group_size: int) -> QuantizedRows | mx.array:
+    """One side of one layer of a saved quantized cache as the arena stores it (shapes were checked against the
+    metadata by `check_prompt_cache_file`)."""
+    if not kind.quantized:
+        return arrays[name]
+    packed, scales, biases = (arrays[f"{name}.{part}"] for part in ("packed", "scales", "biases"))
+    return QuantizedRows(packed, scales, biases, kind.bits, group_size)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cortexstream.errors import InvalidArgumentError, ModelLoadError
+from cortexstream.kv.kv_dtype import KVDtype, StorageType
 from cortexstream.models.safetensors_check import SafetensorsLayout
 
 FORMAT = "cortexstream-prompt-cache/1"
@@ -29,7 +30,54 @@ class PromptCacheInfo:
     kv_heads: int
     head_dim: int
     v_head_dim: int
-    dtype: str  # "float32", "float16" or "bfloat16"
+    dtype: str  # "float32", "float16" or "bfloat16": the floats rows are read in
+    kv_dtype: KVDtype | None = None  # quantized storage of the saved rows (None: floats of `dtype`)
+
+
+def storage_from_metadata(path: str, raw: Any) -> KVDtype:
+    """The `kv_dtype` entry `save_prompt_cache` writes for a quantized cache, as a KVDtype."""
+    fields = ("key", "value", "group_size", "float_type")
+    if not isinstance(raw, dict) or set(raw) != set(fields):
+        raise ModelLoadError(f"{path}: prompt cache metadata 'kv_dtype' must have exactly {', '.join(fields)}, "
+                             f"got {raw!r:.80}")
+    try:
+        storage = KVDtype(StorageType(raw["key"]), StorageType(raw["value"]), StorageType(raw["float_type"]),
+                          raw["group_size"])
+    except (ValueError, InvalidArgumentError) as exc:
+        raise ModelLoadError(f"{path}: prompt cache metadata 'kv_dtype' {raw!r:.80} is not valid: {exc}") from None
+    if not storage.quantized:
+        raise ModelLoadError(f"{path}: prompt cache metadata 'kv_dtype' quantizes nothing ({raw!r:.80})")
+    return storage
+
+
+def _side_shape(path: str, layout: SafetensorsLayout, name: str, kind: StorageType | None,
+                storage: KVDtype | None) -> tuple[int, int, int, str]:
+    """(kv_heads, tokens, dim, float dtype name) of one saved side, `name` = "<layer>.keys" or "<layer>.values";
+    a quantized side is three tensors whose shapes must agree with its bits and group size."""
+    if kind is None or not kind.quantized:
+        tensor = layout.tensors.get(name)
+        if tensor is None:
+            raise ModelLoadError(f"{path}: prompt cache has no '{name}' tensor")
+        if len(tensor.shape) != 4 or tensor.shape[0] != 1 or tensor.dtype not in FLOAT_DTYPES:
+            raise ModelLoadError(f"{path}: prompt cache '{name}' is {tensor.dtype} {tensor.shape}, expected a "
+                                 f"[1, kv_heads, tokens, head_dim] array of {', '.join(FLOAT_DTYPES)}")
+        return tensor.shape[1], tensor.shape[2], tensor.shape[3], FLOAT_DTYPES[tensor.dtype]
+    assert storage is not None
+    parts = {part: layout.tensors.get(f"{name}.{part}") for part in ("packed", "scales", "biases")}
+    missing = [f"{name}.{part}" for part, tensor in parts.items() if tensor is None]
+    if missing:
+        raise ModelLoadError(f"{path}: prompt cache has no {', '.join(repr(m) for m in missing)} tensor")
+    packed, scales, biases = parts["packed"], parts["scales"], parts["biases"]
+    ok = (len(packed.shape) == 4 and packed.shape[0] == 1 and packed.dtype == "U32"
+          and scales.shape == biases.shape and scales.dtype == biases.dtype and scales.dtype in FLOAT_DTYPES
+          and scales.shape[:3] == packed.shape[:3]
+          and scales.shape[3] * storage.group_size == packed.shape[3] * 32 // kind.bits)
+    if not ok or FLOAT_DTYPES[scales.dtype] != storage.float_type.value:
+        raise ModelLoadError(
+            f"{path}: prompt cache '{name}' packed {packed.dtype} {packed.shape}, scales {scales.dtype} "
+            f"{scales.shape}, biases {biases.dtype} {biases.shape} do not hold {kind.value} codes in groups of "
+            f"{storage.group_size} with {storage.float_type.value} scales")
+    return packed.shape[1], packed.shape[2], packed.shape[3] * 32 // kind.bits, FLOAT_DTYPES[scales.dtype]
 
 
 def _int_list(path: str, info: dict[str, Any], field: str, count: int) -> list[int]:
@@ -54,38 +102,43 @@ def check_prompt_cache_file(path: str, layout: SafetensorsLayout) -> PromptCache
         raise ModelLoadError(f"{path}: unknown prompt cache format {found!r:.80} (expected {FORMAT!r})")
     layers = info.get("num_layers")
     stored = {name for name in layout.tensors}
-    if type(layers) is not int or not 1 <= layers or 2 * layers != len(stored):
+    storage = storage_from_metadata(path, info["kv_dtype"]) if "kv_dtype" in info else None
+    per_layer = 2 if storage is None else sum(3 if k.quantized else 1 for k in (storage.key, storage.value))
+    if type(layers) is not int or not 1 <= layers or per_layer * layers != len(stored):
         raise ModelLoadError(f"{path}: prompt cache metadata 'num_layers' is {layers!r:.40}, but the file holds "
-                             f"{len(stored)} tensors (one keys and one values tensor per layer)")
+                             f"{len(stored)} tensors ({per_layer} per layer)")
     lengths = _int_list(path, info, "lengths", layers)
     offsets = _int_list(path, info, "offsets", layers)
     first = None
     for layer in range(layers):
-        keys, values = layout.tensors.get(f"{layer}.keys"), layout.tensors.get(f"{layer}.values")
-        if keys is None or values is None:
-            raise ModelLoadError(f"{path}: prompt cache layer {layer} has no '{layer}.keys'/'{layer}.values' tensor")
-        if len(keys.shape) != 4 or len(values.shape) != 4 or keys.shape[0] != 1 or values.shape[:3] != keys.shape[:3]:
-            raise ModelLoadError(f"{path}: prompt cache layer {layer} keys {keys.shape} / values {values.shape} "
-                                 "are not [1, kv_heads, tokens, head_dim] arrays of the same length")
-        if keys.dtype not in FLOAT_DTYPES or values.dtype != keys.dtype:
-            raise ModelLoadError(f"{path}: prompt cache layer {layer} has dtypes {keys.dtype}/{values.dtype}, "
-                                 f"expected one of {', '.join(FLOAT_DTYPES)} for both")
-        shape = (keys.shape[1], keys.shape[3], values.shape[3], keys.dtype)
+        k_heads, k_tokens, k_dim, k_dtype = _side_shape(path, layout, f"{layer}.keys",
+                                                        storage.key if storage else None, storage)
+        v_heads, v_tokens, v_dim, v_dtype = _side_shape(path, layout, f"{layer}.values",
+                                                        storage.value if storage else None, storage)
+        if (k_heads, k_tokens, k_dtype) != (v_heads, v_tokens, v_dtype):
+            raise ModelLoadError(f"{path}: prompt cache layer {layer} keys ({k_heads} heads, {k_tokens} tokens, "
+                                 f"{k_dtype}) and values ({v_heads}, {v_tokens}, {v_dtype}) differ")
+        shape = (k_heads, k_dim, v_dim, k_dtype)
         if first is None:
             first = shape
         elif shape != first:
             raise ModelLoadError(f"{path}: prompt cache layer {layer} has (kv_heads, head_dim, v_head_dim, dtype) "
                                  f"{shape}, layer 0 has {first}")
-        if lengths[layer] != keys.shape[2]:
+        if lengths[layer] != k_tokens:
             raise ModelLoadError(f"{path}: prompt cache metadata 'lengths'[{layer}] is {lengths[layer]}, "
-                                 f"the layer's tensors hold {keys.shape[2]} tokens")
+                                 f"the layer's tensors hold {k_tokens} tokens")
         if not lengths[layer] <= offsets[layer] <= MAX_POSITION:
             raise ModelLoadError(f"{path}: prompt cache metadata 'offsets'[{layer}] is {offsets[layer]}, must be "
                                  f"between the layer's length {lengths[layer]} and {MAX_POSITION}")
     kv_heads, head_dim, v_head_dim, dtype = first
     if kv_heads < 1 or head_dim < 1 or v_head_dim < 1:
         raise ModelLoadError(f"{path}: prompt cache has empty dims (kv_heads {kv_heads}, head_dim {head_dim})")
-    return PromptCacheInfo(layers, lengths, offsets, kv_heads, head_dim, v_head_dim, FLOAT_DTYPES[dtype])
+    if storage is not None:
+        try:
+            storage.check_head_dims(head_dim, v_head_dim)
+        except InvalidArgumentError as exc:
+            raise ModelLoadError(f"{path}: prompt cache 'kv_dtype' does not fit its tensors: {exc}") from None
+    return PromptCacheInfo(layers, lengths, offsets, kv_heads, head_dim, v_head_dim, dtype, storage)
 
 
 def check_user_metadata(path: str, metadata: Any) -> dict[str, str]:

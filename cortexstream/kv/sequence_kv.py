@@ -17,6 +17,7 @@ from cortexstream.errors import InvalidArgumentError, OutOfBlocksError
 from cortexstream.kernels.evict_gather import compact_layer
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_config import ArenaConfig
+from cortexstream.kv.kv_dtype import KVDtype
 
 
 class SequenceKV:
@@ -280,13 +281,14 @@ class SequenceKV:
 
 def private_sequence(
     num_layers: int, kv_heads: int, head_dim: int, v_head_dim: int, num_tokens: int, dtype: str,
-    block_size: int = 16,
+    block_size: int = 16, kv_dtype: KVDtype | None = None,
 ) -> SequenceKV:
-    """A sequence in an arena of its own, sized for `num_tokens` and regrown (doubling) when exceeded."""
+    """A sequence in an arena of its own, sized for `num_tokens` and regrown (doubling) when exceeded.
+    `kv_dtype`: quantized storage (None: `dtype` floats)."""
     dtype = dtype.split(".")[-1]
     blocks = max(1, -(-max(num_tokens, 1) // block_size))
     config = ArenaConfig(num_layers, kv_heads, head_dim, blocks, block_size, dtype,
-                         None if v_head_dim == head_dim else v_head_dim)
+                         None if v_head_dim == head_dim else v_head_dim, kv_dtype)
     # Preallocated: the sequence takes the whole arena at once (below), so growing it would only add a copy.
     seq = SequenceKV(KVArena(config, preallocate=True), owner=0, contiguous=True, private=True)
     seq.ensure_capacity(num_tokens)
