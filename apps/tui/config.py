@@ -14,6 +14,8 @@ class TuiConfig:
     keep_quantized: bool = False
     kv_tokens: int = 8192  # arena size in tokens
     block_size: int = 16
+    kv_dtype: str | None = None  # arena storage: "int8", "int4", "k=int8,v=int4", ... (None: the model's float type)
+    kv_group_size: int | None = None  # group size of int8/int4 sides (32 or 64; None: 64)
     max_num_seqs: int = 16
     max_tokens: int = 512
     temperature: float = 0.0
@@ -38,6 +40,8 @@ class TuiConfig:
             keep_quantized=bool(getattr(args, "keep_quantized", False)),
             kv_tokens=opt("kv_tokens", cls.kv_tokens),
             block_size=opt("block_size", cls.block_size),
+            kv_dtype=getattr(args, "kv_dtype", None),
+            kv_group_size=getattr(args, "kv_group_size", None),
             max_tokens=opt("max_tokens", cls.max_tokens),
             temperature=opt("temp", cls.temperature),
             repetition_penalty=getattr(args, "repetition_penalty", None),

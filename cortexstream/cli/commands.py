@@ -67,9 +67,12 @@ def run_info(args: argparse.Namespace) -> int:
     except Exception as exc:
         print(f"default model: {DEFAULT_MODEL} -> not installed ({exc})")
     if args.model is not None:
+        from cortexstream.cli.kv_storage import storage_lines, storage_rows
+
         model, _ = load(args.model)
         for key, value in model_info(model).as_dict().items():
             print(f"  {key}: {value}")
+        print("\n".join(storage_lines(storage_rows(model))))
     return 0
 
 
@@ -85,18 +88,22 @@ def _kv_policy(args: argparse.Namespace) -> Any:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from cortexstream.cli.kv_storage import check_for_model, kv_storage_options
     from cortexstream.generation.stream import stream_generate
 
     sampling = _sampling(args)
     policy = _kv_policy(args)
+    kv_dtype, kv_group_size = kv_storage_options(args)
     model, tokenizer = _load(args)
+    check_for_model(model, kv_dtype, kv_group_size)
     if args.no_chat_template or not getattr(tokenizer, "has_chat_template", False):
         prompt: Any = args.prompt
     else:
         prompt = _messages(args.system, [{"role": "user", "content": args.prompt}])
     last = None
     for response in stream_generate(model, tokenizer, prompt, sampling=sampling, kv_policy=policy,
-                                    context_overflow=args.context_overflow):
+                                    context_overflow=args.context_overflow, kv_dtype=kv_dtype,
+                                    kv_group_size=kv_group_size):
         sys.stdout.write(response.text)
         sys.stdout.flush()
         last = response
@@ -120,8 +127,10 @@ class _ChatCache:
     turns) the conversation is recomputed on a fresh cache: correct, only slower.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, policy: Any) -> None:
+    def __init__(self, model: Any, tokenizer: Any, policy: Any, kv_dtype: str | None = None,
+                 kv_group_size: int | None = None) -> None:
         self.model, self.tokenizer, self.policy = model, tokenizer, policy
+        self.storage = {"kv_dtype": kv_dtype, "kv_group_size": kv_group_size}  # of every cache it makes
         self.reset()
 
     def reset(self) -> None:
@@ -135,7 +144,7 @@ class _ChatCache:
         if self.cache is not None and self.fed_text and text.startswith(self.fed_text):
             tokens = list(self.tokenizer.encode(text[len(self.fed_text):], add_special_tokens=False))
         else:
-            self.cache = make_prompt_cache(self.model)
+            self.cache = make_prompt_cache(self.model, **self.storage)
             tokens = list(self.tokenizer.encode(text, add_special_tokens=False))
         self.fed_text = text
         self._offset = self.cache[0].offset + len(tokens)
@@ -147,10 +156,14 @@ class _ChatCache:
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    from cortexstream.cli.kv_storage import check_for_model, kv_storage_options
+
     sampling = _sampling(args)
     policy = _kv_policy(args)
+    kv_dtype, kv_group_size = kv_storage_options(args)
     model, tokenizer = _load(args)
-    chat_cache = _ChatCache(model, tokenizer, policy)
+    check_for_model(model, kv_dtype, kv_group_size)  # here, not as an error on every turn
+    chat_cache = _ChatCache(model, tokenizer, policy, kv_dtype, kv_group_size)
     history: list[dict[str, str]] = []
     print("cortexstream chat: type a message; /reset clears the conversation, /quit or Ctrl-D exits.")
     while True:

@@ -9,6 +9,7 @@ import warnings
 from typing import Callable
 
 from cortexstream.backend import enable_linux_cpu_tuning
+from cortexstream.cli.kv_storage import add_kv_storage_args
 from cortexstream.cli.training import add_train_parsers
 
 
@@ -47,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     info = commands.add_parser("info", help="backend, BLAS, default model")
-    info.add_argument("--model", default=None, help="also load this model and describe it")
+    info.add_argument("--model", default=None,
+                      help="also load this model and describe it (with its KV bytes per token for each kv dtype)")
 
     gen = commands.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     gen.add_argument("--prompt", "-p", required=True)
@@ -57,17 +59,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(gen)
     _add_sampling_args(gen)
     _add_kv_policy_arg(gen)
+    add_kv_storage_args(gen)
 
     chat = commands.add_parser("chat", help="plain terminal chat REPL")
     chat.add_argument("--system", default=None)
     _add_model_args(chat)
     _add_sampling_args(chat)
     _add_kv_policy_arg(chat)
+    add_kv_storage_args(chat)
 
     tui = commands.add_parser("tui", help="terminal UI: chat with several conversations and watch the KV arena")
     _add_model_args(tui)
     tui.add_argument("--kv-tokens", type=int, default=8192, help="arena size in tokens")
     tui.add_argument("--block-size", type=int, default=16)
+    add_kv_storage_args(tui)
     tui.add_argument("--max-tokens", "-m", type=int, default=512)
     tui.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
     tui.add_argument("--repetition-penalty", type=float, default=None)

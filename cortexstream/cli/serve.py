@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from cortexstream.cli.kv_storage import add_kv_storage_args, flag_errors
+
 
 def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, SSE streaming)")
@@ -19,6 +21,7 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     size.add_argument("--kv-tokens", type=int, default=None, help="KV arena size in tokens (default 16384)")
     size.add_argument("--kv-memory", type=float, default=None, help="KV arena as a fraction of device memory")
     serve.add_argument("--block-size", type=int, default=16)
+    add_kv_storage_args(serve)  # one arena, one storage type: fixed for every request
     serve.add_argument("--max-num-seqs", type=int, default=32)
     serve.add_argument("--max-queue", type=int, default=256, help="requests queued beyond max-num-seqs before 429")
     serve.add_argument("--kv-policy", default=None, help="default KV policy (anything parse_policy accepts)")
@@ -50,20 +53,24 @@ def run_serve(args: argparse.Namespace) -> int:
     from cortexstream.server.uvicorn_server import banner, serve_app
 
     api_keys = tuple(args.api_key or ()) or (read_key_file(args.api_keys) if args.api_keys else ())
-    config = ServerConfig(
-        model_name=args.model_name or model_name_for(args.model), kv_tokens=args.kv_tokens,
-        kv_memory=args.kv_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_queue=args.max_queue, kv_policy=args.kv_policy, api_keys=api_keys,
-        shutdown_timeout=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,
-    )  # validated before the model loads, so a bad option fails in a second
+    with flag_errors():
+        config = ServerConfig(
+            model_name=args.model_name or model_name_for(args.model), kv_tokens=args.kv_tokens,
+            kv_memory=args.kv_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+            max_queue=args.max_queue, kv_policy=args.kv_policy, api_keys=api_keys,
+            shutdown_timeout=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,
+            kv_dtype=args.kv_dtype, kv_group_size=args.kv_group_size,
+        )  # validated before the model loads, so a bad option fails in a second
     model, tokenizer = load(args.model, dtype=args.dtype)
-    app = create_app(model, tokenizer, config)
+    with flag_errors():  # what depends on the model, e.g. a group size that does not divide its head dim
+        app = create_app(model, tokenizer, config)
     arena = app.state.server.bridge.engine.arena
     backend = backend_info()
     tenants = (f"{len(api_keys)} API keys, one prefix-cache tenant each (Authorization: Bearer required)"
                if api_keys else "no API keys: one tenant, every request may share cached prefixes")
     arena_text = (f"{arena.config.num_blocks} blocks x {arena.config.block_size} tokens = {arena.config.num_slots} "
-                  f"tokens, {arena.config.total_bytes / 2**20:.0f} MiB ({arena.config.dtype})")
+                  f"tokens, {arena.config.total_bytes / 2**20:.0f} MiB ({arena.config.storage.text}, "
+                  f"{arena.config.bytes_per_token:,} bytes/token)")
     print(banner(f"http://{args.host}:{args.port}", config.model_name,
                  f"{'Metal GPU' if backend.metal else 'CPU backend'}, BLAS {backend.blas}, mlx {backend.mlx_version}", arena_text,
                  tenants), flush=True)

@@ -41,11 +41,11 @@ def build_engine(model: Any, tokenizer: Any, config: ServerConfig) -> Any:
     from cortexstream.kv.arena import KVArena
     from cortexstream.kv.arena_config import ArenaConfig
 
+    storage = {"block_size": config.block_size, "kv_dtype": config.kv_dtype, "kv_group_size": config.kv_group_size}
     if config.kv_memory is not None:
-        arena = KVArena(ArenaConfig.for_model(model, memory_fraction=config.kv_memory, block_size=config.block_size))
+        arena = KVArena(ArenaConfig.for_model(model, memory_fraction=config.kv_memory, **storage))
     else:
-        arena = KVArena(ArenaConfig.for_model(model, num_tokens=config.kv_tokens or 16384,
-                                              block_size=config.block_size))
+        arena = KVArena(ArenaConfig.for_model(model, num_tokens=config.kv_tokens or 16384, **storage))
     return Engine(model, tokenizer, arena=arena, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                   kv_policy=config.kv_policy)
 

@@ -25,6 +25,10 @@ class ServerConfig:
     kv_tokens: int | None = None  # arena size in tokens; None with kv_memory None: 16384
     kv_memory: float | None = None  # fraction of device memory for the arena
     block_size: int = 16
+    # How the arena stores K/V ("int8", "int4", "k=int8,v=int4", "float16", ...; None: the model's float type) and
+    # the group size of quantized sides (32 or 64; None: 64). One arena, one storage type: requests cannot pick.
+    kv_dtype: str | None = None
+    kv_group_size: int | None = None
     max_num_seqs: int = 32
     max_queue: int = 256  # requests waiting beyond max_num_seqs before 429
     kv_policy: str | None = None  # default policy for requests that name none
@@ -59,6 +63,12 @@ class ServerConfig:
             raise ValueError("api_keys: every key must be a non-empty string")
         if len(set(self.api_keys)) != len(self.api_keys):
             raise ValueError("api_keys: duplicate keys")
+        if self.kv_dtype is not None or self.kv_group_size is not None:
+            from cortexstream.kv.kv_dtype import StorageType, parse_kv_dtype
+
+            # The spelling and the group size now; whether the group divides the model's head dim when the
+            # arena is built (the placeholder float type only decides what "auto" means).
+            parse_kv_dtype(self.kv_dtype, self.kv_group_size, model_dtype=StorageType.FLOAT32)
         if self.kv_policy is not None:
             from cortexstream.policies import parse_policy
 

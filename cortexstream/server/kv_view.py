@@ -1,5 +1,7 @@
 """`GET /v1/kv`: the arena's stats and block map as JSON, from one `EngineView` (taken between two engine steps).
 
+`kv_dtype` is how the arena stores K and V ("float32", "int8", "k=int8,v=int4", ...), fixed at start-up;
+`bytes_per_token` what one token's K and V take over all layers, and `token_capacity` the tokens the arena holds.
 `block_map[i]` is block i's state: "free", "shared" (more than one reference: a prefix reused by several
 sequences, or a block the prefix cache also holds) or "used"; `block_tenants[i]` is the tenant label of the
 sequence that allocated it (null when free). `sequences` lists the live ones with their block tables, so a
@@ -46,6 +48,9 @@ def kv_snapshot(view: EngineView, owner_tenants: dict[int, str | None], tenant_a
     stats = {k: v for k, v in view.stats.items() if isinstance(v, (int, float, str))}
     return {
         "arena": stats,
+        "kv_dtype": view.stats["kv_dtype"],
+        "bytes_per_token": view.stats["bytes_per_token"],
+        "token_capacity": view.num_blocks * view.block_size,
         "block_size": view.block_size,
         "num_blocks": view.num_blocks,
         "num_free_blocks": view.num_free_blocks,

@@ -45,6 +45,16 @@ class Histogram:
         return lines
 
 
+def _storage_info(labels: str, view: EngineView) -> list[str]:
+    """Info-style gauge (value 1, the labels carry the facts, as vLLM's cache_config_info): the arena's KV dtype,
+    fixed at start-up."""
+    name = "cortexstream:kv_cache_config_info"
+    kv_dtype = view.stats["kv_dtype"]  # canonical text ("int8", "k=int8,v=int4"): nothing to escape
+    return [f"# HELP {name} How the KV arena stores K and V (labels kv_dtype, block_size).",
+            f"# TYPE {name} gauge",
+            f'{name}{{{labels},kv_dtype="{kv_dtype}",block_size="{view.block_size}"}} 1']
+
+
 class Metrics:
     def __init__(self, model_name: str) -> None:
         self.model = model_name
@@ -98,6 +108,9 @@ class Metrics:
             lines += single("cortexstream:kv_blocks_total", "gauge", "KV arena blocks.", view.num_blocks)
             lines += single("cortexstream:kv_cache_usage_perc", "gauge", "Fraction of KV arena blocks in use.",
                             view.num_used_blocks / max(1, view.num_blocks))
+            lines += single("cortexstream:kv_bytes_per_token", "gauge",
+                            "KV arena bytes one token takes (K and V, all layers).", view.stats["bytes_per_token"])
+            lines += _storage_info(m, view)
         lines += single("cortexstream:prefix_cache_hit_tokens_total", "counter",
                         "Prompt tokens served from the prefix cache.", self.prefix_hit_tokens)
         lines += single("cortexstream:prompt_tokens_total", "counter", "Prompt tokens of accepted requests.",

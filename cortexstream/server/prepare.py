@@ -1,7 +1,8 @@
 """Turn a validated API request into an `EngineJob`, or an `APIError` naming the offending field.
 
 Everything that can be refused is refused here, before the engine sees the request: unknown model (404),
-unsupported fields, bad sampling values, a KV policy `parse_policy` rejects, and a prompt + max_tokens the
+unsupported fields (among them `kv_dtype` / `kv_group_size`: the arena's storage is fixed at start-up), bad
+sampling values, a KV policy `parse_policy` rejects, and a prompt + max_tokens the
 arena can never hold (400 at once rather than a rejection after queueing).
 """
 
@@ -39,6 +40,22 @@ def check_model(requested: str | None, served: str) -> None:
     if requested is not None and requested not in (served, "default", "default_model"):
         raise APIError(404, f"The model '{requested}' does not exist; this server serves '{served}'",
                        param="model", code="model_not_found")
+
+
+# Accepted by the protocol as unknown fields, but never ignored: one arena has one storage type, so a request that
+# asks for one must learn it did not get it.
+STARTUP_ONLY_FIELDS = {"kv_dtype": "--kv-dtype", "kv_group_size": "--kv-group-size"}
+
+
+def refuse_startup_only_fields(request: Any) -> None:
+    """400 for a body that carries a field only the server's start-up options decide (see STARTUP_ONLY_FIELDS)."""
+    extra = request.model_extra or {}
+    for name, flag in STARTUP_ONLY_FIELDS.items():
+        if name in extra:
+            raise APIError(400, f"{name}: the server's KV storage is fixed at startup ({flag}; GET /v1/kv shows "
+                                "it): one arena has one storage type, so a request cannot choose it; leave the "
+                                "field out",
+                           param=name, code="unsupported_parameter")
 
 
 def _param_of(exc: Exception) -> str | None:
@@ -118,6 +135,7 @@ def _job(prefix: str, tokens: list[int], sampling: SamplingParams, n: int, polic
 
 def prepare_chat(request: ChatCompletionRequest, tokenizer: Any, arena: ArenaLimits, default_policy: Any,
                  tenant: str | None, default_max_tokens: int) -> PreparedRequest:
+    refuse_startup_only_fields(request)
     if request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
@@ -139,6 +157,7 @@ def prepare_chat(request: ChatCompletionRequest, tokenizer: Any, arena: ArenaLim
 
 def prepare_completion(request: CompletionRequest, tokenizer: Any, arena: ArenaLimits, default_policy: Any,
                        tenant: str | None, default_max_tokens: int) -> PreparedRequest:
+    refuse_startup_only_fields(request)
     if request.echo:
         raise APIError(400, "echo: not supported by this server", param="echo", code="unsupported_parameter")
     prompt: Any = request.prompt

@@ -1,7 +1,8 @@
 """Request bodies of /v1/chat/completions and /v1/completions (pydantic: the app's OpenAPI schema).
 
 Field names and ranges follow OpenAI's API; `top_k`, `min_p`, `repetition_penalty` and `kv_policy` are
-extensions. Unknown fields are accepted and ignored, as OpenAI clients send fields of newer API versions.
+extensions. Unknown fields are accepted and ignored, as OpenAI clients send fields of newer API versions, except
+`kv_dtype` and `kv_group_size`, which prepare.py refuses (the server's KV storage is fixed at start-up).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Stats panel: speed, TTFT, KV memory and per-conversation logical vs physical tokens.
+"""Stats panel: speed, TTFT, KV memory and storage (kv dtype, bytes per token) and per-conversation logical vs
+physical tokens.
 
 Speeds are measured over the last `window` seconds of snapshots, divided by the engine time spent in prefill or
 decode (not wall time), so they show what the engine does while it works rather than dropping to zero between
@@ -10,6 +11,7 @@ In `deterministic` mode (snapshot tests) timings and the BLAS name, which vary r
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 from rich.table import Table
 from rich.text import Text
@@ -23,6 +25,11 @@ MIB = 1024 * 1024
 
 def _rate(tokens: float, seconds: float) -> str:
     return f"{tokens / seconds:,.1f} tok/s" if seconds > 0 else "-"
+
+
+def kv_storage_text(stats: dict[str, Any]) -> str:
+    """The arena's storage from engine stats: its kv dtype and the bytes one token's K and V take."""
+    return f"{stats['kv_dtype']}, {stats['bytes_per_token']:,} B/token"
 
 
 class StatsPanel(Static):
@@ -90,6 +97,7 @@ class StatsPanel(Static):
         grid.add_row("prefill", prefill)
         grid.add_row("decode", f"{decode}  ({stats.get('running', 0)} running, {stats.get('waiting', 0)} waiting)")
         grid.add_row("TTFT", ttft)
+        grid.add_row("KV store", kv_storage_text(stats))
         grid.add_row("KV used", f"{stats['bytes_used'] / MIB:,.1f} MiB ({stats['num_used_blocks']} blocks)")
         grid.add_row("KV free", f"{stats['bytes_free'] / MIB:,.1f} MiB ({stats['num_free_blocks']} blocks)")
         grid.add_row("fragment.", f"{stats['fragmentation']:.3f}   preemptions {stats.get('preemptions', 0)}")
