@@ -50,7 +50,7 @@ def sequences(inp, block_size: int, layout: str, capacity: int) -> tuple[KVArena
     for i, seq in enumerate(seqs):
         arena.write(0, seq.blocks, 0, inp.prefill_k[i], inp.prefill_v[i])
         seq.lengths[0] = seq.offsets[0] = inp.ctx
-    mx.eval(arena.keys, arena.values)
+    mx.eval(arena.arrays())
     return arena, seqs
 
 

@@ -71,7 +71,7 @@ def make_sequences(
             assert KVArena.contiguous_start(seq.blocks) is None, "paged table must not be contiguous"
         arena.write(0, seq.blocks, 0, inp.prefill_k[i], inp.prefill_v[i])
         seq.lengths[0] = seq.offsets[0] = inp.ctx
-    mx.eval(arena.keys, arena.values)
+    mx.eval(arena.arrays())
     return arena, seqs
 
 
