@@ -190,3 +190,14 @@ def test_engine_read_and_write_kv_on_quantized_blocks(tiny):
     for (k, _), (k2, _) in zip(doubled, again):
         spread = float(mx.max(k) - mx.min(k))
         assert float(mx.max(mx.abs(k - k2))) <= spread / 255 + 1e-6  # one int8 step of the widest group at most
+
+
+def test_sequence_buffers_read_a_fragmented_quantized_sequence_through_the_identity_table():
+    arena = arena_for("int4")
+    filled(arena, 6, 8, contiguous=False)
+    seq, before = filled(arena, 23, 9, contiguous=False)
+    for layer in range(LAYERS):
+        keys, values, table = arena.sequence_buffers(layer, seq.blocks, 23)
+        assert table == list(range(6)) and keys.shape == (HEADS, 24, DIM)
+        assert np.array_equal(np.array(keys[:, :23]), np.array(before[layer][0]))
+        assert np.array_equal(np.array(values[:, :23]), np.array(before[layer][1]))

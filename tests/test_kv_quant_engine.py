@@ -128,3 +128,17 @@ def test_n_forks_share_quantized_blocks(model32, tiny):
     assert len(texts) == 3 and len({tuple(t) for t in texts.values()}) == 1  # greedy: three equal samples
     alone = run(model32, tokenizer, [PROMPTS[2]], max_tokens=6, kv_dtype="int8", kv_group_size=32)[0][0]
     assert next(iter(texts.values())) == alone
+
+
+@pytest.mark.parametrize("policy", ["meanpool:window=4,sinks=4,recent=8",
+                                    "tome:window=8,slots=2,sinks=4,recent=8"])
+def test_merging_policies_requantize_merged_slots(model32, tiny, policy):
+    """Merging dequantizes a range, merges it and writes the merged slots back quantized: the run goes on, and a
+    batch gives every request the tokens it gets alone."""
+    tokenizer = tiny[1]
+    together, engine = run(model32, tokenizer, PROMPTS, max_tokens=12, kv_dtype="int4", kv_group_size=32,
+                           kv_policy=policy)
+    assert engine.stats()["compressed_tokens"] > 0
+    alone = [run(model32, tokenizer, [p], max_tokens=12, kv_dtype="int4", kv_group_size=32, kv_policy=policy)[0][0]
+             for p in PROMPTS]
+    assert together == alone and all(len(t) == 12 for t in together)

@@ -170,6 +170,21 @@ class KVArena:
         keys, values = full_float(self.keys[layer], self.dtype), full_float(self.values[layer], self.dtype)
         return keys.reshape(keys.shape[1:]), values.reshape(values.shape[1:])
 
+    def sequence_buffers(self, layer: int, blocks: Sequence[int], length: int
+                         ) -> tuple[mx.array, mx.array, list[int]]:
+        """(K `[H, S, D]`, V, block table) for kernels that gather a sequence's first `length` tokens through a
+        block table: the layer's buffers and `blocks` for float sides; for a quantized arena only that sequence's
+        rows, dequantized, with the identity table (not the whole layer dequantized)."""
+        if not self.quantized:
+            keys, values = self.layer_buffers(layer)
+            return keys, values, list(blocks)
+        keys, values = self.read(layer, blocks, length)
+        used = -(-length // self.config.block_size)
+        pad = used * self.config.block_size - length
+        if pad:
+            keys, values = (mx.pad(x, [(0, 0), (0, pad), (0, 0)]) for x in (keys, values))
+        return keys, values, list(range(used))
+
     # --- addressing -------------------------------------------------------------------------------------------
     def slot_indices(self, blocks: Sequence[int], start: int, end: int) -> np.ndarray:
         """Arena slots of a sequence's tokens [start, end) given its block table."""

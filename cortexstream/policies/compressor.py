@@ -129,9 +129,9 @@ class Compressor(MergingPolicy):
         kernel (`KVCompressor.merge_windows_from_arena`) instead of reading the range out first."""
         cfg = arena.config
         comp = self._compressor_for(layer, cfg.num_kv_heads, cfg.head_dim, end - start)
+        keys, values, table = arena.sequence_buffers(layer, blocks, end)
         merged_keys, merged_values = comp.merge_windows_from_arena(
-            *arena.layer_buffers(layer), blocks, start, (end - start) // self.factor, layer,
-            cfg.block_size)
+            keys, values, table, start, (end - start) // self.factor, layer, cfg.block_size)
         return Merged(merged_keys, merged_values)
 
     def _compressor_for(self, layer: int, heads: int, head_dim: int, num_slots: int) -> KVCompressor:

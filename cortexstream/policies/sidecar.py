@@ -104,7 +104,7 @@ class Sidecar(MergingPolicy):
             packed = pack_windows(buffer, blocks, start, count, window, cfg.block_size)
             return packed.reshape(heads, count, window, buffer.shape[-1])
 
-        keys, values = arena.layer_buffers(layer)
+        keys, values, blocks = arena.sequence_buffers(layer, blocks, end)
         k_b, v_b, beta = net.beads_with_mass(windows(keys), windows(values), layer)
         return Merged(k_b, v_b, beta)
 
