@@ -55,6 +55,8 @@ class DecodeBatch(Protocol):
     sequences: Sequence[Any]  # SequenceKV per row
     firsts: list[int | None]  # contiguous start block per row (None: paged)
     dequantize: bool  # a quantized arena's rows are read by dequantizing first
+    strided: tuple[int, int] | None  # (first slot, pitch) when the rows are evenly spaced runs
+    quantized_strided: bool  # a quantized batch attends over strided views of its codes
     lengths_after: np.ndarray  # physical keys per row after this step
     table: mx.array  # padded block table [B, max_blocks]
     mask: mx.array  # padding mask [B, 1, 1, max_blocks * block_size]
@@ -150,6 +152,11 @@ def quantized_attention(batch: "DecodeBatch", layer: int, queries: mx.array, sca
     contiguous table's are slices, a paged one's a gather of its slots), reading the codes as the batch's
     backend says (`kv.quantized_attention.decode_attention`). Outputs in batch order: [B, Hq, 1, DV]."""
     arena = batch.arena
+    if batch.quantized_strided:  # one call over strided views of the codes, masked where a row is shorter
+        width = int(batch.lengths_after.max())
+        keys, values = arena.strided_rows(layer, queries.shape[0], batch.strided, width)
+        mask = None if bool((batch.lengths_after == width).all()) else batch.mask[..., :width]
+        return decode_attention(queries, keys, values, scale, mask, batch.dequantize)
     outs = []
     for b, seq in enumerate(batch.sequences):
         length = int(batch.lengths_after[b])

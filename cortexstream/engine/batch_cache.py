@@ -89,7 +89,9 @@ class DecodeBatch:
         self.strategy = rule.choose(attention, arena.dtype, self.strided is not None, longest, arena.quantized)
         # A quantized arena's rows are read by dequantizing first where the platform's quantized matmul is slow.
         self.dequantize = arena.quantized and rule.dequantize_quantized(arena.dtype)
-        if self.strategy == STRIDED:  # the last window may reach past the blocks in use: back it (the budget allows)
+        # A quantized batch whose runs are evenly spaced attends in one call over strided views of the codes.
+        self.quantized_strided = self.strategy == QUANTIZED and self.strided is not None and len(sequences) > 1
+        if self.strategy == STRIDED or self.quantized_strided:  # the last window may reach past the blocks in use
             first, pitch = self.strided
             arena.ensure_blocks(-(-(first + pitch * (len(sequences) - 1) + longest) // bs))
         # The mask make_mask hands the model. A strided batch's K/V are views only as wide as the longest sequence,

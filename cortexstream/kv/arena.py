@@ -47,8 +47,9 @@ from cortexstream.kv.allocator import BlockAllocator
 from cortexstream.kv.arena_config import ArenaConfig
 from cortexstream.kv.arena_sides import (
     Side, as_dtype, as_read_back, full_float, new_side, pad_side, put_side, read_side, read_side_per_head, side_arrays,
-    side_nbytes, take_side, take_side_per_head, write_side,
+    side_nbytes, strided_side, take_side, take_side_per_head, write_side,
 )
+from cortexstream.kv.quantized_blocks import CodeView
 from cortexstream.kv.kv_dtype import StorageType
 
 _UNKNOWN = object()  # sentinel: contiguity of a block table not known by the caller
@@ -265,6 +266,13 @@ class KVArena:
         for a quantized side (so a pass that attends over its own fresh rows sees what the arena stores, as
         every other path does), unchanged for a float side."""
         return as_read_back(self.keys[0], keys, self.dtype), as_read_back(self.values[0], values, self.dtype)
+
+    def strided_rows(self, layer: int, batch_size: int, layout: tuple[int, int], width: int
+                     ) -> tuple[mx.array | CodeView, mx.array | CodeView]:
+        """K and V of `batch_size` runs evenly spaced (`layout`: first slot, pitch) as `[B, H, width, ...]` views
+        of the stored rows (floats, or codes with scales and biases), for one batched attention call."""
+        return (strided_side(self.keys[layer], batch_size, layout, width),
+                strided_side(self.values[layer], batch_size, layout, width))
 
     def run_rows(self, layer: int, first: int, length: int) -> tuple[Side, Side]:
         """The stored K and V rows of the first `length` tokens of the run that begins at block `first`: slices

@@ -17,7 +17,7 @@ from typing import Union
 import mlx.core as mx
 
 from cortexstream.kv.kv_dtype import StorageType
-from cortexstream.kv.quantized_blocks import QuantizedRows
+from cortexstream.kv.quantized_blocks import CodeView, QuantizedRows
 
 Side = Union[mx.array, QuantizedRows]
 Index = Union[slice, mx.array]
@@ -115,6 +115,20 @@ def as_read_back(side: Side, rows: mx.array, dtype: mx.Dtype) -> mx.array:
         return rows
     packed, scales, biases = mx.quantize(as_dtype(rows, side.dtype), group_size=side.group_size, bits=side.bits)
     return mx.dequantize(packed, scales, biases, group_size=side.group_size, bits=side.bits, dtype=dtype)
+
+
+def strided_side(side: Side, batch_size: int, layout: tuple[int, int], width: int) -> mx.array | CodeView:
+    """A side `[1, H, S, ...]` seen as `[B, H, width, ...]`: window b starts at slot `first + b * pitch` (no copy;
+    every array of a quantized side gets the same view)."""
+    first, pitch = layout
+
+    def view(array: mx.array) -> mx.array:
+        _, heads, slots, dim = array.shape
+        return mx.as_strided(array, (batch_size, heads, width, dim), (pitch * dim, slots * dim, dim, 1), first * dim)
+
+    if isinstance(side, QuantizedRows):
+        return CodeView(view(side.packed), view(side.scales), view(side.biases), side.bits, side.group_size)
+    return view(side)
 
 
 def full_float(side: Side, dtype: mx.Dtype) -> mx.array:

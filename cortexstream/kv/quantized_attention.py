@@ -20,13 +20,14 @@ from typing import Any, Union
 
 import mlx.core as mx
 
-from cortexstream.kv.quantized_blocks import QuantizedRows
+from cortexstream.kv.quantized_blocks import CodeView, QuantizedRows
 
-Rows = Union[mx.array, QuantizedRows]
+Rows = Union[mx.array, QuantizedRows, CodeView]
+_CODES = (QuantizedRows, CodeView)
 
 
 def _floats(rows: Rows, dtype: mx.Dtype) -> mx.array:
-    return rows.dequantize(dtype) if isinstance(rows, QuantizedRows) else rows
+    return rows.dequantize(dtype) if isinstance(rows, _CODES) else rows
 
 
 def decode_attention(queries: mx.array, keys: Rows, values: Rows, scale: float, mask: Any = None,
@@ -34,11 +35,11 @@ def decode_attention(queries: mx.array, keys: Rows, values: Rows, scale: float, 
     """Attention of `queries` `[B, Hq, 1, D]` over `keys`/`values` (`[B, H, L, D]` floats or `QuantizedRows` of
     that shape, B = 1 for a container) -> `[B, Hq, 1, DV]`. `mask`: None, or a boolean / additive array
     broadcastable to `[B, 1, 1, L]` (a batch's padding). `dequantize`: read codes by dequantizing first."""
-    if dequantize or not (isinstance(keys, QuantizedRows) or isinstance(values, QuantizedRows)):
+    if dequantize or not (isinstance(keys, _CODES) or isinstance(values, _CODES)):
         return mx.fast.scaled_dot_product_attention(queries, _floats(keys, queries.dtype),
                                                     _floats(values, queries.dtype), scale=scale, mask=mask)
     batch, q_heads, num_queries, dim = queries.shape
-    heads = keys.num_heads if isinstance(keys, QuantizedRows) else keys.shape[1]
+    heads = keys.num_heads if isinstance(keys, _CODES) else keys.shape[1]
     if num_queries != 1 or q_heads % heads:
         raise ValueError(f"decode_attention: queries {tuple(queries.shape)} must be one per sequence, with query "
                          f"heads a multiple of the {heads} KV heads")
@@ -58,7 +59,7 @@ def decode_attention(queries: mx.array, keys: Rows, values: Rows, scale: float, 
 
 def _matmul(x: mx.array, rows: Rows, transpose: bool) -> mx.array:
     """`x @ rows^T` (transpose) or `x @ rows`, rows as codes or floats."""
-    if isinstance(rows, QuantizedRows):
+    if isinstance(rows, _CODES):
         return mx.quantized_matmul(x, rows.packed, rows.scales, rows.biases, transpose=transpose,
                                    group_size=rows.group_size, bits=rows.bits)
     rows = rows.astype(x.dtype) if rows.dtype != x.dtype else rows

@@ -24,7 +24,7 @@ min/max quantizer.
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import NamedTuple, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
@@ -79,6 +79,25 @@ def dequantize_rows(
     if packed.size == 0:  # mx.dequantize cannot reshape an empty array
         return mx.zeros((*packed.shape[:-1], dim), dtype)
     return mx.dequantize(packed, scales, biases, group_size=group_size, bits=bits, dtype=dtype)
+
+
+class CodeView(NamedTuple):
+    """Quantized rows seen with a batch axis `[B, H, L, ...]` (e.g. strided views of a layer's arrays, one window
+    per sequence): what attention reads; not a container (no writes)."""
+
+    packed: mx.array
+    scales: mx.array
+    biases: mx.array
+    bits: int
+    group_size: int
+
+    @property
+    def num_heads(self) -> int:
+        return self.packed.shape[1]
+
+    def dequantize(self, dtype: mx.Dtype) -> mx.array:
+        return mx.dequantize(self.packed, self.scales, self.biases, group_size=self.group_size, bits=self.bits,
+                             dtype=dtype)
 
 
 class QuantizedRows:
