@@ -12,20 +12,13 @@ slot `b * block_size + i` is token `i` of block `b`. Why this layout (see bench/
   holds it: with a single all-layer buffer, layer l's write would find layer l-1's view still alive in the same
   forward pass and copy the whole arena.
 
-Growth on demand. The budget is `config.num_blocks`: the allocator hands out ids from all of it, and admission,
-preemption, sizing and the stats see all of it. The buffers back only the blocks below the allocator's high water
-(one past the highest id in use; its placement keeps ids low), starting at `MIN_PHYSICAL_SLOTS`, so building an
-arena neither zero-fills nor commits the budget. Every allocation reports its high water (`on_high_water`) before
-its ids reach anyone, and `ensure_blocks` pads the buffers of every layer that does not reach it (to twice the
-size, at least what is needed, at most the budget); growth appends, so block ids and slot numbers stay valid.
-A pad is lazy and takes the layer's current buffer array as its input, so writes already in the graph (a
-pipelined step in flight) are ordered before it, and views taken before it keep reading the old array. To spread
-the cost (a doubling copies the buffer and faults in new pages: about as much as zero-filling the new size), the
-engine calls `grow_ahead` once per forward pass: once the high water passes `GROW_AHEAD_AT` of the buffers, one
-layer at a time is padded to the next size, so that a long-lived engine commits its memory a layer per step rather
-than in one stall, and the old and new buffer coexist for one layer at a time. Layers may therefore differ in size
-for a while: code that views a buffer takes its block count from the buffer's own shape, never from the config.
-`preallocate=True` builds the whole budget up front (benchmarks that measure steady state).
+Growth on demand (docs/design.md has the why). The budget is `config.num_blocks`: the allocator hands out ids from
+all of it, but the buffers back only the blocks below its high water, starting at `MIN_PHYSICAL_SLOTS`. Every
+allocation reports its high water before its ids reach anyone, and `ensure_blocks` pads the layers that fall short
+(lazily, to twice the size, at most the budget; growth appends, so ids and slots stay valid, and a pad is ordered
+after writes already in the graph). `grow_ahead`, once per forward pass, pads one layer at a time once the high
+water passes `GROW_AHEAD_AT`, so layers may differ in size for a while: code that views a buffer takes its block
+count from the buffer's own shape, never from the config. `preallocate=True` builds the whole budget up front.
 
 Quantized storage (`config.kv_dtype`): a quantized side of a layer is a `QuantizedRows` (codes, scales, biases on
 the same slot axis) instead of the float buffer, so `keys[layer]` / `values[layer]` are then not arrays: code that
