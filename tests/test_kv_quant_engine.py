@@ -26,9 +26,18 @@ def model64():
     return tiny_model(seed=6, head_dim=64, num_attention_heads=2, num_key_value_heads=1)
 
 
-def run(model, tokenizer, prompts, *, max_tokens=8, **engine_kwargs):
-    engine = Engine(model, tokenizer, kv_tokens=2048, **engine_kwargs)
-    ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0.0)) for p in prompts]
+def seed_of(prompt: list[int]) -> int:
+    """A sampling seed that follows the prompt, so a request draws the same way batched and alone."""
+    return 1000 + len(prompt) + 97 * prompt[0]
+
+
+def run(model, tokenizer, prompts, *, max_tokens=8, greedy=False, kv_tokens=2048, **engine_kwargs):
+    """Tokens per prompt. Seeded sampling at temperature 1 unless `greedy`: the random tiny models repeat one token
+    greedily, while sampled tokens vary and follow every change of the logits."""
+    engine = Engine(model, tokenizer, kv_tokens=kv_tokens, **engine_kwargs)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0.0 if greedy else 1.0,
+                                                seed=None if greedy else seed_of(p)))
+           for p in prompts]
     tokens = {rid: [] for rid in ids}
     while engine.has_unfinished:
         for out in engine.step():
@@ -39,10 +48,26 @@ def run(model, tokenizer, prompts, *, max_tokens=8, **engine_kwargs):
 
 def test_int8_arena_gives_the_float_arenas_greedy_tokens(model32, tiny):
     tokenizer = tiny[1]
-    floats, _ = run(model32, tokenizer, PROMPTS[:2], max_tokens=6)
-    quantized, engine = run(model32, tokenizer, PROMPTS[:2], max_tokens=6, kv_dtype="int8", kv_group_size=32)
+    floats, _ = run(model32, tokenizer, PROMPTS, max_tokens=6, greedy=True)
+    quantized, engine = run(model32, tokenizer, PROMPTS, max_tokens=6, greedy=True, kv_dtype="int8",
+                            kv_group_size=32)
     assert engine.arena.quantized and engine.arena.config.storage.text == "int8"
     assert quantized == floats
+
+
+@pytest.mark.parametrize("kv_dtype,tolerance", [("int8", 0.02), ("int4", 0.3)])
+def test_quantized_logits_stay_close_to_the_float_caches(model32, kv_dtype, tolerance):
+    """Logits over a 60-token prompt on quantized blocks, against the float cache's: the largest difference is a
+    small fraction of the logits' spread (int8 about 1/256 of a group's range per value, int4 1/16), and nonzero
+    (the blocks really are quantized)."""
+    from cortexstream.kv.prompt_cache import make_prompt_cache
+
+    ids = mx.array([list(range(3, 63))])
+    reference = model32(ids, cache=make_prompt_cache(model32))
+    got = model32(ids, cache=make_prompt_cache(model32, kv_dtype=kv_dtype, kv_group_size=32))
+    spread = float(reference.max() - reference.min())
+    difference = float(mx.abs(got - reference).max())
+    assert 0 < difference < tolerance * spread
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4", "k=int8,v=int4", "k=int4,v=float32"])
@@ -80,7 +105,7 @@ def test_prefix_cache_hit_is_exact_on_quantized_blocks(model32, tiny):
     engine = Engine(model32, tokenizer, kv_tokens=2048, kv_dtype="int4", kv_group_size=32, max_num_seqs=1)
     outs = []
     for _ in range(3):
-        rid = engine.add_request(shared, SamplingParams(max_tokens=8, temperature=0.0))
+        rid = engine.add_request(shared, SamplingParams(max_tokens=8, temperature=1.0, seed=3))
         tokens = []
         while engine.has_unfinished:
             tokens += [o.token for o in engine.step() if o.request_id == rid and o.token is not None]
@@ -105,8 +130,8 @@ def test_preemption_recomputes_on_quantized_blocks(model32, tiny):
     tokens it gets alone."""
     tokenizer = tiny[1]
     prompts = [list(range(7, 7 + 60)), list(range(9, 9 + 60)), list(range(11, 11 + 60))]
-    engine = Engine(model32, tokenizer, kv_tokens=160, kv_dtype="int8", kv_group_size=32)
-    ids = [engine.add_request(p, SamplingParams(max_tokens=20, temperature=0.0)) for p in prompts]
+    engine = Engine(model32, tokenizer, kv_tokens=144, kv_dtype="int8", kv_group_size=32)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=20, temperature=1.0, seed=seed_of(p))) for p in prompts]
     got = {rid: [] for rid in ids}
     while engine.has_unfinished:
         for out in engine.step():
@@ -114,19 +139,21 @@ def test_preemption_recomputes_on_quantized_blocks(model32, tiny):
                 got[out.request_id].append(out.token)
     alone = [run(model32, tokenizer, [p], max_tokens=20, kv_dtype="int8", kv_group_size=32)[0][0] for p in prompts]
     assert [got[r] for r in ids] == alone
+    assert engine.stats()["preemptions"] > 0
 
 
 def test_n_forks_share_quantized_blocks(model32, tiny):
     tokenizer = tiny[1]
     engine = Engine(model32, tokenizer, kv_tokens=2048, kv_dtype="int8", kv_group_size=32)
-    engine.fork(PROMPTS[2], SamplingParams(max_tokens=6, temperature=0.0), ["a", "b", "c"])
+    engine.fork(PROMPTS[2], SamplingParams(max_tokens=6, temperature=0.0), ["a", "b", "c"])  # greedy: equal
     texts: dict[str, list[int]] = {}
     while engine.has_unfinished:
         for out in engine.step():
             if out.token is not None:
                 texts.setdefault(out.request_id, []).append(out.token)
     assert len(texts) == 3 and len({tuple(t) for t in texts.values()}) == 1  # greedy: three equal samples
-    alone = run(model32, tokenizer, [PROMPTS[2]], max_tokens=6, kv_dtype="int8", kv_group_size=32)[0][0]
+    alone = run(model32, tokenizer, [PROMPTS[2]], max_tokens=6, greedy=True, kv_dtype="int8",
+                kv_group_size=32)[0][0]
     assert next(iter(texts.values())) == alone
 
 
@@ -142,3 +169,29 @@ def test_merging_policies_requantize_merged_slots(model32, tiny, policy):
     alone = [run(model32, tokenizer, [p], max_tokens=12, kv_dtype="int4", kv_group_size=32, kv_policy=policy)[0][0]
              for p in PROMPTS]
     assert together == alone and all(len(t) == 12 for t in together)
+
+
+def test_mixed_prefill_on_quantized_blocks_matches_alone(model32, tiny):
+    """Prefill chunks riding in the decode pass (mixed prefill) read and write quantized blocks: every request
+    still gets the tokens it gets alone."""
+    from test_engine import random_prompts
+    from test_mixed_batch import record_mixed
+
+    tokenizer = tiny[1]
+    first, later = random_prompts(3, seed=31, low=8, high=30), random_prompts(3, seed=32, low=20, high=70)
+    expected = [run(model32, tokenizer, [p], max_tokens=10, kv_dtype="int8", kv_group_size=32)[0][0]
+                for p in first + later]
+    engine = Engine(model32, tokenizer, kv_tokens=2048, block_size=4, prefix_caching=False, prefill_step_size=32,
+                    prefill_tokens_while_decoding=6, kv_dtype="int8", kv_group_size=32)
+    calls = record_mixed(engine)
+    sampling = lambda p: SamplingParams(max_tokens=10, temperature=1.0, seed=seed_of(p))  # noqa: E731
+    ids = [engine.add_request(p, sampling(p)) for p in first]
+    got: dict[str, list[int]] = {}
+    while not all(got.get(i) for i in ids):  # the later prompts arrive once the first ones decode
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend([out.token] if out.token is not None else [])
+    ids += [engine.add_request(p, sampling(p)) for p in later]
+    while engine.has_unfinished:
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend([out.token] if out.token is not None else [])
+    assert calls and [got[i] for i in ids] == expected

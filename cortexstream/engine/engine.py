@@ -41,6 +41,7 @@ from cortexstream.engine.prompt import prompt_to_tokens
 from cortexstream.engine.request_state import RequestOutput, RequestText
 from cortexstream.engine.sampling import SamplingParams, sampling_from_kwargs
 from cortexstream.kv.arena import KVArena
+from cortexstream.engine.seeded import seeded_sampler
 from cortexstream.kv.arena_config import ArenaConfig, check_arena_storage
 from cortexstream.policies.parsing import parse_policy
 
@@ -146,6 +147,8 @@ class Engine:
         if request_id is not None and request_id in self._states:
             raise InvalidArgumentError(f"request_id: '{request_id}' is already in use")
         ids = {} if request_id is None else {"request_id": request_id}
+        if sampler is None and sampling.seed is not None and not sampling.greedy:  # repeatable whatever else runs
+            sampler = seeded_sampler(sampling, sampling.seed)
         if prompt_cache is not None:
             bound = BoundCache.bind(prompt_cache, self.model, None if kv_policy is None else policy,
                                     len(tokens) + sampling.max_tokens)

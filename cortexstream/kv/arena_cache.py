@@ -72,14 +72,16 @@ class ArenaKVCache:
         first = seq.contiguous_first()
         seq.lengths[layer] = end
         seq.offsets[layer] += n
-        if arena.quantized:
-            self._rows = (arena.run_rows(layer, first, end) if first is not None
-                          else arena.table_rows(layer, seq.blocks, end))
         if first is not None:
             # The decode hot path, run per layer per token: one slice update (in place) and one slice per buffer,
             # the same graph as mlx-lm's KVCache.
-            return arena.append_to_run(layer, first, start, keys, values)
+            fetched = arena.append_to_run(layer, first, start, keys, values)
+            if arena.quantized:  # taken after the write: an array taken before it would not see the new rows
+                self._rows = arena.run_rows(layer, first, end)
+            return fetched
         arena.write(layer, seq.blocks, start, keys[0], values[0], first)
+        if arena.quantized:
+            self._rows = arena.table_rows(layer, seq.blocks, end)
         k, v = arena.read(layer, seq.blocks, end, first)
         return k[None], v[None]
 
