@@ -2,7 +2,9 @@
 
 For each workload both servers are started as subprocesses (127.0.0.1, ephemeral ports; the one that goes first
 alternates between workloads), driven with the same seeded workload by async streaming clients, and stopped; a
-fresh process per workload keeps each peak RSS about that workload. Writes `<out>/<name>.json`, `.md`, `.png`.
+fresh process per workload keeps each peak RSS about that workload. The memory_bound workload (not run by default)
+holds CortexStream to one KV byte budget per --kv-dtypes entry, beside mlx_lm.server and the peers given with
+--peer-python (serve_memory.py). Writes `<out>/<name>.json`, `.md`, `.png`.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from cortexstream.benchmarks.common import write_report
-from cortexstream.benchmarks.serve_processes import SYSTEMS, start_server
+from cortexstream.benchmarks.serve_memory_options import MemoryBoundOptions, add_memory_arguments, memory_options
+from cortexstream.benchmarks.serve_processes import SYSTEMS, Launch, start_server
 from cortexstream.benchmarks.serve_report import markdown, plot, ratios, summarize
-from cortexstream.benchmarks.serve_workloads import build_workloads
+from cortexstream.benchmarks.serve_workloads import MEMORY_BOUND, WORKLOAD_NAMES, build_workloads
+from cortexstream.errors import InvalidArgumentError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,18 +35,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-tokens", type=int, default=20480,
                         help="cortexstream serve's arena budget (tokens; its buffers grow on demand up to it)")
     parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--workloads", default="shared_system_chat,multi_turn,unrelated")
+    parser.add_argument("--workloads", default="shared_system_chat,multi_turn,unrelated",
+                        help=f"comma-separated, from {', '.join(WORKLOAD_NAMES)} ({MEMORY_BOUND}: not by default)")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
+    add_memory_arguments(parser, MEMORY_BOUND)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per workload and system")
     parser.add_argument("--quick", action="store_true", help="smoke run: a few tiny requests (not a measurement)")
     parser.add_argument("--out", default="bench/results", help="output folder")
-    parser.add_argument("--name", default=None, help="file name stem (default: serve, or serve_quick)")
+    parser.add_argument("--name", default=None, help="file name stem (default: serve, serve_memory_bound when "
+                        "that is the only workload; _quick added with --quick)")
 
 
 def machine_line() -> str:
     from cortexstream.backend import find_openblas
 
-    blas = "OpenBLAS (preloaded for both servers)" if find_openblas() and not os.environ.get(
+    blas = "OpenBLAS (preloaded for every server)" if find_openblas() and not os.environ.get(
         "CORTEXSTREAM_NO_OPENBLAS") else "MLX's bundled BLAS"
     return f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, {blas}"
 
@@ -71,8 +78,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from cortexstream.benchmarks.serve_client import drive
 
-    systems = [s for s in args.systems.split(",") if s]
-    wanted = [w for w in args.workloads.split(",") if w]
+    systems, wanted, options = check_args(args)
     work = Path(tempfile.mkdtemp(prefix="cortexstream-bench-serve-"))
     try:
         model_dir = work / "model"
@@ -83,7 +89,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result: dict[str, Any] = {
             "machine": machine_line(), "model": Path(args.model).stem if args.model else "smollm2-135m",
             "seed": args.seed, "quick": args.quick, "kv_tokens": args.kv_tokens, "max_num_seqs": args.max_num_seqs,
-            "command": "cortexstream bench serve " + " ".join(_argv_of(args)), "workloads": [],
+            "command": "cortexstream bench serve " + " ".join(_argv_of(args, options)), "workloads": [],
         }
         for index, workload in enumerate(workloads):
             order = systems if index % 2 == 0 else list(reversed(systems))
@@ -91,9 +97,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                      "systems": {}}
             for system in order:
                 print(f"[bench serve] {workload.name}: {system}", flush=True)
-                server = start_server(system, str(model_dir), args.kv_tokens, args.max_num_seqs, work)
+                server = start_server(Launch(system, args.kv_tokens, args.max_num_seqs), str(model_dir), work)
                 try:
-                    measured = asyncio.run(drive(server.url, workload, args.timeout))
+                    measured = asyncio.run(drive(server.url, workload, args.timeout, server.model))
                     entry["systems"][system] = summarize(measured, server.peak_rss)
                 finally:
                     server.stop()
@@ -104,22 +110,46 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if set(entry["systems"]) >= {"cortexstream", "mlx_lm"}:
                 entry["ratios"] = ratios(workload.name, entry["systems"]["cortexstream"], entry["systems"]["mlx_lm"])
             result["workloads"].append(entry)
+        if options is not None:
+            from cortexstream.benchmarks.serve_memory import run_memory_bound
+
+            result["memory_bound"] = run_memory_bound(options, model_dir, tokenizer, work, systems, seed=args.seed,
+                                                      quick=args.quick, timeout=args.timeout)
         return result
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _argv_of(args: argparse.Namespace) -> list[str]:
-    out = []
+def check_args(args: argparse.Namespace) -> tuple[list[str], list[str], MemoryBoundOptions | None]:
+    """(systems, workloads, the memory_bound settings or None) from the command line, every option refused now
+    (before the model is converted) if it is wrong or would have no effect."""
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    wanted = [w.strip().replace("-", "_") for w in args.workloads.split(",") if w.strip()]
+    for name in wanted:
+        if name not in WORKLOAD_NAMES:
+            raise InvalidArgumentError(f"--workloads: {name!r} is not one of {', '.join(WORKLOAD_NAMES)}")
+    for name in systems:
+        if name not in SYSTEMS:
+            raise InvalidArgumentError(f"--systems: {name!r} is not one of {', '.join(SYSTEMS)} "
+                                       "(peers run with --peer-python)")
+    if not systems or not wanted:
+        raise InvalidArgumentError("--systems / --workloads: give at least one of each")
+    return systems, wanted, memory_options(args, MEMORY_BOUND in wanted, MEMORY_BOUND)
+
+
+def _argv_of(args: argparse.Namespace, options: MemoryBoundOptions | None) -> list[str]:
+    out = ["--workloads", args.workloads, "--systems", args.systems]
     for key in ("seed", "rate", "kv_tokens", "max_num_seqs"):
         out += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-    return out + (["--quick"] if args.quick else [])
+    return out + (options.argv() if options is not None else []) + (["--quick"] if args.quick else [])
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     require_httpx()  # before converting the model
+    _, wanted, _ = check_args(args)
     result = run(args)
-    stem = args.name or ("serve_quick" if args.quick else "serve")
+    stem = args.name or "serve" + ("_memory_bound" if wanted == [MEMORY_BOUND] else "") + (
+        "_quick" if args.quick else "")
     write_report(str(args.out), stem, result, markdown(result), plot)
     print(f"[bench serve] wrote {Path(args.out) / stem}.json/.md/.png")
     return 0

@@ -25,6 +25,7 @@ class RequestRecord:
     output_tokens: int = 0
     chunks: int = 0
     error: str | None = None
+    done: bool = False  # the stream ended normally ([DONE] or the end of the body)
 
     @property
     def ttft(self) -> float | None:
@@ -45,9 +46,9 @@ class WorkloadRun:
     finished: float = 0.0
 
 
-async def _stream_turn(http: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int,
+async def _stream_turn(http: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int,
                        record: RequestRecord) -> str:
-    body = {"model": "default_model", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}}
     pieces: list[str] = []
     usage_tokens = None
@@ -74,10 +75,12 @@ async def _stream_turn(http: httpx.AsyncClient, url: str, messages: list[dict], 
                     pieces.append(content)
     # Token counts from the server's usage when it reports them; else one token per content chunk.
     record.output_tokens = usage_tokens if usage_tokens is not None else record.chunks
+    record.done = True
     return "".join(pieces)
 
 
-async def _session(http: httpx.AsyncClient, url: str, session: Session, t0: float, run: WorkloadRun) -> None:
+async def _session(http: httpx.AsyncClient, url: str, model: str, session: Session, t0: float,
+                   run: WorkloadRun) -> None:
     import httpx
 
     await asyncio.sleep(max(0.0, t0 + session.start - time.perf_counter()))
@@ -87,7 +90,7 @@ async def _session(http: httpx.AsyncClient, url: str, session: Session, t0: floa
         record = RequestRecord(sent=time.perf_counter())
         run.records.append(record)
         try:
-            reply = await _stream_turn(http, url, messages, turn.max_tokens, record)
+            reply = await _stream_turn(http, url, model, messages, turn.max_tokens, record)
         except httpx.HTTPError as exc:
             record.error = f"{type(exc).__name__}: {exc}"
             return
@@ -96,14 +99,23 @@ async def _session(http: httpx.AsyncClient, url: str, session: Session, t0: floa
         messages.append({"role": "assistant", "content": reply})
 
 
-async def drive(url: str, workload: WorkloadSpec, timeout: float) -> WorkloadRun:
+async def drive(url: str, workload: WorkloadSpec, timeout: float, model: str = "default_model") -> WorkloadRun:
+    """Run every session of `workload` against `url`, asking for `model`. Past `timeout` seconds the sessions are
+    cancelled and each request still streaming is recorded as failed ("timed out"), so a slow server shows up in
+    the report instead of stopping the benchmark."""
     import httpx
 
     run = WorkloadRun()
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as http:
         run.started = time.perf_counter()
-        await asyncio.wait_for(
-            asyncio.gather(*(_session(http, url, s, run.started, run) for s in workload.sessions)), timeout)
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(_session(http, url, model, s, run.started, run) for s in workload.sessions)),
+                timeout)
+        except asyncio.TimeoutError:
+            for record in run.records:
+                if record.error is None and not record.done:
+                    record.error = f"timed out after {timeout:g} s"
         run.finished = time.perf_counter()
     return run

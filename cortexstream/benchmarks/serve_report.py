@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from cortexstream.benchmarks.serve_client import WorkloadRun
+from cortexstream.benchmarks.serve_memory_report import memory_markdown, plot_memory
 
 # workload -> (min output tok/s ratio, max p50 TTFT ratio or None), cortexstream / mlx_lm.server
 TARGETS = {"shared_system_chat": (1.5, 0.5), "multi_turn": (1.3, None), "unrelated": (1.0, None)}
@@ -31,7 +32,7 @@ def summarize(run: WorkloadRun, peak_rss: int) -> dict[str, Any]:
         "request_throughput": len(ok) / wall,
         "output_tokens": tokens,
         "output_tokens_per_s": tokens / wall,
-        "ttft_p50_s": _pct(ttfts, 50), "ttft_p99_s": _pct(ttfts, 99),
+        "ttft_p50_s": _pct(ttfts, 50), "ttft_p95_s": _pct(ttfts, 95), "ttft_p99_s": _pct(ttfts, 99),
         "tpot_p50_s": _pct(tpots, 50), "tpot_p99_s": _pct(tpots, 99),
         "peak_rss_mib": peak_rss / 2**20,
     }
@@ -59,8 +60,8 @@ def _fmt(value: Any, scale: float = 1.0, digits: int = 2) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     lines = ["# Serving benchmark: cortexstream serve vs mlx_lm.server", "",
-             f"Machine: {result['machine']}. Model: {result['model']} (same weights for both: the GGUF converted "
-             f"with `cortexstream convert`), greedy decoding, streaming over HTTP. Seed {result['seed']}."
+             f"Machine: {result['machine']}. Model: {result['model']} (same weights for every server: the GGUF "
+             f"converted with `cortexstream convert`), greedy decoding, streaming over HTTP. Seed {result['seed']}."
              + (" **Quick smoke run: not a measurement.**" if result["quick"] else ""), ""]
     for workload in result["workloads"]:
         lines += [f"## {workload['name']}", "", workload["description"] + f"; order: {', '.join(workload['order'])}.",
@@ -79,6 +80,8 @@ def markdown(result: dict[str, Any]) -> str:
                       f"{r['target_output_tokens_per_s']}x: {_verdict(r['meets_throughput'])}){ttft}, peak RSS "
                       f"{_fmt(r['peak_rss'])}x (target <= 1.0x: {_verdict(r['meets_rss'])})."]
         lines.append("")
+    if result.get("memory_bound"):
+        lines += memory_markdown(result["memory_bound"])
     lines += ["Rerun: `" + result["command"] + "`", ""]
     return "\n".join(lines)
 
@@ -93,9 +96,22 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    memory = result.get("memory_bound")
+    rows = int(bool(result["workloads"])) + int(bool(memory))
+    fig, axes = plt.subplots(rows, 2, figsize=(11, 4 * rows), squeeze=False)
+    if memory:
+        plot_memory(memory, *axes[-1])
+    if result["workloads"]:
+        _plot_workloads(result, *axes[0])
+    fig.suptitle(f"cortexstream serve vs mlx_lm.server ({result['model']}, {result['machine']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_workloads(result: dict[str, Any], ax_tps: Any, ax_ttft: Any) -> None:
     names = [w["name"] for w in result["workloads"]]
     systems = sorted({s for w in result["workloads"] for s in w["systems"]})
-    fig, (ax_tps, ax_ttft) = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / max(1, len(systems))
     for i, system in enumerate(systems):
         xs = np.arange(len(names)) + i * width
@@ -108,7 +124,3 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_xticklabels(names, fontsize=8)
         ax.set_title(title)
         ax.legend()
-    fig.suptitle(f"cortexstream serve vs mlx_lm.server ({result['model']}, {result['machine']})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

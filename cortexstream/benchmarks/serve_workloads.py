@@ -93,6 +93,45 @@ def unrelated(tokenizer: Any, seed: int, prompts: int = 16, prompt_tokens: tuple
                         f"at once, {new_tokens} new tokens", sessions)
 
 
+MEMORY_BOUND = "memory_bound"
+
+
+def memory_bound(tokenizer: Any, seed: int, sessions: int = 32, history_tokens: int = 1500, turns: int = 4,
+                 user_tokens: tuple[int, int] = (20, 60), new_tokens: tuple[int, int] = (64, 128)) -> WorkloadSpec:
+    """Workload 4: long conversations, all at once, so the KV arena rather than the batch limit decides how many
+    run together. Each session opens with its own `history_tokens`-token system text (standing for a system
+    prompt plus earlier history: nothing is shared between sessions, so no prefix cache can stretch the
+    budget), then `turns` user turns, each resending the conversation so far."""
+    for name, value in (("sessions", sessions), ("history_tokens", history_tokens), ("turns", turns)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}: {value!r} must be an integer >= 1")
+    for name, (low, high) in (("user_tokens", user_tokens), ("new_tokens", new_tokens)):
+        if not 1 <= low <= high:
+            raise ValueError(f"{name}: {(low, high)!r} must be (low, high) with 1 <= low <= high")
+    maker = PromptMaker(tokenizer, seed)
+    out = []
+    for _ in range(sessions):
+        history = maker.text(history_tokens)
+        out.append(Session(0.0, [Turn(maker.text(maker.rng.randint(*user_tokens)), maker.rng.randint(*new_tokens))
+                                 for _ in range(turns)], history))
+    return WorkloadSpec(MEMORY_BOUND, f"{sessions} conversations at once, each its own {history_tokens}-token "
+                        f"system+history text, {turns} turns (user turns {user_tokens[0]}-{user_tokens[1]} tokens, "
+                        f"{new_tokens[0]}-{new_tokens[1]} new tokens), every turn resending the conversation",
+                        out)
+
+
+def memory_bound_workload(tokenizer: Any, seed: int, quick: bool, sessions: int | None,
+                          history_tokens: int) -> WorkloadSpec:
+    """The memory-bound workload as `bench serve` runs it; `quick`: short conversations (a smoke run)."""
+    if quick:
+        return memory_bound(tokenizer, seed + 3, sessions or 3, history_tokens=60, turns=2, user_tokens=(10, 20),
+                            new_tokens=(16, 32))
+    return memory_bound(tokenizer, seed + 3, sessions or 32, history_tokens=history_tokens)
+
+
+WORKLOAD_NAMES = ("shared_system_chat", "multi_turn", "unrelated", MEMORY_BOUND)
+
+
 def build_workloads(tokenizer: Any, seed: int, quick: bool, rate: float) -> list[WorkloadSpec]:
     if quick:  # a smoke run: seconds, not a measurement
         return [
