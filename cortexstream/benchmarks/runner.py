@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                  "perplexity vs measured KV cache size for every policy family (+ passkey, needle)"),
     "c2c": ("cortexstream.benchmarks.c2c",
             "C2C fusion: held-out quality (same model, cross-model) and handoff latency"),
+    "kv-dtype": ("cortexstream.benchmarks.kv_dtype", "quality, memory and speed of int8/int4/float16 KV"),
     "serve": ("cortexstream.benchmarks.serve", "cortexstream serve vs mlx_lm.server over HTTP (3 workloads)"),
 }
 

@@ -1,0 +1,201 @@
+"""What `bench kv-dtype` measures on one model, cell by cell: perplexity and passkey retrieval with the KV stored as a
+given `kv_dtype` (alone or under an eviction policy), mlx-lm's `QuantizedKVCache` on the same text, and the bytes a
+token costs.
+
+Every cortexstream cell runs on a private arena of the asked storage (`make_prompt_cache(..., kv_dtype=...)`) on the
+direct path `bench quality` uses: the policy attached to that cache (`attach_policy`) evicts after every chunk.
+Perplexity is `evaluation.perplexity.token_nlls` on that cache; mlx-lm's caches are scored by `mlx_lm_nlls`, the same
+teacher-forced loop (same chunks, same float32 log-softmax) on a list of `QuantizedKVCache`s.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from cortexstream.benchmarks.passkey import passkey_prompt
+from cortexstream.engine.policy_prompt_cache import apply_policy, attach_policy, fork_cache, policy_state_of
+from cortexstream.engine.policy_runtime import policy_caches
+from cortexstream.evaluation.perplexity import token_nlls
+from cortexstream.kv.arena_config import ArenaConfig, model_kv_shape
+from cortexstream.kv.kv_dtype import parse_kv_dtype
+from cortexstream.kv.prompt_cache import make_prompt_cache
+from cortexstream.kv.sequence_kv import private_sequence
+from cortexstream.policies import KVPolicy
+
+GIB = 1 << 30
+ANSWER_TOKENS = 7  # as `bench quality`: a 5-digit key and a little room
+
+
+@dataclass(frozen=True)
+class Storage:
+    """One KV storage under test: `text` as `parse_kv_dtype` spells it ("float32", "int8", "k=int8,v=int4") and the
+    group size its quantized sides use (None when nothing is quantized: a group size would be refused there)."""
+
+    text: str
+    group_size: int | None
+
+    @classmethod
+    def parse(cls, spec: str, group_size: int, model_dtype: str) -> "Storage":
+        parsed = parse_kv_dtype(spec, None, model_dtype=model_dtype)  # the spelling alone, errors name kv_dtype
+        return cls(parsed.text, group_size if parsed.quantized else None)
+
+    @property
+    def quantized(self) -> bool:
+        return self.group_size is not None
+
+    def cache(self, model: Any, max_tokens: int) -> list[Any]:
+        return make_prompt_cache(model, max_tokens=max_tokens, kv_dtype=self.text, kv_group_size=self.group_size)
+
+
+def default_storages(model_dtype: str) -> list[str]:
+    """The model's float type, float16 when that differs, int8, int4, and int8 keys with int4 values."""
+    floats = [model_dtype] + (["float16"] if model_dtype != "float16" else [])
+    return floats + ["int8", "int4", "k=int8,v=int4"]
+
+
+def memory_row(model: Any, storage: Storage) -> dict[str, Any]:
+    """Bytes per token (all layers, K + V, scales and biases included) and tokens per GiB of arena."""
+    cfg = ArenaConfig.for_model(model, num_bytes=GIB, kv_dtype=storage.text, kv_group_size=storage.group_size)
+    return {"storage": storage.text, "group_size": storage.group_size, "bytes_per_token": cfg.bytes_per_token,
+            "tokens_per_gib": cfg.num_slots}
+
+
+def perplexity_cell(model: Any, ids: Sequence[int], storage: Storage, policy: KVPolicy | None,
+                    chunk: int) -> dict[str, Any]:
+    """Perplexity of `ids` with K/V stored as `storage` and `policy` evicting after every chunk; `kept_tokens` is the
+    most tokens the cache held after any eviction (the context for the full cache)."""
+    tic = time.perf_counter()
+    context = len(ids)
+    bound = policy.max_physical_tokens(context, chunk) if policy is not None else None
+    cache = storage.cache(model, min(context, bound or context))
+    kept: list[int] = []
+    nll = token_nlls(model, ids, policy, chunk_size=chunk, prompt_cache=cache,
+                     on_chunk=lambda _, c: kept.append(int(c[0].size())))
+    kept_tokens = max(kept) if policy is not None else context
+    bytes_per_token = memory_row(model, storage)["bytes_per_token"]
+    return {"system": "cortexstream", "storage": storage.text, "group_size": storage.group_size, "chunk": chunk,
+            "ppl": float(np.exp(nll.mean())), "kept_tokens": kept_tokens, "bytes_per_token": bytes_per_token,
+            "bytes_per_context_token": bytes_per_token * kept_tokens / context,
+            "seconds": time.perf_counter() - tic}
+
+
+def mlx_lm_nlls(model: Any, ids: Sequence[int], cache: list[Any], chunk: int) -> np.ndarray:
+    """Negative log-likelihoods of ids[1:] on mlx-lm caches, chunk by chunk exactly as `token_nlls` scores them."""
+    tokens = np.asarray(ids, dtype=np.int64)
+    inputs = mx.array(tokens[:-1].astype(np.uint32))
+    targets = mx.array(tokens[1:].astype(np.int32))
+    out = np.empty(tokens.size - 1, dtype=np.float64)
+    for start in range(0, tokens.size - 1, chunk):
+        stop = min(start + chunk, tokens.size - 1)
+        logits = model(inputs[start:stop][None], cache=cache)[0].astype(mx.float32)
+        picked = mx.take_along_axis(logits, targets[start:stop, None], axis=-1)[:, 0]
+        nll = mx.logsumexp(logits, axis=-1) - picked
+        mx.eval(nll)
+        out[start:stop] = np.asarray(nll, dtype=np.float64)
+    return out
+
+
+def mlx_lm_cell(model: Any, ids: Sequence[int], bits: int, group_size: int, chunk: int) -> dict[str, Any]:
+    """Perplexity on mlx-lm's `QuantizedKVCache(group_size, bits)` (one per layer), and the bytes per token it
+    allocated (its `nbytes` over the slots it holds: it grows in steps of 256 tokens)."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    tic = time.perf_counter()
+    cache = [QuantizedKVCache(group_size=group_size, bits=bits) for _ in model.layers]
+    nll = mlx_lm_nlls(model, ids, cache, chunk)
+    slots = int(cache[0].keys[0].shape[-2])
+    bytes_per_token = sum(c.nbytes for c in cache) / slots
+    return {"system": "mlx_lm", "storage": f"int{bits}", "group_size": group_size, "chunk": chunk,
+            "ppl": float(np.exp(nll.mean())), "kept_tokens": len(ids), "bytes_per_token": bytes_per_token,
+            "bytes_per_context_token": bytes_per_token, "seconds": time.perf_counter() - tic}
+
+
+def fork_stored(prompt_cache: list[Any]) -> list[Any]:
+    """An independent copy of a prompt cache that keeps its storage: quantized rows are copied as stored (codes,
+    scales, biases), so the copy goes on writing in the same kv_dtype. `fork_cache` copies into a float arena."""
+    seq = prompt_cache[0].sequence
+    cfg = seq.arena.config
+    if not cfg.quantized:
+        return fork_cache(prompt_cache)
+    copy = private_sequence(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.value_head_dim,
+                            max(seq.capacity, 1), cfg.dtype, cfg.block_size, kv_dtype=cfg.storage)
+    for layer in range(cfg.num_layers):
+        length = seq.lengths[layer]
+        if length:
+            keys, values = seq.arena.table_rows(layer, seq.blocks, length)
+            copy.arena.put_rows(layer, copy.arena.slots_array(copy.blocks, length), keys, values)
+    copy.lengths, copy.offsets = list(seq.lengths), list(seq.offsets)
+    mx.eval(copy.arena.arrays())
+    state = policy_state_of(prompt_cache)
+    if state is None:
+        return [type(c)(copy, layer) for layer, c in enumerate(prompt_cache)]
+    return policy_caches(copy, state.clone())
+
+
+def _feed(model: Any, cache: list[Any], ids: list[int], chunk: int, context: int, logits: bool = False) -> Any:
+    """Prefill `ids` in chunks, evicting after each; the last position's logits when asked (as `bench quality`)."""
+    last = None
+    inner = getattr(model, "model", None)  # the transformer without the lm_head: no logits needed
+    for start in range(0, len(ids), chunk):
+        piece = mx.array(ids[start : start + chunk], dtype=mx.uint32)[None]
+        final = logits and start + chunk >= len(ids)
+        out = model(piece, cache=cache)[:, -1, :] if final or inner is None else inner(piece, cache=cache)
+        mx.eval(out)
+        apply_policy(cache, context)
+        last = out if final else None
+    return last
+
+
+def _answer(model: Any, tokenizer: Any, cache: list[Any], logits: mx.array, context: int) -> str:
+    tokens: list[int] = []
+    for _ in range(ANSWER_TOKENS):
+        token = int(mx.argmax(logits, axis=-1).item())
+        tokens.append(token)
+        if re.search(r"\d{5}", tokenizer.decode(tokens)) or token in tokenizer.eos_token_ids:
+            break
+        logits = model(mx.array([[token]], dtype=mx.uint32), cache=cache)[:, -1, :]
+        mx.eval(logits)
+        apply_policy(cache, context)
+    return tokenizer.decode(tokens)
+
+
+def passkey_cell(model: Any, tokenizer: Any, context: int, storage: Storage, policy: KVPolicy | None, trials: int,
+                 chunk: int, seed: int) -> dict[str, Any]:
+    """`bench quality`'s passkey cell on `storage`: keys at depths spread over 10-90% of the filler, the shared
+    prefix before each needle fed once and forked per trial (storage and policy state kept), greedy answer."""
+    tic = time.perf_counter()
+    rng = np.random.default_rng(seed + context)
+    depths = np.linspace(0.1, 0.9, trials)
+    keys = [str(k) for k in rng.integers(10000, 100000, trials)]
+    budget_context = context + ANSWER_TOKENS
+    base = storage.cache(model, context)
+    attach_policy(base, policy, model)
+    fed, results = 0, []
+    for depth, key in zip(depths, keys):
+        ids, needle_at = passkey_prompt(tokenizer, context, float(depth), key)
+        _feed(model, base, ids[fed:needle_at], chunk, budget_context)
+        fed = needle_at
+        trial = fork_stored(base)
+        logits = _feed(model, trial, ids[needle_at:], chunk, budget_context, logits=True)
+        answer = _answer(model, tokenizer, trial, logits, budget_context)
+        found = re.search(r"\d{5}", answer)
+        results.append({"depth": round(float(depth), 3), "key": key, "answer": answer.strip(),
+                        "correct": bool(found and found.group(0) == key)})
+    correct = sum(r["correct"] for r in results)
+    return {"storage": storage.text, "group_size": storage.group_size, "trials": trials, "correct": correct,
+            "accuracy": correct / trials, "chunk": chunk, "results": results, "seconds": time.perf_counter() - tic}
+
+
+def model_dtype(model: Any) -> str:
+    """The model's float type, the storage "float" means here."""
+    return model_kv_shape(model)[3]
+
+
+__all__ = ["Storage", "default_storages", "fork_stored", "memory_row", "mlx_lm_cell", "mlx_lm_nlls", "model_dtype",
+           "passkey_cell", "perplexity_cell"]
