@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from cortexstream.benchmarks.kv_dtype import run, run_from_args
-from cortexstream.benchmarks.kv_dtype_measure import Storage, fork_stored, mlx_lm_nlls
+from cortexstream.benchmarks.kv_dtype_measure import Storage, mlx_lm_nlls
+from cortexstream.engine.policy_prompt_cache import fork_cache
 from cortexstream.benchmarks.kv_dtype_report import markdown, targets
 from cortexstream.benchmarks.kv_dtype_settings import KVDtypeSettings
 from cortexstream.cli.main import build_parser
@@ -78,7 +79,7 @@ def test_fork_keeps_the_quantized_storage_and_continues_like_the_original(model3
     attach_policy(base, policy, model32)
     mx.eval(model32(ids[:, :40], cache=base))
     apply_policy(base, 48)
-    fork = fork_stored(base)
+    fork = fork_cache(base)
     assert fork[0].sequence.arena.config.storage.text == "int4" and fork[0].size() == base[0].size()
     original, forked = (model32(ids[:, 40:], cache=c) for c in (base, fork))
     assert mx.allclose(original, forked, atol=1e-5).item()

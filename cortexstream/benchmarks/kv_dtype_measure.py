@@ -19,13 +19,11 @@ import mlx.core as mx
 import numpy as np
 
 from cortexstream.benchmarks.passkey import passkey_prompt
-from cortexstream.engine.policy_prompt_cache import apply_policy, attach_policy, fork_cache, policy_state_of
-from cortexstream.engine.policy_runtime import policy_caches
+from cortexstream.engine.policy_prompt_cache import apply_policy, attach_policy, fork_cache
 from cortexstream.evaluation.perplexity import token_nlls
 from cortexstream.kv.arena_config import ArenaConfig, model_kv_shape
 from cortexstream.kv.kv_dtype import parse_kv_dtype
 from cortexstream.kv.prompt_cache import make_prompt_cache
-from cortexstream.kv.sequence_kv import private_sequence
 from cortexstream.policies import KVPolicy
 
 GIB = 1 << 30
@@ -116,28 +114,6 @@ def mlx_lm_cell(model: Any, ids: Sequence[int], bits: int, group_size: int, chun
             "bytes_per_context_token": bytes_per_token, "seconds": time.perf_counter() - tic}
 
 
-def fork_stored(prompt_cache: list[Any]) -> list[Any]:
-    """An independent copy of a prompt cache that keeps its storage: quantized rows are copied as stored (codes,
-    scales, biases), so the copy goes on writing in the same kv_dtype. `fork_cache` copies into a float arena."""
-    seq = prompt_cache[0].sequence
-    cfg = seq.arena.config
-    if not cfg.quantized:
-        return fork_cache(prompt_cache)
-    copy = private_sequence(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.value_head_dim,
-                            max(seq.capacity, 1), cfg.dtype, cfg.block_size, kv_dtype=cfg.storage)
-    for layer in range(cfg.num_layers):
-        length = seq.lengths[layer]
-        if length:
-            keys, values = seq.arena.table_rows(layer, seq.blocks, length)
-            copy.arena.put_rows(layer, copy.arena.slots_array(copy.blocks, length), keys, values)
-    copy.lengths, copy.offsets = list(seq.lengths), list(seq.offsets)
-    mx.eval(copy.arena.arrays())
-    state = policy_state_of(prompt_cache)
-    if state is None:
-        return [type(c)(copy, layer) for layer, c in enumerate(prompt_cache)]
-    return policy_caches(copy, state.clone())
-
-
 def _feed(model: Any, cache: list[Any], ids: list[int], chunk: int, context: int, logits: bool = False) -> Any:
     """Prefill `ids` in chunks, evicting after each; the last position's logits when asked (as `bench quality`)."""
     last = None
@@ -181,7 +157,7 @@ def passkey_cell(model: Any, tokenizer: Any, context: int, storage: Storage, pol
         ids, needle_at = passkey_prompt(tokenizer, context, float(depth), key)
         _feed(model, base, ids[fed:needle_at], chunk, budget_context)
         fed = needle_at
-        trial = fork_stored(base)
+        trial = fork_cache(base)  # keeps the storage: the trial goes on writing in kv_dtype
         logits = _feed(model, trial, ids[needle_at:], chunk, budget_context, logits=True)
         answer = _answer(model, tokenizer, trial, logits, budget_context)
         found = re.search(r"\d{5}", answer)
@@ -197,5 +173,5 @@ def model_dtype(model: Any) -> str:
     return model_kv_shape(model)[3]
 
 
-__all__ = ["Storage", "default_storages", "fork_stored", "memory_row", "mlx_lm_cell", "mlx_lm_nlls", "model_dtype",
+__all__ = ["Storage", "default_storages", "memory_row", "mlx_lm_cell", "mlx_lm_nlls", "model_dtype",
            "passkey_cell", "perplexity_cell"]

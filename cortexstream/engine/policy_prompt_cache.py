@@ -75,14 +75,17 @@ def make_policy_cache(model: Any, kv_policy: "KVPolicy | str | None", max_tokens
 
 
 def fork_cache(prompt_cache: list[Any]) -> list[Any]:
-    """An independent copy of a prompt cache (KV, counters, policy state), e.g. to branch one long prefix."""
+    """An independent copy of a prompt cache (KV, counters, policy state), e.g. to branch one long prefix. The
+    copy keeps the storage (`kv_dtype`): stored rows are copied as they are (quantized codes with their scales)."""
     seq = prompt_cache[0].sequence
     cfg = seq.arena.config
     copy = private_sequence(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.value_head_dim,
-                            max(seq.capacity, 1), cfg.dtype, cfg.block_size)
+                            max(seq.capacity, 1), cfg.dtype, cfg.block_size, kv_dtype=cfg.kv_dtype)
     for layer in range(cfg.num_layers):
-        k, v = seq.arena.read(layer, seq.blocks, seq.lengths[layer])
-        copy.arena.write(layer, copy.blocks, 0, k, v)
+        length = seq.lengths[layer]
+        if length:
+            rows = seq.arena.table_rows(layer, seq.blocks, length)
+            copy.arena.put_rows(layer, copy.arena.slots_array(copy.blocks, length), *rows)
     copy.lengths, copy.offsets = list(seq.lengths), list(seq.offsets)
     mx.eval(copy.arena.arrays())
     state = policy_state_of(prompt_cache)
