@@ -227,3 +227,18 @@ def test_strided_quantized_batch_equals_per_sequence_attention(kv_dtype):
     batch.quantized_strided = False
     alone = quantized_attention(batch, 1, q, 0.3)
     assert np.allclose(np.array(together), np.array(alone), atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "k=int4,v=float32"])
+def test_per_head_decode_attention_equals_the_one_call_attention(kv_dtype):
+    """Past the backend's crossover a run attends one KV head at a time (contiguous operands): same output."""
+    from cortexstream.kv.quantized_attention import decode_attention_per_head
+
+    arena = arena_for(kv_dtype, blocks=64)
+    seq, _ = filled(arena, 37, 2)
+    keys, values = arena.run_rows(1, seq.contiguous_first(), 37)
+    q = mx.array(np.random.default_rng(6).normal(size=(1, 2 * HEADS, 1, DIM)).astype(np.float32))
+    one_call = decode_attention(q, keys, values, 0.3)
+    per_head = decode_attention_per_head(q, keys, values, 0.3)
+    assert per_head.shape == one_call.shape == (1, 2 * HEADS, 1, DIM)
+    assert np.allclose(np.array(per_head), np.array(one_call), atol=1e-5)

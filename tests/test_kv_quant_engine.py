@@ -195,3 +195,16 @@ def test_mixed_prefill_on_quantized_blocks_matches_alone(model32, tiny):
         for out in engine.step():
             got.setdefault(out.request_id, []).extend([out.token] if out.token is not None else [])
     assert calls and [got[i] for i in ids] == expected
+
+
+def test_per_head_reads_give_the_same_tokens_batched_and_alone(model32, tiny, monkeypatch):
+    """With the crossover lowered so every step attends one KV head at a time (single sequence and batch)."""
+    from cortexstream.backend.attention import CpuAttention
+
+    monkeypatch.setattr(CpuAttention, "quantized_per_head", lambda self, num_keys: num_keys > 8)
+    tokenizer = tiny[1]
+    together, _ = run(model32, tokenizer, PROMPTS, kv_dtype="int8", kv_group_size=32)
+    alone = [run(model32, tokenizer, [p], kv_dtype="int8", kv_group_size=32)[0][0] for p in PROMPTS]
+    monkeypatch.undo()
+    default, _ = run(model32, tokenizer, PROMPTS, kv_dtype="int8", kv_group_size=32)
+    assert together == alone == default

@@ -65,6 +65,8 @@ class AttentionChoice(Protocol):
 
     def dequantize_quantized(self, dtype: Any) -> bool: ...
 
+    def quantized_per_head(self, num_keys: int) -> bool: ...
+
     def describe(self) -> str: ...
 
 
@@ -87,6 +89,9 @@ class CpuAttention:
     strided_max_keys: int = 1024  # strided up to here ...
     blocks_max_keys: int = 4096  # ... and above here; blocks in between (bench/results/strategy_crossover.md)
     override: AttentionStrategy | None = None
+    # Quantized rows: one product per KV head above this many keys (MLX copies a non-contiguous operand of its
+    # quantized matmul; measured faster from 2048 keys, slower at 1024: bench/results/kv_quant_attention.md).
+    quantized_per_head_above: int = 1536
 
     def __post_init__(self) -> None:
         if not 0 <= self.strided_max_keys <= self.blocks_max_keys:
@@ -109,6 +114,10 @@ class CpuAttention:
             raise ValueError(f"batch attention 'blocks' needs a float32 arena on CPU (mx.gather_mm), this one is "
                              f"{dtype}: use per_sequence or gather")
         return forced
+
+    def quantized_per_head(self, num_keys: int) -> bool:
+        """Whether a quantized sequence of `num_keys` keys attends one KV head at a time (see the field)."""
+        return num_keys > self.quantized_per_head_above
 
     def dequantize_quantized(self, dtype: Any) -> bool:
         """Read quantized rows by dequantizing first: for half-precision scales (MLX's CPU quantized matmul is
@@ -147,6 +156,11 @@ class MetalAttention:
     def dequantize_quantized(self, dtype: Any) -> bool:
         """Metal reads codes through MLX's quantized matmul kernels at every float type."""
         return False
+
+    def quantized_per_head(self, num_keys: int) -> bool:
+        """As on the CPU (the copy of a non-contiguous operand is MLX's on both); the crossover is unmeasured on
+        Metal, so the CPU's is used."""
+        return num_keys > CpuAttention.quantized_per_head_above
 
 
 def _quantized_choice(requested: str | None, override: AttentionStrategy | None) -> AttentionStrategy:

@@ -44,7 +44,7 @@ import numpy as np
 from cortexstream.backend.attention import ENV_VAR, AttentionStrategy, attention_for_device  # noqa: F401 (ENV_VAR)
 from cortexstream.kernels.fast_softmax import softmax
 from cortexstream.kernels.paged_attention import paged_attention
-from cortexstream.kv.quantized_attention import decode_attention
+from cortexstream.kv.quantized_attention import decode_attention, decode_attention_per_head
 
 
 class DecodeBatch(Protocol):
@@ -57,6 +57,7 @@ class DecodeBatch(Protocol):
     dequantize: bool  # a quantized arena's rows are read by dequantizing first
     strided: tuple[int, int] | None  # (first slot, pitch) when the rows are evenly spaced runs
     quantized_strided: bool  # a quantized batch attends over strided views of its codes
+    quantized_per_head: bool  # ... or one KV head at a time over each run's contiguous rows
     lengths_after: np.ndarray  # physical keys per row after this step
     table: mx.array  # padded block table [B, max_blocks]
     mask: mx.array  # padding mask [B, 1, 1, max_blocks * block_size]
@@ -163,7 +164,10 @@ def quantized_attention(batch: "DecodeBatch", layer: int, queries: mx.array, sca
         first = batch.firsts[b]
         if first is not None:
             keys, values = arena.run_rows(layer, first, length)
-        else:
+            if batch.quantized_per_head and not batch.dequantize:
+                outs.append(decode_attention_per_head(queries[b : b + 1], keys, values, scale))
+                continue
+        else:  # a gather: contiguous already
             keys, values = arena.table_rows(layer, seq.blocks, length)
         outs.append(decode_attention(queries[b : b + 1], keys, values, scale, None, batch.dequantize))
     return mx.concatenate(outs, axis=0)

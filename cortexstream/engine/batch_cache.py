@@ -89,8 +89,11 @@ class DecodeBatch:
         self.strategy = rule.choose(attention, arena.dtype, self.strided is not None, longest, arena.quantized)
         # A quantized arena's rows are read by dequantizing first where the platform's quantized matmul is slow.
         self.dequantize = arena.quantized and rule.dequantize_quantized(arena.dtype)
-        # A quantized batch whose runs are evenly spaced attends in one call over strided views of the codes.
-        self.quantized_strided = self.strategy == QUANTIZED and self.strided is not None and len(sequences) > 1
+        # A quantized batch attends one KV head at a time past the backend's crossover (contiguous operands, no
+        # copies); below it, evenly spaced runs attend in one call over strided views of the codes.
+        self.quantized_per_head = self.strategy == QUANTIZED and rule.quantized_per_head(longest)
+        self.quantized_strided = (self.strategy == QUANTIZED and not self.quantized_per_head
+                                  and self.strided is not None and len(sequences) > 1)
         if self.strategy == STRIDED or self.quantized_strided:  # the last window may reach past the blocks in use
             first, pitch = self.strided
             arena.ensure_blocks(-(-(first + pitch * (len(sequences) - 1) + longest) // bs))

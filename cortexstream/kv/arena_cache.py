@@ -9,7 +9,7 @@ import mlx.core as mx
 from cortexstream.backend.attention import attention_for_device
 from cortexstream.backend.sdpa import original_sdpa
 from cortexstream.errors import InvalidArgumentError
-from cortexstream.kv.quantized_attention import decode_attention
+from cortexstream.kv.quantized_attention import decode_attention, decode_attention_per_head
 from cortexstream.kv.sequence_kv import SequenceKV, private_sequence
 
 
@@ -32,7 +32,9 @@ class ArenaKVCache:
         self.layer = layer
         self._rows: tuple[Any, Any] | None = None  # a quantized arena's stored rows from the last update
         if sequence.arena.quantized:
-            self._dequantize = attention_for_device().dequantize_quantized(sequence.arena.dtype)
+            self._rule = attention_for_device()
+            self._dequantize = self._rule.dequantize_quantized(sequence.arena.dtype)
+            self._contiguous = False  # whether the last update's rows are a run's slices (else a gather)
             self.attention_hook = self._quantized_attend
 
     # --- protocol: positions ----------------------------------------------------------------------------------
@@ -77,11 +79,11 @@ class ArenaKVCache:
             # the same graph as mlx-lm's KVCache.
             fetched = arena.append_to_run(layer, first, start, keys, values)
             if arena.quantized:  # taken after the write: an array taken before it would not see the new rows
-                self._rows = arena.run_rows(layer, first, end)
+                self._rows, self._contiguous = arena.run_rows(layer, first, end), True
             return fetched
         arena.write(layer, seq.blocks, start, keys[0], values[0], first)
         if arena.quantized:
-            self._rows = arena.table_rows(layer, seq.blocks, end)
+            self._rows, self._contiguous = arena.table_rows(layer, seq.blocks, end), False
         k, v = arena.read(layer, seq.blocks, end, first)
         return k[None], v[None]
 
@@ -89,6 +91,8 @@ class ArenaKVCache:
                           sinks: mx.array | None = None) -> mx.array:
         if self._rows is None or sinks is not None or mask is not None or queries.shape[2] != 1:
             return original_sdpa(queries, keys, values, None, scale=scale, mask=mask, sinks=sinks)
+        if self._contiguous and not self._dequantize and self._rule.quantized_per_head(self.size()):
+            return decode_attention_per_head(queries, *self._rows, scale)
         return decode_attention(queries, *self._rows, scale, None, self._dequantize)
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:

@@ -57,6 +57,31 @@ def decode_attention(queries: mx.array, keys: Rows, values: Rows, scale: float, 
     return out.reshape(batch, q_heads, 1, -1).astype(queries.dtype)
 
 
+def decode_attention_per_head(queries: mx.array, keys: Rows, values: Rows, scale: float) -> mx.array:
+    """`decode_attention` of one sequence (`queries` `[1, Hq, 1, D]`, rows `[1, H, L, ...]` slices of a run) with
+    one pair of products per KV head over its `[L, ...]` rows. A run's rows of one head are contiguous in the
+    arena, while its rows of all heads are not, and MLX's quantized matmul copies a non-contiguous operand first:
+    at long runs that copy costs more than the extra calls (bench/results/kv_quant_attention.md)."""
+    _, q_heads, _, dim = queries.shape
+    heads = keys.num_heads if isinstance(keys, _CODES) else keys.shape[1]
+    group = q_heads // heads
+    q = (queries * mx.array(scale, queries.dtype)).reshape(heads, group, dim)
+    outs = []
+    for head in range(heads):
+        scores = _matmul(q[head], _head(keys, head), transpose=True)  # [G, L]
+        probs = mx.softmax(scores, axis=-1, precise=True).astype(queries.dtype)
+        outs.append(_matmul(probs, _head(values, head), transpose=False))  # [G, DV]
+    return mx.stack(outs).reshape(1, q_heads, 1, -1).astype(queries.dtype)
+
+
+def _head(rows: Rows, head: int) -> Rows:
+    """One KV head's rows `[L, ...]` of a single sequence's `[1, H, L, ...]` rows (views, no copy)."""
+    if isinstance(rows, _CODES):
+        return CodeView(rows.packed[0, head], rows.scales[0, head], rows.biases[0, head], rows.bits,
+                        rows.group_size)
+    return rows[0, head]
+
+
 def _matmul(x: mx.array, rows: Rows, transpose: bool) -> mx.array:
     """`x @ rows^T` (transpose) or `x @ rows`, rows as codes or floats."""
     if isinstance(rows, _CODES):
