@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from cortexstream.benchmarks.common import prompt_token_lists, write_results
+from cortexstream.benchmarks.common import NoEosTokenizer, prompt_token_lists, write_results
 from cortexstream.benchmarks.machine import machine, model_record
 from cortexstream.benchmarks.runner import run_as_script
 
@@ -56,20 +56,6 @@ def _mlx_lm_stepper(model: Any, prompts: list[list[int]]) -> Callable[[], None]:
         mx.eval(mx.argmax(logprobs, axis=-1), logprobs)
 
     return step
-
-
-class NoEosTokenizer:
-    """The model's tokenizer with an end-of-sequence id no token has, so that no request ends early and every
-    timed step decodes the whole batch. Everything else is the wrapped tokenizer's."""
-
-    eos_token_ids = (-1,)  # token ids are >= 0
-    eos_token_id = -1
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.wrapped = tokenizer
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.wrapped, name)
 
 
 def _engine_stepper(model: Any, tokenizer: Any, prompts: list[list[int]], num_steps: int) -> Callable[[], None]:

@@ -83,3 +83,17 @@ def add_run_options(parser: argparse.ArgumentParser, quick_help: str, *, resume:
 def policy_specs(text: str) -> tuple[str, ...]:
     """A semicolon-separated list of policy strings (`"full;h2o:budget=0.2"`), blanks dropped."""
     return tuple(p.strip() for p in text.split(";") if p.strip())
+
+
+class NoEosTokenizer:
+    """The model's tokenizer with an end-of-sequence id no token has, so that no request ends early and every
+    timed step decodes the whole batch. Everything else is the wrapped tokenizer's."""
+
+    eos_token_ids = (-1,)  # token ids are >= 0
+    eos_token_id = -1
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.wrapped = tokenizer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.wrapped, name)

@@ -21,23 +21,10 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from cortexstream.benchmarks.common import prompt_token_lists
+from cortexstream.benchmarks.common import NoEosTokenizer, prompt_token_lists
 from cortexstream.benchmarks.kv_dtype_measure import Storage
 from cortexstream.engine.engine import Engine
 from cortexstream.engine.sampling import SamplingParams
-
-
-class NoEosTokenizer:
-    """The model's tokenizer with an end-of-sequence id no token has; everything else is the wrapped tokenizer's."""
-
-    eos_token_ids = (-1,)  # token ids are >= 0
-    eos_token_id = -1
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.wrapped = tokenizer
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.wrapped, name)
 
 
 def _prefilled_engine(model: Any, tokenizer: Any, prompts: list[list[int]], storage: Storage, max_tokens: int,
@@ -102,4 +89,4 @@ def decode_rows(model: Any, tokenizer: Any, storages: list[Storage], batch: int,
     return rows
 
 
-__all__ = ["NoEosTokenizer", "decode_rows"]
+__all__ = ["decode_rows"]

@@ -19,7 +19,8 @@ import mlx.core as mx
 import numpy as np
 
 from cortexstream.benchmarks.passkey import passkey_prompt
-from cortexstream.engine.policy_prompt_cache import apply_policy, attach_policy, fork_cache
+from cortexstream.benchmarks.quality import ANSWER_TOKENS, feed_chunks, greedy_answer
+from cortexstream.engine.policy_prompt_cache import attach_policy, fork_cache
 from cortexstream.evaluation.perplexity import token_nlls
 from cortexstream.kv.arena_config import ArenaConfig, model_kv_shape
 from cortexstream.kv.kv_dtype import parse_kv_dtype
@@ -27,7 +28,6 @@ from cortexstream.kv.prompt_cache import make_prompt_cache
 from cortexstream.policies import KVPolicy
 
 GIB = 1 << 30
-ANSWER_TOKENS = 7  # as `bench quality`: a 5-digit key and a little room
 
 
 @dataclass(frozen=True)
@@ -114,33 +114,6 @@ def mlx_lm_cell(model: Any, ids: Sequence[int], bits: int, group_size: int, chun
             "bytes_per_context_token": bytes_per_token, "seconds": time.perf_counter() - tic}
 
 
-def _feed(model: Any, cache: list[Any], ids: list[int], chunk: int, context: int, logits: bool = False) -> Any:
-    """Prefill `ids` in chunks, evicting after each; the last position's logits when asked (as `bench quality`)."""
-    last = None
-    inner = getattr(model, "model", None)  # the transformer without the lm_head: no logits needed
-    for start in range(0, len(ids), chunk):
-        piece = mx.array(ids[start : start + chunk], dtype=mx.uint32)[None]
-        final = logits and start + chunk >= len(ids)
-        out = model(piece, cache=cache)[:, -1, :] if final or inner is None else inner(piece, cache=cache)
-        mx.eval(out)
-        apply_policy(cache, context)
-        last = out if final else None
-    return last
-
-
-def _answer(model: Any, tokenizer: Any, cache: list[Any], logits: mx.array, context: int) -> str:
-    tokens: list[int] = []
-    for _ in range(ANSWER_TOKENS):
-        token = int(mx.argmax(logits, axis=-1).item())
-        tokens.append(token)
-        if re.search(r"\d{5}", tokenizer.decode(tokens)) or token in tokenizer.eos_token_ids:
-            break
-        logits = model(mx.array([[token]], dtype=mx.uint32), cache=cache)[:, -1, :]
-        mx.eval(logits)
-        apply_policy(cache, context)
-    return tokenizer.decode(tokens)
-
-
 def passkey_cell(model: Any, tokenizer: Any, context: int, storage: Storage, policy: KVPolicy | None, trials: int,
                  chunk: int, seed: int) -> dict[str, Any]:
     """`bench quality`'s passkey cell on `storage`: keys at depths spread over 10-90% of the filler, the shared
@@ -155,11 +128,11 @@ def passkey_cell(model: Any, tokenizer: Any, context: int, storage: Storage, pol
     fed, results = 0, []
     for depth, key in zip(depths, keys):
         ids, needle_at = passkey_prompt(tokenizer, context, float(depth), key)
-        _feed(model, base, ids[fed:needle_at], chunk, budget_context)
+        feed_chunks(model, base, ids[fed:needle_at], chunk, budget_context)
         fed = needle_at
         trial = fork_cache(base)  # keeps the storage: the trial goes on writing in kv_dtype
-        logits = _feed(model, trial, ids[needle_at:], chunk, budget_context, logits=True)
-        answer = _answer(model, tokenizer, trial, logits, budget_context)
+        logits = feed_chunks(model, trial, ids[needle_at:], chunk, budget_context, logits=True)
+        answer = greedy_answer(model, tokenizer, trial, logits, budget_context)
         found = re.search(r"\d{5}", answer)
         results.append({"depth": round(float(depth), 3), "key": key, "answer": answer.strip(),
                         "correct": bool(found and found.group(0) == key)})

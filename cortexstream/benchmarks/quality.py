@@ -51,7 +51,7 @@ QUALITY_PARTS = ("perplexity", "passkey", "streaming", "chunkcheck", "restart", 
 QUALITY_RUN_PARTS = ("perplexity", "streaming", "restart", "chunkcheck", "passkey")  # what `parts` may name
 
 
-def _feed(model: Any, cache: list[Any], ids: list[int], chunk: int, context: int, logits: bool = False) -> Any:
+def feed_chunks(model: Any, cache: list[Any], ids: list[int], chunk: int, context: int, logits: bool = False) -> Any:
     """Prefill `ids` in chunks with eviction after each; returns the last position's logits if asked."""
     last = None
     for start in range(0, len(ids), chunk):
@@ -65,7 +65,7 @@ def _feed(model: Any, cache: list[Any], ids: list[int], chunk: int, context: int
     return last
 
 
-def _answer(model: Any, tokenizer: Any, cache: list[Any], logits: mx.array, context: int) -> str:
+def greedy_answer(model: Any, tokenizer: Any, cache: list[Any], logits: mx.array, context: int) -> str:
     tokens: list[int] = []
     for _ in range(ANSWER_TOKENS):
         token = int(mx.argmax(logits, axis=-1).item())
@@ -91,11 +91,11 @@ def passkey_cell(model: Any, tokenizer: Any, context: int, policy: KVPolicy | No
     results = []
     for depth, key in zip(depths, keys):
         ids, needle_at = passkey_prompt(tokenizer, context, float(depth), key)
-        _feed(model, base, ids[fed:needle_at], chunk, budget_context)
+        feed_chunks(model, base, ids[fed:needle_at], chunk, budget_context)
         fed = needle_at
         trial = fork_cache(base)
-        logits = _feed(model, trial, ids[needle_at:], chunk, budget_context, logits=True)
-        answer = _answer(model, tokenizer, trial, logits, budget_context)
+        logits = feed_chunks(model, trial, ids[needle_at:], chunk, budget_context, logits=True)
+        answer = greedy_answer(model, tokenizer, trial, logits, budget_context)
         found = re.search(r"\d{5}", answer)
         results.append({"depth": round(float(depth), 3), "key": key, "answer": answer.strip(),
                         "correct": bool(found and found.group(0) == key), "prompt_tokens": len(ids)})
