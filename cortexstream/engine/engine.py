@@ -42,7 +42,7 @@ from cortexstream.engine.request_state import RequestOutput, RequestText
 from cortexstream.engine.sampling import SamplingParams, sampling_from_kwargs
 from cortexstream.kv.arena import KVArena
 from cortexstream.engine.seeded import seeded_sampler
-from cortexstream.kv.arena_config import ArenaConfig, check_arena_storage
+from cortexstream.engine.sizing import engine_arena
 from cortexstream.policies.parsing import parse_policy
 
 
@@ -70,14 +70,7 @@ class Engine:
         kv_dtype: str | None = None,
         kv_group_size: int | None = None,
     ) -> None:
-        if arena is None:
-            if kv_tokens is None and kv_bytes is None:
-                kv_tokens = 16384
-            arena = KVArena(ArenaConfig.for_model(model, num_tokens=kv_tokens, num_bytes=kv_bytes,
-                                                  block_size=block_size, kv_dtype=kv_dtype,
-                                                  kv_group_size=kv_group_size))
-        else:
-            check_arena_storage(arena, model, kv_dtype, kv_group_size)
+        arena = engine_arena(model, arena, kv_tokens, kv_bytes, block_size, kv_dtype, kv_group_size)
         # Everything platform-specific (BLAS threads, the CPU small-batch kernel, attention strategies, Metal
         # kernels, SDPA routing) is behind this, chosen once; the step below never asks what platform it runs on.
         self.backend = ComputeBackend.for_engine(small_batch_matmul, model=model)

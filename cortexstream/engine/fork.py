@@ -48,7 +48,6 @@ def add_forking_request(
     """
     parent_id, *child_ids = request_ids
     engine.add_request(prompt_tokens, sampling, kv_policy=kv_policy, tenant=tenant, request_id=parent_id)
-    install_seeded_sampler(engine, parent_id, sampling)
     parent = engine.lookup(parent_id)
     if parent is None or not child_ids:
         return parent

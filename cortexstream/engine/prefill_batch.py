@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from cortexstream.kv.arena import KVArena, as_dtype
+from cortexstream.kv.arena_sides import as_read_back
 from cortexstream.kv.sequence_kv import SequenceKV
 
 
@@ -107,7 +108,10 @@ class PrefillLayerCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         batch, arena = self.batch, self.batch.arena
         arena.write_slots(self.layer, batch.slots, self._real_tokens(keys), self._real_tokens(values))
-        keys, values = arena.as_stored(keys, values)  # a quantized arena's chunk reads back quantized
+        # What a read of the arena returns once written (a quantized side's rows through the quantizer and back),
+        # so the chunk attends over the values every other path sees.
+        keys = as_read_back(arena.keys[self.layer], keys, arena.dtype)
+        values = as_read_back(arena.values[self.layer], values, arena.dtype)
         if batch.history_slots is None:
             return keys, values
         history_keys, history_values = self._history(keys.dtype)

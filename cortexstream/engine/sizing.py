@@ -112,3 +112,19 @@ def private_arena(model: Any, requests: Sequence[tuple[int, int, KVPolicy]], *, 
                                   kv_dtype=kv_dtype, kv_group_size=kv_group_size)
     return KVArena(ArenaConfig.for_model(model, num_tokens=tokens, block_size=block_size, kv_dtype=kv_dtype,
                                          kv_group_size=kv_group_size), preallocate=True)
+
+
+def engine_arena(model: Any, arena: "KVArena | None", kv_tokens: int | None, kv_bytes: int | None, block_size: int,
+                 kv_dtype: str | None, kv_group_size: int | None) -> "KVArena":
+    """The arena an `Engine` runs on: the one given (whose storage a `kv_dtype` given too must match), else one
+    of `kv_tokens` or `kv_bytes` (default 16384 tokens) storing K/V as `kv_dtype`."""
+    from cortexstream.kv.arena import KVArena
+    from cortexstream.kv.arena_config import check_arena_storage
+
+    if arena is not None:
+        check_arena_storage(arena, model, kv_dtype, kv_group_size)
+        return arena
+    if kv_tokens is None and kv_bytes is None:
+        kv_tokens = 16384
+    return KVArena(ArenaConfig.for_model(model, num_tokens=kv_tokens, num_bytes=kv_bytes, block_size=block_size,
+                                         kv_dtype=kv_dtype, kv_group_size=kv_group_size))

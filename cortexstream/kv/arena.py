@@ -39,7 +39,7 @@ import numpy as np
 from cortexstream.kv.allocator import BlockAllocator
 from cortexstream.kv.arena_config import ArenaConfig
 from cortexstream.kv.arena_sides import (
-    Side, as_dtype, as_read_back, full_float, new_side, pad_side, put_side, read_side, read_side_per_head, side_arrays,
+    Side, as_dtype, full_float, new_side, pad_side, put_side, read_side, read_side_per_head, side_arrays,
     side_nbytes, strided_side, take_side, take_side_per_head, write_side,
 )
 from cortexstream.kv.quantized_blocks import CodeView
@@ -253,12 +253,6 @@ class KVArena:
             gathered = blocked[:, table]  # [H, B, max_blocks, bs, D]
             out.append(gathered.transpose(1, 0, 2, 3, 4).reshape(batch, heads, max_blocks * bs, dim))
         return out[0], out[1]
-
-    def as_stored(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """New K/V rows as a read of the arena would return them once written: through the quantizer and back
-        for a quantized side (so a pass that attends over its own fresh rows sees what the arena stores, as
-        every other path does), unchanged for a float side."""
-        return as_read_back(self.keys[0], keys, self.dtype), as_read_back(self.values[0], values, self.dtype)
 
     def strided_rows(self, layer: int, batch_size: int, layout: tuple[int, int], width: int
                      ) -> tuple[mx.array | CodeView, mx.array | CodeView]:

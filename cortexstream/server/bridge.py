@@ -27,7 +27,6 @@ from cortexstream.engine.client import ThreadedClient
 from cortexstream.engine.engine import Engine, RequestOutput
 from cortexstream.engine.finish_reason import FinishReason
 from cortexstream.engine.fork import child_sampling
-from cortexstream.engine.seeded import install_seeded_sampler
 from cortexstream.engine.sequence import Sequence
 from cortexstream.engine.threaded import ThreadedEngine
 from cortexstream.errors import CortexStreamError
@@ -192,7 +191,6 @@ class EventLoopBridge:
             sampling = child_sampling(job.sampling, index)
             engine.add_request(job.prompt_tokens, sampling, kv_policy=job.kv_policy, tenant=job.tenant,
                                request_id=rid)
-            install_seeded_sampler(engine, rid, sampling)
             track(rid, index, engine.lookup(rid))
 
     def _adopt_child(self, rid: str, seq: Sequence) -> None:
