@@ -11,7 +11,10 @@ from test_engine import random_prompts
 
 def run(model, tokenizer, pipeline, requests, abort_at=None, **engine_kwargs):
     """requests: list of (prompt, kwargs). abort_at: {request index: step number}. Returns per-request results."""
-    engine = Engine(model, tokenizer, pipeline=pipeline, **{"kv_tokens": 2048, "block_size": 4, **engine_kwargs})
+    # A fixed prefill budget: "auto" sizes chunks from measured step times, so two runs under different machine load
+    # would batch prompts differently and a tiny random model's near-tied logits could flip.
+    defaults = {"kv_tokens": 2048, "block_size": 4, "prefill_tokens_while_decoding": 16}
+    engine = Engine(model, tokenizer, pipeline=pipeline, **{**defaults, **engine_kwargs})
     ids = [engine.add_request(p, **kw) for p, kw in requests]
     results = {i: {"tokens": [], "logprobs": [], "text": "", "reason": None} for i in ids}
     step, inflight_steps = 0, 0
