@@ -10,7 +10,7 @@ Layers, top to bottom:
     2  engine          engine/ (scheduler, block manager, runner, policy runtime, sampling, prompts, text stream,
                        clients) and c2c/ (fusion entered through a per-sequence hook)
     1  KV, policies    kv/ (arena, allocator, caches) and policies/ (pure selection)
-    0  foundation      models/, port/, kernels/, backend, errors, atomic_files, the learned networks of
+    0  foundation      models/, port/, kernels/, backend, grammar/, errors, atomic_files, the learned networks of
                        compression/ and sidecar/
 
 Training (`cortexstream.training`) sits beside the product: it may import anything, and only interfaces (and
@@ -40,6 +40,7 @@ LAYER_OF_PREFIX: dict[str, int] = {
     "cortexstream.kernels": 0,
     "cortexstream.compression": 0,
     "cortexstream.sidecar": 0,
+    "cortexstream.grammar": 0,
     "cortexstream.kv": 1,
     "cortexstream.policies": 1,
     "cortexstream.engine": 2,

@@ -36,6 +36,7 @@ from cortexstream.engine.sequence import Sequence, SequenceHook
 from cortexstream.engine.snapshot import EngineView, take_snapshot
 from cortexstream.engine.step_plan import StepPlan, StepResult
 from cortexstream.errors import InvalidArgumentError
+from cortexstream.grammar.compiler import GrammarCompiler
 from cortexstream.engine.single_thread import single_threaded
 from cortexstream.engine.prompt import prompt_to_tokens
 from cortexstream.engine.request_state import RequestOutput, RequestText
@@ -92,10 +93,11 @@ class Engine:
             self._adaptive = AdaptivePrefillBudget(prefill_step_size)
             config = replace(config, prefill_tokens_while_decoding=self._adaptive.tokens())
         self.scheduler = Scheduler(self.block_manager, config)
-        self.runner = ModelRunner(model, arena, self.backend, batch_prefill=batch_prefill,
-                                  mixed_prefill=mixed_prefill)
-        self._states: dict[str, RequestText] = {}
         self._eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+        self.grammars = GrammarCompiler(tokenizer, self._eos_ids)  # response_format / grammar -> token masks
+        self.runner = ModelRunner(model, arena, self.backend, batch_prefill=batch_prefill,
+                                  mixed_prefill=mixed_prefill, constraints=self.grammars.constraint)
+        self._states: dict[str, RequestText] = {}
         self.num_generated_tokens = 0
         self.num_prompt_tokens_computed = 0
         # Wall time spent in prefill chunks vs decode batches (each evaluated before the clock is read).
@@ -134,6 +136,8 @@ class Engine:
         elif not isinstance(sampling, SamplingParams):
             raise InvalidArgumentError(f"sampling: expected a SamplingParams, got {type(sampling).__name__}")
         tokens = prompt_to_tokens(self.tokenizer, prompt)
+        if sampling.grammar is not None:  # refused here, before queueing, if it cannot be enforced
+            self.grammars.constraint(sampling.grammar)
         policy = self.kv_policy if kv_policy is None else parse_policy(kv_policy)
         if sampler is not None and not callable(sampler):
             raise InvalidArgumentError(f"sampler: expected a callable logprobs -> token, got {type(sampler).__name__}")

@@ -32,7 +32,7 @@ from cortexstream.engine.forward import head_of, last_token_logits
 from cortexstream.engine.mixed_batch import MixedBatch
 from cortexstream.engine.policy_runtime import PolicyState, batch_attention_hook, needs_batch_hook, policy_caches
 from cortexstream.engine.prefill_batch import PrefillBatch
-from cortexstream.engine.request_sampler import RequestSampler, SamplingFailed
+from cortexstream.engine.request_sampler import ConstraintFactory, RequestSampler, SamplingFailed
 from cortexstream.engine.step_plan import NewRequest, SampledToken, StepPlan, StepResult, WorkItem
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_cache import ArenaKVCache
@@ -52,8 +52,10 @@ class _Request:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, arena: KVArena, backend: ComputeBackend | None = None, *,
-                 batch_prefill: bool = True, mixed_prefill: bool = True) -> None:
+                 batch_prefill: bool = True, mixed_prefill: bool = True,
+                 constraints: ConstraintFactory | None = None) -> None:
         self.model = model
+        self.constraints = constraints  # grammar -> a fresh TokenConstraint (the engine's GrammarCompiler)
         self.arena = arena
         # The compute backend (attention strategies, per-pass settings); None: the one for this device.
         self.backend = backend if backend is not None else ComputeBackend.for_engine(0, model=model)
@@ -73,7 +75,8 @@ class ModelRunner:
         return None if request is None else request.kv
 
     def _open(self, spec: NewRequest) -> None:
-        self._requests[spec.request_id] = _Request(spec, RequestSampler(spec.sampling, spec.token_ids, spec.sampler))
+        sampler = RequestSampler(spec.sampling, spec.token_ids, spec.sampler, self.constraints, spec.num_prompt_tokens)
+        self._requests[spec.request_id] = _Request(spec, sampler)
 
     def _kv(self, request: _Request, item: WorkItem) -> SequenceKV:
         kv = request.kv

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from cortexstream.errors import InvalidArgumentError
+from cortexstream.grammar.spec import GrammarSpec, grammar_for
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class SamplingParams:
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    grammar: GrammarSpec | None = None  # what the output must match (a JSON schema, ...), enforced per token
 
     def __post_init__(self) -> None:
         def bad(name: str, value: Any, rule: str) -> InvalidArgumentError:
@@ -51,6 +53,8 @@ class SamplingParams:
             raise bad("stop", self.stop, "must be a sequence of non-empty strings")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
             raise bad("seed", self.seed, "must be an integer in [0, 2**64) (MLX seeds are unsigned 64-bit)")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise bad("grammar", self.grammar, "must be a GrammarSpec (see cortexstream.grammar.grammar_for)")
 
     @property
     def greedy(self) -> bool:
@@ -99,13 +103,15 @@ def sampling_from_kwargs(
     repetition_context_size: int = 20,
     stop: Any = (),
     seed: int | None = None,
+    response_format: Any = None,
     **unknown: Any,
 ) -> SamplingParams:
-    """mlx-lm spells temperature `temp`; accept both, refuse conflicting values and unknown names."""
+    """mlx-lm spells temperature `temp`; accept both, refuse conflicting values and unknown names.
+    `response_format`: a JSON schema (dict or text), a pydantic model class or a GrammarSpec the output must match."""
     if unknown:
         raise InvalidArgumentError(f"{', '.join(sorted(unknown))}: unknown generation argument(s); sampling takes "
                                    "temperature/temp, top_p, top_k, min_p, repetition_penalty, "
-                                   "repetition_context_size, stop, seed")
+                                   "repetition_context_size, stop, seed, response_format")
     if stop is not None and not isinstance(stop, str) and not isinstance(stop, (list, tuple)):
         raise InvalidArgumentError(f"stop: {stop!r:.40} must be a string or a list of strings")
     if temperature is not None and temp is not None and temperature != temp:
@@ -122,6 +128,7 @@ def sampling_from_kwargs(
         max_tokens=max_tokens,
         stop=stops,
         seed=seed,
+        grammar=grammar_for(response_format),
     )
 
 

@@ -256,7 +256,7 @@ class Scheduler:
     def _announce(self, seq: Sequence) -> NewRequest:
         self._announced.add(seq.request_id)
         return NewRequest(seq.request_id, seq.owner, seq.sampling, seq.kv_policy, tuple(seq.all_ids),
-                          seq.max_total_tokens, seq.sampler, seq.bound_cache)
+                          seq.max_total_tokens, seq.sampler, seq.bound_cache, len(seq.prompt_ids))
 
     def _admit(self) -> None:
         deferred: list[Sequence] = []  # waiting for a shared prefix another sequence is computing now

@@ -40,6 +40,7 @@ class NewRequest:
     max_total_tokens: int
     sampler: Callable[[Any], Any] | None = None  # the caller's own logprobs -> token, else from `sampling`
     bound_cache: Any = None  # a caller's prompt cache the request runs on instead of arena blocks
+    num_prompt_tokens: int | None = None  # how many of `token_ids` are prompt (None: all); a grammar replays the rest
 
 
 @dataclass(frozen=True)
