@@ -25,6 +25,7 @@ class GrammarKind(enum.Enum):
     JSON_OBJECT = "json_object"  # any JSON object
     LARK = "lark"  # llguidance's Lark dialect (may embed `%json {...}`)
     REGEX = "regex"
+    LLGUIDANCE = "llguidance"  # an llguidance grammar as built elsewhere (e.g. a tool-call grammar)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,10 @@ class GrammarSpec:
     def regex(cls, pattern: str, name: str = "regex") -> "GrammarSpec":
         return cls(GrammarKind.REGEX, pattern, name)
 
+    @classmethod
+    def llguidance(cls, grammar: str, name: str = "grammar") -> "GrammarSpec":
+        return cls(GrammarKind.LLGUIDANCE, grammar, name)
+
     # --- to llguidance ----------------------------------------------------------------------------------------
     def llguidance_grammar(self) -> str:
         from llguidance import LLMatcher
@@ -76,6 +81,8 @@ class GrammarSpec:
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
         if self.kind is GrammarKind.LARK:
             return LLMatcher.grammar_from_lark(self.source)
+        if self.kind is GrammarKind.LLGUIDANCE:
+            return self.source
         return LLMatcher.grammar_from_regex(self.source)
 
     def check(self) -> str:

@@ -9,6 +9,9 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI
 
+from cortexstream.server.agent_prepare import ToolSupport
+from cortexstream.server.agent_routes import agent_router
+from cortexstream.server.anthropic_events import anthropic_error_body
 from cortexstream.server.auth import AuthMiddleware, KeyRing
 from cortexstream.server.bridge import EventLoopBridge
 from cortexstream.server.config import ServerConfig
@@ -16,6 +19,7 @@ from cortexstream.server.errors import install_error_handlers
 from cortexstream.server.limits import SizeLimitMiddleware
 from cortexstream.server.metrics import Metrics
 from cortexstream.server.prepare import ArenaLimits
+from cortexstream.server.response_store import ResponseStore
 from cortexstream.server.routes import router, token_text_for
 
 
@@ -33,6 +37,9 @@ class ServerState:
     default_policy: Any
     token_text: Any
     started: int
+    tools: ToolSupport
+    response_store: ResponseStore
+    eos_token_ids: frozenset[int]
     draining: bool = False
 
 
@@ -65,6 +72,8 @@ def create_app(model: Any, tokenizer: Any, config: ServerConfig | None = None, e
         arena_limits=ArenaLimits(view.num_blocks, view.block_size),
         default_policy=parse_policy(config.kv_policy) if config.kv_policy else None,
         token_text=token_text_for(tokenizer), started=int(time.time()),
+        tools=ToolSupport.for_tokenizer(tokenizer), response_store=ResponseStore(),
+        eos_token_ids=frozenset(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id]),
     )
 
     @contextlib.asynccontextmanager
@@ -81,8 +90,10 @@ def create_app(model: Any, tokenizer: Any, config: ServerConfig | None = None, e
     app = FastAPI(title="CortexStream", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible API on the CortexStream engine")
     app.state.server = state
+    app.state.error_bodies = {"/v1/messages": anthropic_error_body}  # Anthropic's clients read their own shape
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(agent_router)
     app.add_middleware(AuthMiddleware, keys=state.keys)
     # Added last, so it runs first: oversized requests are refused before anything reads them.
     app.add_middleware(SizeLimitMiddleware, max_body_bytes=config.max_body_bytes,

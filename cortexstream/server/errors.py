@@ -32,9 +32,16 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code}}
 
 
-def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(error_body(exc.status, exc.message, exc.param, exc.code), status_code=exc.status,
-                        headers=exc.headers)
+def error_response(exc: APIError, request: Request | None = None) -> JSONResponse:
+    """OpenAI's error body, or the body of the API a path prefix belongs to (`app.state.error_bodies`: prefix ->
+    APIError -> body, e.g. Anthropic's for /v1/messages)."""
+    body = error_body(exc.status, exc.message, exc.param, exc.code)
+    bodies = getattr(request.app.state, "error_bodies", {}) if request is not None else {}
+    for prefix, render in bodies.items():
+        if request.url.path.startswith(prefix):
+            body = render(exc)
+            break
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
 def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -44,25 +51,25 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
     param = ".".join(location) or None
     if first.get("type") == "json_invalid":  # the body is not JSON at all: 400 like OpenAI
         return error_response(APIError(400, f"invalid JSON body: {first.get('msg', 'parse error')}",
-                                       code="invalid_json"))
+                                       code="invalid_json"), request)
     message = "; ".join(
         f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg', 'invalid')}"
         for e in errors[:5]
     )
-    return error_response(APIError(422, message, param=param, code="invalid_value"))
+    return error_response(APIError(422, message, param=param, code="invalid_value"), request)
 
 
 def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return error_response(APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)))
+    return error_response(APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)), request)
 
 
 def _api_error(request: Request, exc: APIError) -> JSONResponse:
-    return error_response(exc)
+    return error_response(exc, request)
 
 
 def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     # A bug of ours, not the client's: still OpenAI's body, and the worker stays up.
-    return error_response(APIError(500, f"internal error: {type(exc).__name__}", code="internal_error"))
+    return error_response(APIError(500, f"internal error: {type(exc).__name__}", code="internal_error"), request)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -15,9 +15,14 @@ from typing import Any
 from cortexstream.errors import CortexStreamError, InvalidArgumentError
 from cortexstream.engine.prompt import prompt_to_tokens
 from cortexstream.engine.sampling import SamplingParams
+from cortexstream.grammar.spec import GrammarSpec
+from cortexstream.server.agent_prepare import PreparedTurn, ToolSupport, prepare_turn
+from cortexstream.server.chat_spec import ChatSpec
+from cortexstream.server.chat_translate import chat_to_spec
 from cortexstream.server.jobs import EngineJob
 from cortexstream.server.errors import APIError
 from cortexstream.server.protocol import MAX_STOP_STRINGS, ChatCompletionRequest, CompletionRequest
+from cortexstream.server.wire import refuse_unknown_fields
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,7 @@ class PreparedRequest:
     job: EngineJob
     response_id: str
     prompt_tokens: int
+    parse_tools: bool = False  # read each completion's text for tool calls (see agent_prepare.py)
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -63,12 +69,12 @@ def _param_of(exc: Exception) -> str | None:
     return head if head.isidentifier() else None
 
 
-def _sampling(request: Any, max_tokens: int) -> SamplingParams:
+def _sampling(request: Any, max_tokens: int, grammar: GrammarSpec | None = None) -> SamplingParams:
     for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(request, name):
+        if getattr(request, name, None):
             raise APIError(400, f"{name}: not supported by this server (use repetition_penalty)", param=name,
                            code="unsupported_parameter")
-    stops = request.stop_strings()
+    stops = request.stop_strings() if hasattr(request, "stop_strings") else tuple(request.stop)
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
         raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
     try:
@@ -76,11 +82,12 @@ def _sampling(request: Any, max_tokens: int) -> SamplingParams:
             temperature=1.0 if request.temperature is None else float(request.temperature),
             top_p=1.0 if request.top_p is None else float(request.top_p),
             top_k=request.top_k or 0,
-            min_p=request.min_p or 0.0,
-            repetition_penalty=request.repetition_penalty,
+            min_p=getattr(request, "min_p", None) or 0.0,
+            repetition_penalty=getattr(request, "repetition_penalty", None),
             max_tokens=max_tokens,
             stop=stops,
             seed=request.seed,
+            grammar=grammar,
         )
     except InvalidArgumentError as exc:
         raise APIError(400, str(exc), param=_param_of(exc)) from exc
@@ -134,30 +141,37 @@ def _job(prefix: str, tokens: list[int], sampling: SamplingParams, n: int, polic
 
 
 def prepare_chat(request: ChatCompletionRequest, tokenizer: Any, arena: ArenaLimits, default_policy: Any,
-                 tenant: str | None, default_max_tokens: int) -> PreparedRequest:
+                 tenant: str | None, default_max_tokens: int, tools: ToolSupport) -> PreparedRequest:
     refuse_startup_only_fields(request)
     if request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
-    messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
-                for m in request.messages]
-    try:
-        tokens = prompt_to_tokens(tokenizer, messages)
-    except InvalidArgumentError as exc:
-        raise APIError(400, str(exc), param="messages") from exc
-    except Exception as exc:  # noqa: BLE001 - a template that cannot render these messages is the client's input
-        raise APIError(400, f"messages: the chat template failed: {type(exc).__name__}: {exc}",
-                       param="messages") from exc
+    turn = prepare_turn(chat_to_spec(request), tokenizer, tools)
     policy = _policy(request.kv_policy, default_policy)
     requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-    max_tokens = _fit(len(tokens), requested, default_max_tokens, request.n, policy, arena)
-    sampling = _sampling(request, max_tokens)
+    max_tokens = _fit(len(turn.tokens), requested, default_max_tokens, request.n, policy, arena)
+    sampling = _sampling(request, max_tokens, turn.grammar)
     top = (request.top_logprobs or 0) if request.logprobs else None
-    return _job("chatcmpl", tokens, sampling, request.n, policy, tenant, top)
+    prepared = _job("chatcmpl", turn.tokens, sampling, request.n, policy, tenant, top)
+    prepared.parse_tools = turn.parse_tools
+    return prepared
+
+
+def prepare_spec(spec: ChatSpec, prefix: str, tokenizer: Any, arena: ArenaLimits, default_policy: Any,
+                 tenant: str | None, default_max_tokens: int, tools: ToolSupport) -> tuple[PreparedRequest,
+                                                                                         PreparedTurn]:
+    """One completion of a ChatSpec (/v1/messages, /v1/responses) on the server's default KV policy."""
+    turn = prepare_turn(spec, tokenizer, tools)
+    policy = _policy(None, default_policy)
+    max_tokens = _fit(len(turn.tokens), spec.max_tokens, default_max_tokens, 1, policy, arena)
+    prepared = _job(prefix, turn.tokens, _sampling(spec, max_tokens, turn.grammar), 1, policy, tenant, None)
+    prepared.parse_tools = turn.parse_tools
+    return prepared, turn
 
 
 def prepare_completion(request: CompletionRequest, tokenizer: Any, arena: ArenaLimits, default_policy: Any,
                        tenant: str | None, default_max_tokens: int) -> PreparedRequest:
     refuse_startup_only_fields(request)
+    refuse_unknown_fields(request)
     if request.echo:
         raise APIError(400, "echo: not supported by this server", param="echo", code="unsupported_parameter")
     prompt: Any = request.prompt

@@ -1,49 +1,73 @@
 """Request bodies of /v1/chat/completions and /v1/completions (pydantic: the app's OpenAPI schema).
 
 Field names and ranges follow OpenAI's API; `top_k`, `min_p`, `repetition_penalty` and `kv_policy` are
-extensions. Unknown fields are accepted and ignored, as OpenAI clients send fields of newer API versions, except
-`kv_dtype` and `kv_group_size`, which prepare.py refuses (the server's KV storage is fixed at start-up).
+extensions. Unknown fields are kept and judged by `wire.refuse_unknown_fields`: those on a model's
+`harmless_fields` (metadata that cannot change the answer) are ignored, any other one is a 400 naming it
+(`logit_bias`, `functions`, `audio`, ...; `kv_dtype` and `kv_group_size` get their own message in prepare.py,
+the server's KV storage being fixed at start-up). docs/server.md lists both sets.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import Field, StrictBool, StrictInt, StrictStr
+
+from cortexstream.server.wire import OpenModel
+
+# Fields that cannot change an answer: accepted and ignored.
+HARMLESS_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
 
 MAX_N = 8
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class StreamOptions(OpenModel):
+    harmless_fields = ("include_obfuscation",)
     include_usage: StrictBool = False
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: Literal["text"]
-    text: StrictStr
+class ContentPart(OpenModel):
+    type: StrictStr  # only "text" is served (prepare.py refuses the others by name)
+    text: StrictStr | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class FunctionCallPart(OpenModel):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(OpenModel):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCallPart
+
+
+class ChatMessage(OpenModel):
+    harmless_fields = ("name", "refusal", "annotations")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[StrictStr, list[TextPart], None] = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+    content: Union[StrictStr, list[ContentPart], None] = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: StrictStr | None = None
 
 
-class SamplingFields(BaseModel):
+class FunctionDefinition(OpenModel):
+    name: StrictStr = Field(min_length=1, max_length=64)
+    description: StrictStr = ""
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ChatTool(OpenModel):
+    type: StrictStr  # only "function" (prepare.py refuses the others by name)
+    function: FunctionDefinition | None = None
+
+
+class SamplingFields(OpenModel):
     """Fields both endpoints share."""
 
-    model_config = ConfigDict(extra="allow")
+    harmless_fields = HARMLESS_FIELDS
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -71,6 +95,10 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ChatTool] | None = None
+    tool_choice: Union[StrictStr, dict[str, Any], None] = None
+    parallel_tool_calls: StrictBool = True
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):

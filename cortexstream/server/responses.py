@@ -11,6 +11,7 @@ from typing import Any, Callable
 from cortexstream.engine.finish_reason import FinishReason
 from cortexstream.server.jobs import TokenEvent
 from cortexstream.server.errors import APIError
+from cortexstream.server.tool_types import StreamDelta, TextDelta, ToolCallArguments, ToolCallStart
 
 TokenText = Callable[[int], str]
 
@@ -42,6 +43,30 @@ class Choice:
     tokens: int = 0
     finish_reason: FinishReason | None = None
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    parser: Any = None  # a ToolCallParser when the text is read for tool calls
+    pending: list[StreamDelta] = field(default_factory=list)  # parsed deltas not yet sent as chunks
+
+    def reported_finish(self) -> str | None:
+        """OpenAI's finish_reason: 'tool_calls' when a finished completion made calls."""
+        if self.finish_reason is None:
+            return None
+        if self.parser is not None and self.parser.calls and self.finish_reason == FinishReason.STOP:
+            return "tool_calls"
+        return self.finish_reason.value
+
+
+def tool_call_dicts(calls: list[Any]) -> list[dict[str, Any]]:
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+
+
+def _delta_dict(delta: StreamDelta) -> dict[str, Any]:
+    if isinstance(delta, TextDelta):
+        return {"content": delta.text}
+    if isinstance(delta, ToolCallStart):
+        return {"tool_calls": [{"index": delta.index, "id": delta.id, "type": "function",
+                                "function": {"name": delta.name, "arguments": ""}}]}
+    assert isinstance(delta, ToolCallArguments)
+    return {"tool_calls": [{"index": delta.index, "function": {"arguments": delta.fragment}}]}
 
 
 # OpenAI's stand-in for a log-probability of -inf (JSON has no infinities).
@@ -86,7 +111,7 @@ class ResponseBuilder:
     """Builds one request's chunks and final body for either endpoint (`chat` or legacy `completion`)."""
 
     def __init__(self, kind: str, response_id: str, model: str, n: int, prompt_tokens: int,
-                 token_text: TokenText, logprobs: bool) -> None:
+                 token_text: TokenText, logprobs: bool, tool_parser: Callable[[], Any] | None = None) -> None:
         self.kind = kind
         self.id = response_id
         self.model = model
@@ -94,7 +119,7 @@ class ResponseBuilder:
         self.prompt_tokens = prompt_tokens
         self.token_text = token_text
         self.want_logprobs = logprobs
-        self.choices = [Choice() for _ in range(n)]
+        self.choices = [Choice(parser=tool_parser() if tool_parser else None) for _ in range(n)]
         self.cached_tokens = 0
         self._role_sent = [False] * n
 
@@ -115,6 +140,10 @@ class ResponseBuilder:
                 choice.logprobs.append(entry)
         choice.text += event.text
         choice.finish_reason = event.finish_reason or choice.finish_reason
+        if choice.parser is not None:
+            choice.pending += choice.parser.feed(event.text) if event.text else []
+            if event.finish_reason is not None:
+                choice.pending += choice.parser.finish()
         return entry
 
     def usage(self) -> dict[str, Any]:
@@ -126,8 +155,14 @@ class ResponseBuilder:
         for index, choice in enumerate(self.choices):
             if self.kind == "chat":
                 logprobs = {"content": choice.logprobs} if self.want_logprobs else None
-                choices.append({"index": index, "message": {"role": "assistant", "content": choice.text},
-                                "logprobs": logprobs, "finish_reason": choice.finish_reason})
+                message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+                if choice.parser is not None:
+                    calls = choice.parser.calls
+                    message["content"] = choice.parser.text or (None if calls else "")
+                    if calls:
+                        message["tool_calls"] = tool_call_dicts(calls)
+                choices.append({"index": index, "message": message, "logprobs": logprobs,
+                                "finish_reason": choice.reported_finish()})
             else:
                 logprobs = completion_logprobs(choice.logprobs) if self.want_logprobs else None
                 choices.append({"index": index, "text": choice.text, "logprobs": logprobs,
@@ -139,6 +174,8 @@ class ResponseBuilder:
     # --- streaming -------------------------------------------------------------------------------------------
     def chunk(self, event: TokenEvent, entry: dict[str, Any] | None, include_usage: bool) -> bytes:
         """The SSE chunk for one event ('' when it carries nothing: held-back text, no logprobs, no finish)."""
+        if self.kind == "chat" and self.choices[event.index].parser is not None:
+            return self._tool_chunks(event, entry, include_usage)
         index = event.index
         if not event.text and entry is None and event.finish_reason is None and self._role_sent[index]:
             return b""
@@ -164,6 +201,29 @@ class ResponseBuilder:
         if include_usage:
             payload["usage"] = None
         return sse(payload)
+
+    def _tool_chunks(self, event: TokenEvent, entry: dict[str, Any] | None, include_usage: bool) -> bytes:
+        """Chunks of a completion read for tool calls: its parsed deltas, in order, then its finish."""
+        index, choice = event.index, self.choices[event.index]
+        deltas = [_delta_dict(d) for d in choice.pending]
+        choice.pending = []
+        if not self._role_sent[index]:
+            deltas = [{"role": "assistant", **(deltas[0] if deltas else {"content": ""})}] + deltas[1:]
+            self._role_sent[index] = True
+        finish = choice.reported_finish() if event.finish_reason is not None else None
+        if finish is not None or (entry is not None and not deltas):
+            deltas.append({})
+        out = []
+        for position, delta in enumerate(deltas):
+            last = position == len(deltas) - 1
+            logprobs = {"content": [entry]} if entry is not None and last else None
+            payload = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                       "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                    "finish_reason": finish if last else None}]}
+            if include_usage:
+                payload["usage"] = None
+            out.append(sse(payload))
+        return b"".join(out)
 
     def usage_chunk(self) -> bytes:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"

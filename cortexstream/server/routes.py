@@ -67,7 +67,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     state = _state(request)
     check_model(body.model, state.model_name)
     prepared = prepare_chat(body, state.tokenizer, state.arena_limits, state.default_policy, tenant,
-                            state.config.default_chat_max_tokens)
+                            state.config.default_chat_max_tokens, state.tools)
     return await _serve(request, "chat", body, prepared)
 
 
@@ -82,31 +82,42 @@ async def completions(body: CompletionRequest, request: Request,
 
 
 # --- shared machinery ---------------------------------------------------------------------------------------------
-async def _serve(request: Request, kind: str, body: Any, prepared: PreparedRequest) -> Any:
-    state = _state(request)
+def check_capacity(state: Any) -> None:
     if state.draining:
         raise APIError(503, "the server is shutting down", code="shutting_down")
     if state.bridge.num_active >= state.config.max_in_flight:
         raise APIError(429, f"too many requests in flight ({state.config.max_in_flight}); retry shortly",
                        code="queue_full", headers={"Retry-After": "1"})
-    job = prepared.job
-    want_logprobs = job.top_logprobs is not None
-    builder = ResponseBuilder(kind, prepared.response_id, state.model_name, len(job.request_ids),
-                              prepared.prompt_tokens, state.token_text, want_logprobs)
+
+
+async def submit(state: Any, prepared: PreparedRequest) -> RequestHandle:
+    """Hand the job to the engine; 400 for what the engine refuses, 503 when it is gone."""
     try:
-        handle = await state.bridge.submit(job)
+        handle = await state.bridge.submit(prepared.job)
     except InvalidArgumentError as exc:  # refused by the engine's own checks
         raise APIError(400, str(exc)) from exc
     except CortexStreamError as exc:  # the engine thread is stopping or gone
         raise APIError(503, f"engine unavailable: {exc}", code="engine_unavailable") from exc
     state.metrics.on_accepted(prepared.prompt_tokens)
-    disconnected = asyncio.ensure_future(_wait_disconnect(request))
+    return handle
+
+
+async def _serve(request: Request, kind: str, body: Any, prepared: PreparedRequest) -> Any:
+    state = _state(request)
+    check_capacity(state)
+    job = prepared.job
+    want_logprobs = job.top_logprobs is not None
+    builder = ResponseBuilder(kind, prepared.response_id, state.model_name, len(job.request_ids),
+                              prepared.prompt_tokens, state.token_text, want_logprobs,
+                              state.tools.parser if prepared.parse_tools else None)
+    handle = await submit(state, prepared)
+    disconnected = asyncio.ensure_future(wait_disconnect(request))
     try:
         if not body.stream:
-            await _race(_collect(handle, builder), disconnected)
+            await race(_collect(handle, builder), disconnected)
             return JSONResponse(builder.body())
         # Wait for the first event before answering, so a request that fails at once gets a proper status.
-        first = await _race(_next_events(handle), disconnected)
+        first = await race(next_events(handle), disconnected)
         entries = [(event, builder.add(event)) for event in first]
     except BaseException:
         state.bridge.abort(handle)
@@ -118,14 +129,14 @@ async def _serve(request: Request, kind: str, body: Any, prepared: PreparedReque
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def wait_disconnect(request: Request) -> None:
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
 
 
-async def _race(work: Any, disconnected: asyncio.Future) -> Any:
+async def race(work: Any, disconnected: asyncio.Future) -> Any:
     task = asyncio.ensure_future(work)
     done, _ = await asyncio.wait({task, disconnected}, return_when=asyncio.FIRST_COMPLETED)
     if task in done:
@@ -134,7 +145,7 @@ async def _race(work: Any, disconnected: asyncio.Future) -> Any:
     raise asyncio.CancelledError("client disconnected")
 
 
-async def _next_events(handle: RequestHandle) -> list[TokenEvent]:
+async def next_events(handle: RequestHandle) -> list[TokenEvent]:
     """Every event available now (at least one): a whole engine step's worth is written in one go."""
     events = [await handle.events.get()]
     while not handle.events.empty():
@@ -147,7 +158,7 @@ async def _next_events(handle: RequestHandle) -> list[TokenEvent]:
 
 async def _collect(handle: RequestHandle, builder: ResponseBuilder) -> None:
     while not handle.finished:
-        for event in await _next_events(handle):
+        for event in await next_events(handle):
             builder.add(event)
 
 
@@ -156,7 +167,7 @@ async def _stream(state: Any, handle: RequestHandle, builder: ResponseBuilder,
     try:
         yield b"".join(builder.chunk(event, entry, include_usage) for event, entry in first)
         while not handle.finished:
-            events = await _next_events(handle)
+            events = await next_events(handle)
             yield b"".join(builder.chunk(event, builder.add(event), include_usage) for event in events)
         if include_usage:
             yield builder.usage_chunk()
