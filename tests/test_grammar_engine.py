@@ -173,3 +173,25 @@ def test_grammar_for_accepts_openai_forms_and_refuses_other_types():
     with pytest.raises(InvalidArgumentError, match="grammar"):
         SamplingParams(grammar={"type": "object"})
     assert sampling_from_kwargs(10, response_format=CHOICE).grammar == GrammarSpec.json_schema(CHOICE)
+
+
+def test_the_public_calls_take_response_format(tiny):
+    import cortexstream
+
+    class Pair(BaseModel):
+        key: str = Field(max_length=4)
+        value: int = Field(ge=0, le=9)
+
+    model, tokenizer = tiny
+    assert Pair.model_json_schema().get("additionalProperties") is None
+    assert json.loads(GrammarSpec.json_schema(Pair).source)["additionalProperties"] is False
+    one = cortexstream.generate(model, tokenizer, "hello", max_tokens=40, response_format=Pair)
+    Pair.model_validate_json(one)
+    closed = json.loads(GrammarSpec.json_schema(Pair).source)
+    batch = cortexstream.batch_generate(model, tokenizer, ["a b", "c d e", "f"], max_tokens=40,
+                                        response_format=closed)
+    for text in batch.texts:
+        jsonschema.validate(json.loads(text), closed)
+    streamed = "".join(r.text for r in cortexstream.stream_generate(model, tokenizer, "zz", max_tokens=40,
+                                                                   response_format=CHOICE, temperature=0.8))
+    jsonschema.validate(json.loads(streamed), CHOICE)

@@ -43,9 +43,10 @@ class GrammarSpec:
     # --- constructors -----------------------------------------------------------------------------------------
     @classmethod
     def json_schema(cls, schema: Any, name: str = "response_format") -> "GrammarSpec":
-        """From a dict, JSON text or a pydantic model class."""
+        """From a dict, JSON text or a pydantic model class (whose objects then allow no keys beyond their fields:
+        pydantic would drop them anyway, and a model left free to add keys wastes tokens on them)."""
         if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
-            schema = schema.model_json_schema()
+            schema = closed_objects(schema.model_json_schema())
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -97,6 +98,18 @@ class GrammarSpec:
         if error:
             raise InvalidArgumentError(f"{self.name}: cannot be enforced: {' '.join(error.split())}")
         return grammar
+
+
+def closed_objects(schema: Any) -> Any:
+    """A copy of `schema` where every object with `properties` and no `additionalProperties` gets it false."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: closed_objects(value) for key, value in schema.items()}
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def grammar_for(response_format: Any, name: str = "response_format") -> GrammarSpec | None:
