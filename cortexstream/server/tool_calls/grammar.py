@@ -7,8 +7,8 @@ template renders calls, so the family's parser reads back exactly the calls the 
 `", "` and `": "` separators (what `json.dumps` and the templates' `tojson` write), the call's `name` first,
 each call's arguments matching its tool's `parameters` schema.
 
-A marker the tokenizer holds as a special token (Mistral's `[TOOL_CALLS]` and `[ARGS]`) never matches a
-string literal (llguidance lexes special tokens apart from text): pass such tokens' ids in `special_tokens`
+A marker the tokenizer holds as an added token (Mistral's `[TOOL_CALLS]` and `[ARGS]`, Qwen's `<tool_call>`) never
+matches a string literal (llguidance lexes added tokens apart from text): pass such tokens' ids in `special_tokens`
 (`special_marker_ids` reads them from the tokenizer's JSON), and the grammar names the token instead.
 Schemas are compiled leniently (keywords llguidance does not support are ignored) unless every tool is
 `strict`; a schema that still fails is a ValueError naming the tool.
@@ -33,11 +33,13 @@ ARGUMENT_KEY = {ToolFamily.HERMES: "arguments", ToolFamily.LLAMA3: "parameters",
 
 
 def special_marker_ids(family: ToolFamily, tokenizer_json: str) -> dict[str, int]:
-    """The family's markers that the tokenizer (its HF `tokenizer.json` text) holds as special tokens -> ids."""
+    """The family's markers that the tokenizer (its HF `tokenizer.json` text) holds as added tokens -> ids. Added
+    tokens, whether flagged special or not (Qwen's `<tool_call>` is not), are lexed apart from text by llguidance,
+    so a grammar must name them by id."""
     wanted = set(MARKERS[family])
     found: dict[str, int] = {}
     for token in json.loads(tokenizer_json).get("added_tokens") or ():
-        if token.get("special") and token.get("content") in wanted:
+        if token.get("content") in wanted:
             found[token["content"]] = int(token["id"])
     return found
 
