@@ -24,6 +24,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
             "C2C fusion: held-out quality (same model, cross-model) and handoff latency"),
     "kv-dtype": ("cortexstream.benchmarks.kv_dtype", "quality, memory and speed of int8/int4/float16 KV"),
     "serve": ("cortexstream.benchmarks.serve", "cortexstream serve vs mlx_lm.server over HTTP (3 workloads)"),
+    "structured": ("cortexstream.benchmarks.structured",
+                   "JSON-schema validity, grammar mask cost and compile time, tool calls over HTTP"),
 }
 
 
