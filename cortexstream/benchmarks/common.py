@@ -30,6 +30,19 @@ def prompt_token_lists(tokenizer: Any, count: int, length: int) -> list[list[int
     return [tokens[i * stride : i * stride + length] for i in range(count)]
 
 
+def release_engines(engines: dict[Any, Any]) -> None:
+    """Close every engine of a measurement and give their memory back before the next one starts."""
+    import gc
+
+    import mlx.core as mx
+
+    for engine in engines.values():
+        engine.close()
+    engines.clear()
+    gc.collect()
+    mx.clear_cache()
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")

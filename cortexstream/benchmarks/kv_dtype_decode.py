@@ -14,14 +14,13 @@ The tokenizer is wrapped so that no token ends a request (`NoEosTokenizer`): eve
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 from typing import Any, Callable
 
 import mlx.core as mx
 
-from cortexstream.benchmarks.common import NoEosTokenizer, prompt_token_lists
+from cortexstream.benchmarks.common import NoEosTokenizer, prompt_token_lists, release_engines
 from cortexstream.benchmarks.kv_dtype_measure import Storage
 from cortexstream.engine.engine import Engine
 from cortexstream.engine.sampling import SamplingParams
@@ -73,11 +72,7 @@ def decode_rows(model: Any, tokenizer: Any, storages: list[Storage], batch: int,
                 tokens[name] += count
                 tps[name].append(count / seconds)
     finally:
-        for engine in engines.values():
-            engine.close()
-        engines.clear()
-        gc.collect()
-        mx.clear_cache()
+        release_engines(engines)
     rows = []
     for storage in storages:
         rows.append({"batch": batch, "keys": keys, "storage": storage.text, "group_size": storage.group_size,

@@ -18,12 +18,11 @@ the end-of-sequence token that closes it).
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 from typing import Any, Callable, Sequence
 
-from cortexstream.benchmarks.common import NoEosTokenizer, percentile
+from cortexstream.benchmarks.common import NoEosTokenizer, percentile, release_engines
 from cortexstream.benchmarks.structured_measure import Completion, run_requests
 
 
@@ -77,11 +76,7 @@ def mask_cost(model: Any, tokenizer: Any, model_name: str, prompts: Sequence[lis
                     tps[constrained].append(count / seconds)
                     bar.update(1)
     finally:
-        for engine in engines.values():
-            engine.close()
-        engines.clear()
-        gc.collect()
-        mx.clear_cache()
+        release_engines(engines)
     on, off = statistics.median(tps[True]), statistics.median(tps[False])
     log(f"{model_name} mask cost: constrained {on:.1f} tok/s, unconstrained {off:.1f} tok/s (ratio {on / off:.3f})")
     return {"model": model_name, "batch": batch, "requests": len(prompts), "rounds": rounds,
