@@ -13,12 +13,9 @@ and content up to the end.
 
 from __future__ import annotations
 
-from typing import Callable
-
-from cortexstream.server.tool_calls.call_json import JsonSpan, call_from_object, decode
+from cortexstream.server.tool_calls.call_json import call_from_object, decode
 from cortexstream.server.tool_calls.parser import (CallScan, CallSearch, Context, ScanStatus, ToolCallParser,
                                                    search_marker)
-from cortexstream.server.tool_types import new_call_id
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -34,13 +31,6 @@ def _skip_space(text: str, at: int) -> int:
 class HermesToolParser(ToolCallParser):
     """Parses `<tool_call>` ... `</tool_call>` blocks out of a streamed completion (see the module doc)."""
 
-    def __init__(self, id_factory: Callable[[], str] = new_call_id) -> None:
-        super().__init__(id_factory)
-        self._span: JsonSpan | None = None  # the call's JSON object, once it has opened
-
-    def _begin_call(self) -> None:
-        self._span = None
-
     def _find_call(self, text: str, context: Context, final: bool) -> CallSearch:
         return search_marker(text, OPEN)
 
@@ -50,9 +40,7 @@ class HermesToolParser(ToolCallParser):
             return self._up_to_close(text, final)
         if text[body] != "{":
             return self._up_to_close(text, final)
-        if self._span is None:
-            self._span = JsonSpan(body)
-        end = self._span.end(text)
+        end = self._json_end(text, body)
         if end is None:
             # Still open, or never closing (a missing bracket): only the end of the completion tells which.
             return self._up_to_close(text, final) if final else CallScan(ScanStatus.MORE)

@@ -15,12 +15,9 @@ calls are Python) the tag and what follows are content.
 from __future__ import annotations
 
 import re
-from typing import Callable
-
-from cortexstream.server.tool_calls.call_json import JsonSpan, call_from_object, decode
+from cortexstream.server.tool_calls.call_json import call_from_object, decode
 from cortexstream.server.tool_calls.parser import (CallScan, CallSearch, Context, ScanStatus, ToolCallParser,
                                                    search_marker)
-from cortexstream.server.tool_types import new_call_id
 
 PYTHON_TAG = "<|python_tag|>"
 ARGUMENT_KEYS = ("parameters", "arguments")
@@ -30,13 +27,6 @@ _SEPARATORS = re.compile(r"[\s;]*")
 
 class Llama3ToolParser(ToolCallParser):
     """Parses Llama 3.x JSON tool calls out of a streamed completion (see the module doc)."""
-
-    def __init__(self, id_factory: Callable[[], str] = new_call_id) -> None:
-        super().__init__(id_factory)
-        self._span: JsonSpan | None = None  # the call's JSON object, once it has opened
-
-    def _begin_call(self) -> None:
-        self._span = None
 
     def _find_call(self, text: str, context: Context, final: bool) -> CallSearch:
         if context is not Context.TEXT:
@@ -60,9 +50,7 @@ class Llama3ToolParser(ToolCallParser):
             return CallScan(ScanStatus.MORE) if tagged else CallScan(ScanStatus.DONE, len(text))
         if text[at] != "{":
             return CallScan(ScanStatus.MALFORMED, at)  # the tag, then something that is not a JSON call
-        if self._span is None:
-            self._span = JsonSpan(at)
-        end = self._span.end(text)
+        end = self._json_end(text, at)
         if end is None:
             return CallScan(ScanStatus.MORE)
         call = call_from_object(decode(text[at:end]), ARGUMENT_KEYS, arguments_required=True)

@@ -18,7 +18,7 @@ import secrets
 import string
 from typing import Any, Callable
 
-from cortexstream.server.tool_calls.call_json import (OPENERS, JsonSpan, ParsedCall, call_from_object, decode,
+from cortexstream.server.tool_calls.call_json import (OPENERS, ParsedCall, call_from_object, decode,
                                                       normalize_arguments)
 from cortexstream.server.tool_calls.parser import (CallScan, CallSearch, Context, ScanStatus, ToolCallParser,
                                                    search_marker)
@@ -51,18 +51,9 @@ class MistralToolParser(ToolCallParser):
 
     def __init__(self, id_factory: Callable[[], str] = mistral_call_id) -> None:
         super().__init__(id_factory)
-        self._span: JsonSpan | None = None  # the call's JSON (array, or arguments object), once it has opened
-
-    def _begin_call(self) -> None:
-        self._span = None
 
     def _find_call(self, text: str, context: Context, final: bool) -> CallSearch:
         return search_marker(text, TOOL_CALLS)
-
-    def _json_end(self, text: str, at: int) -> int | None:
-        if self._span is None:
-            self._span = JsonSpan(at)
-        return self._span.end(text)
 
     def _scan_call(self, text: str, final: bool) -> CallScan:
         at = _SPACE.match(text, len(TOOL_CALLS)).end()

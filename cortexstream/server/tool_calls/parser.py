@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable
 
-from cortexstream.server.tool_calls.call_json import ParsedCall
+from cortexstream.server.tool_calls.call_json import JsonSpan, ParsedCall
 from cortexstream.server.tool_types import (StreamDelta, TextDelta, ToolCall, ToolCallArguments, ToolCallStart,
                                             new_call_id)
 
@@ -84,6 +84,7 @@ class ToolCallParser(ABC):
         self._calls: list[ToolCall] = []
         self._text_parts: list[str] = []
         self._finished = False
+        self._span: JsonSpan | None = None  # the open call's JSON value, once it has begun
 
     @property
     def calls(self) -> list[ToolCall]:
@@ -125,7 +126,15 @@ class ToolCallParser(ABC):
         """
 
     def _begin_call(self) -> None:
-        """A new call begins at the start of the held text: reset any state kept for `_scan_call`."""
+        """A new call begins at the start of the held text: reset any state kept for `_scan_call` (a family that
+        keeps more than the JSON span extends this)."""
+        self._span = None
+
+    def _json_end(self, text: str, at: int) -> int | None:
+        """Where the call's JSON value, which begins at `at` of the held text, ends (None while it is open)."""
+        if self._span is None:
+            self._span = JsonSpan(at)
+        return self._span.end(text)
 
     # --- the common machinery ---------------------------------------------------------------------------------
     def _context(self) -> Context:
