@@ -4,7 +4,6 @@ through an in-memory HTTP transport)."""
 
 from __future__ import annotations
 
-import json
 
 import anthropic
 import httpx2
@@ -22,6 +21,7 @@ from cortexstream.server.anthropic_protocol import AnthropicCountTokensRequest, 
 from cortexstream.server.anthropic_translate import anthropic_to_chat
 from cortexstream.server.errors import APIError
 from cortexstream.server.tool_types import TextDelta, ToolCall, ToolCallArguments, ToolCallStart, ToolChoiceMode
+from sse_events import parse_sse
 
 WEATHER = {"name": "weather", "description": "Weather of a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -167,14 +167,6 @@ DELTAS = [TextDelta("Let me "), TextDelta(""), TextDelta("check."), ToolCallStar
 def encoded_stream() -> bytes:
     encoder = AnthropicStreamEncoder("msg_1", "m", input_tokens=9)
     return b"".join(encoder.feed(d) for d in DELTAS) + encoder.finish(AnthropicStopReason.TOOL_USE, 12)
-
-
-def parse_sse(raw: bytes) -> list[tuple[str, dict]]:
-    events = []
-    for chunk in raw.decode().split("\n\n")[:-1]:
-        event_line, data_line = chunk.split("\n")
-        events.append((event_line.removeprefix("event: "), json.loads(data_line.removeprefix("data: "))))
-    return events
 
 
 def test_stream_events_are_anthropics_sequence():

@@ -4,7 +4,6 @@ and its client reading our bytes through an in-memory HTTP transport). Also Chat
 
 from __future__ import annotations
 
-import json
 
 import httpx2
 import openai
@@ -25,6 +24,7 @@ from cortexstream.server.response_store import ResponseStore
 from cortexstream.server.tool_types import (
     FunctionTool, TextDelta, ToolCall, ToolCallArguments, ToolCallStart, ToolChoice, ToolChoiceMode,
 )
+from sse_events import parse_sse
 
 WEATHER = {"type": "function", "name": "weather", "description": "Weather of a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -186,14 +186,6 @@ def encode(status=ResponsesStatus.COMPLETED) -> tuple[ResponsesStreamEncoder, by
     encoder = ResponsesStreamEncoder("resp_1", "m", request_echo(parse(input="x", tools=[WEATHER])))
     raw = b"".join(encoder.feed(d) for d in DELTAS) + encoder.finish(status, 8, 6)
     return encoder, raw
-
-
-def parse_sse(raw: bytes) -> list[tuple[str, dict]]:
-    events = []
-    for chunk in raw.decode().split("\n\n")[:-1]:
-        event_line, data_line = chunk.split("\n")
-        events.append((event_line.removeprefix("event: "), json.loads(data_line.removeprefix("data: "))))
-    return events
 
 
 def test_stream_events_are_the_responses_sequence():
