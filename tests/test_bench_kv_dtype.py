@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cortexstream.benchmarks.kv_dtype import run, run_from_args
-from cortexstream.benchmarks.kv_dtype_measure import Storage, mlx_lm_nlls
+from cortexstream.benchmarks.kv_dtype_measure import Storage
 from cortexstream.engine.policy_prompt_cache import fork_cache
 from cortexstream.benchmarks.kv_dtype_report import markdown, targets
 from cortexstream.benchmarks.kv_dtype_settings import KVDtypeSettings
@@ -68,7 +68,7 @@ def test_mlx_lm_caches_are_scored_like_token_nlls(model32):
 
     ids = list(np.random.default_rng(1).integers(3, 200, 90))
     ours = token_nlls(model32, ids, None, chunk_size=16)
-    theirs = mlx_lm_nlls(model32, ids, [KVCache() for _ in model32.layers], 16)
+    theirs = token_nlls(model32, ids, None, chunk_size=16, prompt_cache=[KVCache() for _ in model32.layers])
     assert theirs.shape == ours.shape and np.allclose(theirs, ours, atol=1e-4)
 
 

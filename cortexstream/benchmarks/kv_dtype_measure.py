@@ -4,8 +4,8 @@ token costs.
 
 Every cortexstream cell runs on a private arena of the asked storage (`make_prompt_cache(..., kv_dtype=...)`) on the
 direct path `bench quality` uses: the policy attached to that cache (`attach_policy`) evicts after every chunk.
-Perplexity is `evaluation.perplexity.token_nlls` on that cache; mlx-lm's caches are scored by `mlx_lm_nlls`, the same
-teacher-forced loop (same chunks, same float32 log-softmax) on a list of `QuantizedKVCache`s.
+Perplexity is `evaluation.perplexity.token_nlls` on that cache; mlx-lm's caches are scored by the same call (same
+chunks, same float32 log-softmax) on a list of `QuantizedKVCache`s.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import mlx.core as mx
 import numpy as np
 
 from cortexstream.benchmarks.passkey import passkey_prompt
@@ -83,22 +82,6 @@ def perplexity_cell(model: Any, ids: Sequence[int], storage: Storage, policy: KV
             "seconds": time.perf_counter() - tic}
 
 
-def mlx_lm_nlls(model: Any, ids: Sequence[int], cache: list[Any], chunk: int) -> np.ndarray:
-    """Negative log-likelihoods of ids[1:] on mlx-lm caches, chunk by chunk exactly as `token_nlls` scores them."""
-    tokens = np.asarray(ids, dtype=np.int64)
-    inputs = mx.array(tokens[:-1].astype(np.uint32))
-    targets = mx.array(tokens[1:].astype(np.int32))
-    out = np.empty(tokens.size - 1, dtype=np.float64)
-    for start in range(0, tokens.size - 1, chunk):
-        stop = min(start + chunk, tokens.size - 1)
-        logits = model(inputs[start:stop][None], cache=cache)[0].astype(mx.float32)
-        picked = mx.take_along_axis(logits, targets[start:stop, None], axis=-1)[:, 0]
-        nll = mx.logsumexp(logits, axis=-1) - picked
-        mx.eval(nll)
-        out[start:stop] = np.asarray(nll, dtype=np.float64)
-    return out
-
-
 def mlx_lm_cell(model: Any, ids: Sequence[int], bits: int, group_size: int, chunk: int) -> dict[str, Any]:
     """Perplexity on mlx-lm's `QuantizedKVCache(group_size, bits)` (one per layer), and the bytes per token it
     allocated (its `nbytes` over the slots it holds: it grows in steps of 256 tokens)."""
@@ -106,7 +89,7 @@ def mlx_lm_cell(model: Any, ids: Sequence[int], bits: int, group_size: int, chun
 
     tic = time.perf_counter()
     cache = [QuantizedKVCache(group_size=group_size, bits=bits) for _ in model.layers]
-    nll = mlx_lm_nlls(model, ids, cache, chunk)
+    nll = token_nlls(model, ids, None, chunk_size=chunk, prompt_cache=cache)
     slots = int(cache[0].keys[0].shape[-2])
     bytes_per_token = sum(c.nbytes for c in cache) / slots
     return {"system": "mlx_lm", "storage": f"int{bits}", "group_size": group_size, "chunk": chunk,
@@ -146,5 +129,5 @@ def model_dtype(model: Any) -> str:
     return model_kv_shape(model)[3]
 
 
-__all__ = ["Storage", "default_storages", "memory_row", "mlx_lm_cell", "mlx_lm_nlls", "model_dtype",
+__all__ = ["Storage", "default_storages", "memory_row", "mlx_lm_cell", "model_dtype",
            "passkey_cell", "perplexity_cell"]

@@ -58,9 +58,9 @@ def attach_policy(prompt_cache: list[Any], kv_policy: "KVPolicy | str | None", m
 def apply_policy(prompt_cache: list[Any], context: int) -> int:
     """After a forward pass on `prompt_cache`: evaluate its KV and scores, then evict. Returns tokens evicted."""
     state = policy_state_of(prompt_cache)
-    seq = prompt_cache[0].sequence
-    if state is None:
+    if state is None:  # nothing to evict (any cache, mlx-lm's own included)
         return 0
+    seq = prompt_cache[0].sequence
     mx.eval(seq.arena.arrays(), state.pending_arrays())
     return state.after_forward(seq, context)
 
