@@ -8,11 +8,13 @@ first constrained request (or by `warm()`), never for an engine that never sees 
 
 from __future__ import annotations
 
+import copy
 import threading
+import time
 from typing import Any, Iterable
 
 from cortexstream.errors import InvalidArgumentError
-from cortexstream.grammar.constraint import TokenConstraint, timed_matcher
+from cortexstream.grammar.constraint import TokenConstraint
 from cortexstream.grammar.spec import GrammarSpec
 
 
@@ -41,10 +43,10 @@ class GrammarCompiler:
         if not self.eos_token_ids:
             raise InvalidArgumentError("response_format: the tokenizer has no end-of-sequence token, so a "
                                        "constrained completion could never end")
-        copy = type(backend).from_str(backend.to_str())  # padding/truncation off on a copy, not the caller's
-        copy.no_padding()
-        copy.no_truncation()
-        return llguidance.LLTokenizer(copy.to_str(), eos_token=self.eos_token_ids)
+        plain = copy.copy(backend)  # padding/truncation off on a copy, not the caller's
+        plain.no_padding()
+        plain.no_truncation()
+        return llguidance.LLTokenizer(plain.to_str(), eos_token=self.eos_token_ids)
 
     def warm(self) -> None:
         self.lltokenizer()
@@ -59,7 +61,9 @@ class GrammarCompiler:
 
         grammar = spec.check()
         tokenizer = self.lltokenizer()
-        matcher, seconds = timed_matcher(lambda: llguidance.LLMatcher(tokenizer, grammar, log_level=0))
+        tic = time.perf_counter()
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        seconds = time.perf_counter() - tic
         if matcher.is_error():
             raise InvalidArgumentError(f"{spec.name}: cannot be enforced: {matcher.get_error()}")
         if len(self.compile_seconds) >= 4096:

@@ -69,9 +69,3 @@ class TokenConstraint:
 def apply_mask(logits: mx.array, allowed: mx.array) -> mx.array:
     """Logits with every disallowed token at -inf (logits `[1, V]` or `[V]`, allowed `[V]`)."""
     return mx.where(allowed, logits, mx.array(-float("inf"), dtype=logits.dtype))
-
-
-def timed_matcher(factory: Any) -> tuple[Any, float]:
-    tic = time.perf_counter()
-    matcher = factory()
-    return matcher, time.perf_counter() - tic
