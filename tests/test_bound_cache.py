@@ -98,12 +98,13 @@ def test_a_stop_string_completed_by_the_final_flush_finishes_as_stop(tiny):
 
     class HeldBack:  # holds every piece back; the flush finds the stop string
         stopped = False
+        stop_string = None
 
         def add_token(self, token: int) -> str:
             return ""
 
         def finish(self) -> str:
-            self.stopped = True
+            self.stopped, self.stop_string = True, "zz"
             return "cut"
 
     engine = Engine(model, tokenizer, kv_tokens=256, block_size=4)

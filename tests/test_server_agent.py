@@ -204,3 +204,35 @@ def test_a_schema_that_cannot_be_enforced_is_a_400_before_generation(server):
                                        response_format={"type": "json_schema",
                                                         "json_schema": {"name": "b", "schema": bad}})
     assert server.wait_idle()["sequences"] == []
+
+
+
+def test_stop_sequence_is_the_stop_string_the_engine_matched(tiny):
+    """The engine reports which stop string ended a request (RequestOutput.stop_string); /v1/messages' TurnState
+    passes it on as Anthropic's stop_sequence."""
+    from cortexstream.engine.engine import Engine
+    from cortexstream.server.agent_turn import TurnState
+    from cortexstream.server.jobs import EngineJob, RequestHandle, TokenEvent
+    from test_engine import random_prompts
+
+    model, tokenizer = tiny
+    prompt = random_prompts(6, seed=5, low=2, high=30)[2]  # seed 5: an output with printable text
+
+    def run(**kwargs):
+        engine = Engine(model, tokenizer, kv_tokens=1024, block_size=4)
+        rid = engine.add_request(prompt, max_tokens=25, **kwargs)
+        outs = []
+        while engine.has_unfinished:
+            outs += [o for o in engine.step() if o.request_id == rid]
+        return "".join(o.text for o in outs), outs[-1]
+
+    text, last = run()
+    assert last.stop_string is None
+    stop = text[4:7]
+    cut, last = run(stop=["never-written", stop, "neither"])
+    assert (last.finish_reason, last.stop_string, cut) == ("stop", stop, text[:text.index(stop)])
+
+    turn = TurnState(RequestHandle(EngineJob(["r"], [1], None), 0.0), 1, None)
+    turn.add(TokenEvent(0, 5, cut, None, None, 0.0))
+    turn.add(TokenEvent(0, 6, "", last.finish_reason, None, 0.0, stop_string=last.stop_string))
+    assert (turn.text, turn.stop_sequence) == (cut, stop)

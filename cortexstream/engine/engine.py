@@ -372,7 +372,7 @@ class Engine:
             del self._states[seq.request_id]
         return RequestOutput(
             seq.request_id, token_id, text, logprobs, len(seq.prompt_ids), len(seq.output_ids), reason,
-            ttft=seq.first_token_time - seq.arrival_time,
+            ttft=seq.first_token_time - seq.arrival_time, stop_string=state.text.stop_string,
         )
 
     def _final_output(self, seq: Sequence) -> RequestOutput:

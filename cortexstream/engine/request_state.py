@@ -25,6 +25,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     error: str | None = None
     ttft: float | None = None  # seconds from arrival to the first token
+    stop_string: str | None = None  # the stop string a 'stop' finish ended on (None: eos, or not finished)
 
     @property
     def finished(self) -> bool:

@@ -18,15 +18,14 @@ class TextStream:
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._emitted = 0
-        self.stopped = False
+        self.stop_string: str | None = None  # the stop string the text ended on
 
     def add_token(self, token: int) -> str:
-        """Feed one token; return the newly releasable text ('' if none). Sets `stopped` on a stop string."""
+        """Feed one token; return the newly releasable text ('' if none). Sets `stop_string` on a stop string."""
         self._detokenizer.add_token(token)
         text = self._detokenizer.text
         cut = self._find_stop(text)
         if cut is not None:
-            self.stopped = True
             return self._release(text, cut)
         return self._release(text, max(self._emitted, len(text) - self._hold))
 
@@ -38,9 +37,12 @@ class TextStream:
         text = self._detokenizer.text
         cut = self._find_stop(text)
         if cut is not None:
-            self.stopped = True
             return self._release(text, cut)
         return self._release(text, len(text))
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_string is not None
 
     @property
     def text(self) -> str:
@@ -50,10 +52,14 @@ class TextStream:
     _released = ""
 
     def _find_stop(self, text: str) -> int | None:
+        """Where the earliest stop string begins (recorded in `stop_string`), or None."""
         # Only the not-yet-released tail (plus overlap) can contain a new stop string.
         start = max(0, self._emitted - self._hold)
-        cuts = [i for i in (text.find(s, start) for s in self._stop) if i >= 0]
-        return min(cuts) if cuts else None
+        cuts = [(i, s) for s in self._stop if (i := text.find(s, start)) >= 0]
+        if not cuts:
+            return None
+        cut, self.stop_string = min(cuts, key=lambda pair: pair[0])
+        return cut
 
     def _release(self, text: str, upto: int) -> str:
         upto = max(upto, self._emitted)

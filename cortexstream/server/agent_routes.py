@@ -47,7 +47,7 @@ async def _start(request: Request, spec: ChatSpec, prefix: str, tenant: str | No
                                state.config.default_chat_max_tokens, state.tools)
     handle = await submit(state, prepared)
     parser = state.tools.parser() if prepared.parse_tools else None
-    return TurnState(handle, prepared.prompt_tokens, parser, spec.stop, state.token_text, state.eos_token_ids)
+    return TurnState(handle, prepared.prompt_tokens, parser)
 
 
 async def _collect(request: Request, turn: TurnState) -> None:
@@ -92,7 +92,7 @@ async def messages(body: AnthropicMessagesRequest, request: Request,
     message_id = new_message_id()
 
     def stop() -> tuple[Any, str | None]:
-        sequence = turn.stop_sequence()
+        sequence = turn.stop_sequence
         return anthropic_stop_reason(turn.finish_reason, bool(turn.tool_calls), sequence), sequence
 
     if not body.stream:

@@ -3,7 +3,7 @@ its parser found, the `StreamDelta`s to send, the counts for usage, and which st
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from cortexstream.engine.finish_reason import FinishReason
 from cortexstream.server.jobs import RequestHandle, TokenEvent
@@ -12,19 +12,15 @@ from cortexstream.server.tool_types import StreamDelta, TextDelta, ToolCall
 
 
 class TurnState:
-    def __init__(self, handle: RequestHandle, prompt_tokens: int, parser: Any, stops: tuple[str, ...],
-                 token_text: Callable[[int], str], eos_token_ids: Iterable[int]) -> None:
+    def __init__(self, handle: RequestHandle, prompt_tokens: int, parser: Any) -> None:
         self.handle = handle
         self.prompt_tokens = prompt_tokens
         self.parser = parser  # a ToolCallParser, or None when the text is not read for calls
-        self.stops = stops
-        self.token_text = token_text
-        self.eos_token_ids = set(eos_token_ids)
         self.raw_text = ""
         self.output_tokens = 0
         self.cached_tokens = 0
         self.finish_reason: FinishReason | None = None
-        self.last_token: int | None = None
+        self.stop_sequence: str | None = None  # the stop string that ended it (the engine cuts it from the text)
 
     @property
     def finished(self) -> bool:
@@ -39,7 +35,7 @@ class TurnState:
             self.cached_tokens = event.cached_tokens
         if event.token is not None:
             self.output_tokens += 1
-            self.last_token = event.token
+        self.stop_sequence = event.stop_string or self.stop_sequence
         self.raw_text += event.text
         deltas: list[StreamDelta] = []
         if self.parser is None:
@@ -60,18 +56,3 @@ class TurnState:
     @property
     def tool_calls(self) -> list[ToolCall]:
         return list(self.parser.calls) if self.parser is not None else []
-
-    def stop_sequence(self) -> str | None:
-        """The stop string that ended the completion (the engine cuts it from the text), or None (eos, length).
-        With several stop strings, the one the last token's text belongs to."""
-        if self.finish_reason != FinishReason.STOP or not self.stops or self.last_token in self.eos_token_ids:
-            return None
-        if self.last_token is None or len(self.stops) == 1:
-            return self.stops[0]
-        piece = self.token_text(self.last_token)
-        for stop in self.stops:
-            if piece and (piece in stop or stop in piece or any(stop.startswith(piece[i:]) or
-                                                                 stop.endswith(piece[:i])
-                                                                 for i in range(1, len(piece)))):
-                return stop
-        return self.stops[0]

@@ -39,7 +39,6 @@ class ServerState:
     started: int
     tools: ToolSupport
     response_store: ResponseStore
-    eos_token_ids: frozenset[int]
     draining: bool = False
 
 
@@ -73,7 +72,6 @@ def create_app(model: Any, tokenizer: Any, config: ServerConfig | None = None, e
         default_policy=parse_policy(config.kv_policy) if config.kv_policy else None,
         token_text=token_text_for(tokenizer), started=int(time.time()),
         tools=ToolSupport.for_tokenizer(tokenizer), response_store=ResponseStore(),
-        eos_token_ids=frozenset(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id]),
     )
 
     @contextlib.asynccontextmanager

@@ -18,6 +18,7 @@ import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Callable
 
 import mlx.core as mx
@@ -271,7 +272,7 @@ class EventLoopBridge:
                 values = logprobs[best].tolist()
                 top = tuple(sorted(zip(best.tolist(), values), key=lambda pair: -pair[1]))
         return TokenEvent(tracked.index, out.token, out.text, out.finish_reason, out.error, now, logprob, top,
-                          cached)
+                          cached, out.stop_string)
 
     # --- delivery (event loop) --------------------------------------------------------------------------------
     def _deliver(self, events: list[tuple[str, TokenEvent]]) -> None:
@@ -281,9 +282,7 @@ class EventLoopBridge:
                 continue  # its client is gone
             handle, index = entry
             if event.index != index:
-                event = TokenEvent(index, *[getattr(event, f) for f in
-                                            ("token", "text", "finish_reason", "error", "time", "logprob",
-                                             "top_logprobs", "cached_tokens")])
+                event = replace(event, index=index)
             if event.finish_reason is not None:
                 handle.unfinished.discard(index)
                 self._handles.pop(rid, None)

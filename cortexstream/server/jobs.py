@@ -24,6 +24,7 @@ class TokenEvent:
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache (first event only)
+    stop_string: str | None = None  # the stop string a 'stop' finish ended on
 
 
 @dataclass
