@@ -10,7 +10,6 @@ earlier turns re-rendered, so the prefix cache serves them while their blocks ar
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import APIRouter, Depends, Request
@@ -29,7 +28,7 @@ from cortexstream.server.openai_responses_stream import ResponsesStreamEncoder
 from cortexstream.server.openai_responses_translate import responses_conversation, responses_to_chat
 from cortexstream.server.prepare import check_model, prepare_spec
 from cortexstream.server.agent_prepare import prepare_turn
-from cortexstream.server.routes import check_capacity, next_events, race, require_tenant, submit, wait_disconnect
+from cortexstream.server.routes import check_capacity, collect, next_events, require_tenant, submit
 
 agent_router = APIRouter()
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -48,19 +47,6 @@ async def _start(request: Request, spec: ChatSpec, prefix: str, tenant: str | No
     handle = await submit(state, prepared)
     parser = state.tools.parser() if prepared.parse_tools else None
     return TurnState(handle, prepared.prompt_tokens, parser)
-
-
-async def _collect(request: Request, turn: TurnState) -> None:
-    disconnected = asyncio.ensure_future(wait_disconnect(request))
-    try:
-        while not turn.finished:
-            for event in await race(next_events(turn.handle), disconnected):
-                turn.add(event)
-    except BaseException:
-        _state(request).bridge.abort(turn.handle)
-        raise
-    finally:
-        disconnected.cancel()
 
 
 def _stream(request: Request, turn: TurnState, render: Callable[[Any], bytes], finish: Callable[[], bytes],
@@ -96,7 +82,7 @@ async def messages(body: AnthropicMessagesRequest, request: Request,
         return anthropic_stop_reason(turn.finish_reason, bool(turn.tool_calls), sequence), sequence
 
     if not body.stream:
-        await _collect(request, turn)
+        await collect(request, turn.handle, turn.add)
         reason, sequence = stop()
         return JSONResponse(anthropic_message(message_id, state.model_name, turn.text, turn.tool_calls, reason,
                                               turn.prompt_tokens, turn.output_tokens, sequence))
@@ -133,7 +119,7 @@ async def responses(body: ResponsesRequest, request: Request, tenant: str | None
                                         turn.tool_calls)
 
     if not body.stream:
-        await _collect(request, turn)
+        await collect(request, turn.handle, turn.add)
         remember()
         return JSONResponse(responses_body(response_id, state.model_name, echo, turn.text, turn.tool_calls,
                                            responses_status(turn.finish_reason), turn.prompt_tokens,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -111,13 +111,13 @@ async def _serve(request: Request, kind: str, body: Any, prepared: PreparedReque
                               prepared.prompt_tokens, state.token_text, want_logprobs,
                               state.tools.parser if prepared.parse_tools else None)
     handle = await submit(state, prepared)
-    disconnected = asyncio.ensure_future(wait_disconnect(request))
+    if not body.stream:
+        await collect(request, handle, builder.add)
+        return JSONResponse(builder.body())
+    disconnected = asyncio.ensure_future(_wait_disconnect(request))
     try:
-        if not body.stream:
-            await race(_collect(handle, builder), disconnected)
-            return JSONResponse(builder.body())
         # Wait for the first event before answering, so a request that fails at once gets a proper status.
-        first = await race(next_events(handle), disconnected)
+        first = await _race(next_events(handle), disconnected)
         entries = [(event, builder.add(event)) for event in first]
     except BaseException:
         state.bridge.abort(handle)
@@ -129,14 +129,14 @@ async def _serve(request: Request, kind: str, body: Any, prepared: PreparedReque
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def wait_disconnect(request: Request) -> None:
+async def _wait_disconnect(request: Request) -> None:
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
 
 
-async def race(work: Any, disconnected: asyncio.Future) -> Any:
+async def _race(work: Any, disconnected: asyncio.Future) -> Any:
     task = asyncio.ensure_future(work)
     done, _ = await asyncio.wait({task, disconnected}, return_when=asyncio.FIRST_COMPLETED)
     if task in done:
@@ -156,10 +156,23 @@ async def next_events(handle: RequestHandle) -> list[TokenEvent]:
     return events
 
 
-async def _collect(handle: RequestHandle, builder: ResponseBuilder) -> None:
+async def _drain(handle: RequestHandle, add: Callable[[TokenEvent], Any]) -> None:
     while not handle.finished:
         for event in await next_events(handle):
-            builder.add(event)
+            add(event)
+
+
+async def collect(request: Request, handle: RequestHandle, add: Callable[[TokenEvent], Any]) -> None:
+    """Every event of `handle` into `add` until it finishes (a whole, non-streamed answer); the request is aborted
+    if the client leaves or anything fails."""
+    disconnected = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await _race(_drain(handle, add), disconnected)
+    except BaseException:
+        _state(request).bridge.abort(handle)
+        raise
+    finally:
+        disconnected.cancel()
 
 
 async def _stream(state: Any, handle: RequestHandle, builder: ResponseBuilder,
