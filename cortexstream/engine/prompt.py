@@ -28,8 +28,7 @@ def prompt_to_tokens(tokenizer: Any, prompt: Any) -> list[int]:
         for i, message in enumerate(prompt):
             if "role" not in message or "content" not in message:
                 raise InvalidArgumentError(f"prompt: chat message {i} needs 'role' and 'content' keys")
-        tokens = tokenizer.apply_chat_template(repair_messages(list(prompt)), add_generation_prompt=True, tokenize=True)
-        return list(tokens["input_ids"] if isinstance(tokens, dict) else tokens)
+        return chat_tokens(tokenizer, prompt)
     if isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         limit = _vocab_size(tokenizer)
         bad = [t for t in prompt if t < 0 or t >= limit]
@@ -39,6 +38,21 @@ def prompt_to_tokens(tokenizer: Any, prompt: Any) -> list[int]:
     raise InvalidArgumentError(
         "prompt: expected a non-empty string, a list of token ids, or a list of {'role','content'} messages"
     )
+
+
+def chat_tokens(tokenizer: Any, messages: Sequence[dict], tools: list[dict] | None = None,
+                continue_final_message: bool = False) -> list[int]:
+    """Chat messages through the tokenizer's template: with a generation prompt, or continuing the last (assistant)
+    message; `tools` goes to the template's own `tools` argument."""
+    kwargs: dict[str, Any] = {"tokenize": True}
+    if continue_final_message:
+        kwargs.update(add_generation_prompt=False, continue_final_message=True)
+    else:
+        kwargs["add_generation_prompt"] = True
+    if tools:
+        kwargs["tools"] = tools
+    tokens = tokenizer.apply_chat_template(repair_messages(list(messages)), **kwargs)
+    return list(tokens["input_ids"] if isinstance(tokens, dict) else tokens)
 
 
 def _vocab_size(tokenizer: Any) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from cortexstream.engine.text_input import repair_messages
+from cortexstream.engine.prompt import chat_tokens
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.grammar.spec import GrammarSpec
 from cortexstream.server.chat_spec import ChatSpec
@@ -58,20 +58,12 @@ class PreparedTurn:
 
 
 def render(tokenizer: Any, spec: ChatSpec, with_tools: bool) -> list[int]:
-    kwargs: dict[str, Any] = {"tokenize": True}
-    if spec.continue_final_message:
-        kwargs.update(add_generation_prompt=False, continue_final_message=True)
-    else:
-        kwargs["add_generation_prompt"] = True
-    tools = spec.template_tools() if with_tools else None
-    if tools:
-        kwargs["tools"] = tools
     try:
-        tokens = tokenizer.apply_chat_template(repair_messages(list(spec.messages)), **kwargs)
+        return chat_tokens(tokenizer, spec.messages, spec.template_tools() if with_tools else None,
+                           spec.continue_final_message)
     except Exception as exc:  # noqa: BLE001 - a template that cannot render these messages is the client's input
         raise APIError(400, f"messages: the chat template failed: {type(exc).__name__}: {exc}",
                        param="messages") from exc
-    return list(tokens["input_ids"] if isinstance(tokens, dict) else tokens)
 
 
 def _checked(spec: GrammarSpec) -> GrammarSpec:
