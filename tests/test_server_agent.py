@@ -236,3 +236,34 @@ def test_stop_sequence_is_the_stop_string_the_engine_matched(tiny):
     turn.add(TokenEvent(0, 5, cut, None, None, 0.0))
     turn.add(TokenEvent(0, 6, "", last.finish_reason, None, 0.0, stop_string=last.stop_string))
     assert (turn.text, turn.stop_sequence) == (cut, stop)
+
+
+def test_a_request_that_finished_before_its_reader_started_is_read_whole():
+    """The engine may deliver every event of a request (so `RequestHandle.finished`) before the handler starts
+    reading them: the reader runs until it has taken the final events, so no answer loses its end (a 500 from
+    /v1/responses, or a chat body without its finish, before)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from cortexstream.engine.finish_reason import FinishReason
+    from cortexstream.server.jobs import EngineJob, RequestHandle, TokenEvent
+    from cortexstream.server.routes import collect
+
+    async def never_disconnects():
+        await asyncio.Event().wait()
+
+    async def main():
+        handle = RequestHandle(EngineJob(["a", "b"], [1], None), 0.0)
+        events = [TokenEvent(0, 5, "x", None, None, 0.0), TokenEvent(0, 6, "y", FinishReason.LENGTH, None, 0.0),
+                  TokenEvent(1, 7, "z", FinishReason.STOP, None, 0.0)]
+        for event in events:  # as the bridge delivers them
+            if event.finish_reason is not None:
+                handle.unfinished.discard(event.index)
+            handle.events.put_nowait(event)
+        assert handle.finished and not handle.all_read
+        seen = []
+        await collect(SimpleNamespace(receive=never_disconnects), handle, seen.append)
+        return handle, seen, events
+
+    handle, seen, events = asyncio.run(main())
+    assert seen == events and handle.all_read

@@ -58,10 +58,22 @@ class RequestHandle:
         self.job = job
         self.arrival = arrival
         self.events: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
-        self.unfinished = set(range(len(job.request_ids)))
+        self.unfinished = set(range(len(job.request_ids)))  # completions whose final event is not delivered yet
         self.last_time = [None] * len(job.request_ids)
         self.aborted = False
+        self._unread_finals = len(job.request_ids)  # final events the reader has not taken from `events` yet
 
     @property
     def finished(self) -> bool:
+        """Every completion's final event is delivered (some may still wait in `events`)."""
         return not self.unfinished
+
+    def mark_read(self, event: TokenEvent) -> None:
+        """The reader took `event` from `events`."""
+        if event.finish_reason is not None:
+            self._unread_finals -= 1
+
+    @property
+    def all_read(self) -> bool:
+        """Every completion's final event is delivered and taken: nothing more will come."""
+        return self._unread_finals <= 0

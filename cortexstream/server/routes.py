@@ -153,11 +153,13 @@ async def next_events(handle: RequestHandle) -> list[TokenEvent]:
     for event in events:
         if isinstance(event, BaseException):
             raise APIError(500, f"{event}", code="engine_error")
+        handle.mark_read(event)
     return events
 
 
 async def _drain(handle: RequestHandle, add: Callable[[TokenEvent], Any]) -> None:
-    while not handle.finished:
+    # Until the final events are read, not merely delivered: a request can finish before its reader starts.
+    while not handle.all_read:
         for event in await next_events(handle):
             add(event)
 
@@ -179,7 +181,7 @@ async def _stream(state: Any, handle: RequestHandle, builder: ResponseBuilder,
                   first: list[tuple[TokenEvent, Any]], include_usage: bool) -> AsyncIterator[bytes]:
     try:
         yield b"".join(builder.chunk(event, entry, include_usage) for event, entry in first)
-        while not handle.finished:
+        while not handle.all_read:
             events = await next_events(handle)
             yield b"".join(builder.chunk(event, builder.add(event), include_usage) for event in events)
         if include_usage:
