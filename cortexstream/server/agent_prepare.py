@@ -46,8 +46,9 @@ class ToolSupport:
             special = special_marker_ids(family, backend.to_str())
         return cls(family, special, registry)
 
-    def parser(self) -> ToolCallParser:
-        return self.registry.parser_for(self.family)
+    def parser(self, known_tools: tuple[str, ...] = ()) -> ToolCallParser:
+        """A parser for one completion; `known_tools`: the names of the tools the request offered."""
+        return self.registry.parser_for(self.family, known_tools)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class PreparedTurn:
     tokens: list[int]
     grammar: GrammarSpec | None
     parse_tools: bool  # the completion's text is read for tool calls
+    tool_names: tuple[str, ...] = ()  # the offered tools (a parser may read untagged calls to them)
 
 
 def render(tokenizer: Any, spec: ChatSpec, with_tools: bool) -> list[int]:
@@ -104,4 +106,5 @@ def prepare_turn(spec: ChatSpec, tokenizer: Any, support: ToolSupport) -> Prepar
                             "parse (Hermes/Qwen, Llama 3, Mistral, or a registered family)", param="tools")
     grammar = output_grammar(spec, support)
     tokens = render(tokenizer, spec, with_tools=use_tools)
-    return PreparedTurn(tokens, grammar, parse_tools=use_tools)
+    names = tuple(tool.name for tool in spec.tools) if use_tools else ()
+    return PreparedTurn(tokens, grammar, parse_tools=use_tools, tool_names=names)

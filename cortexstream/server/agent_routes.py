@@ -45,7 +45,7 @@ async def _start(request: Request, spec: ChatSpec, prefix: str, tenant: str | No
     prepared, _ = prepare_spec(spec, prefix, state.tokenizer, state.arena_limits, state.default_policy, tenant,
                                state.config.default_chat_max_tokens, state.tools)
     handle = await submit(state, prepared)
-    parser = state.tools.parser() if prepared.parse_tools else None
+    parser = state.tools.parser(prepared.tool_names) if prepared.parse_tools else None
     return TurnState(handle, prepared.prompt_tokens, parser)
 
 

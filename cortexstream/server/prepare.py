@@ -40,6 +40,7 @@ class PreparedRequest:
     response_id: str
     prompt_tokens: int
     parse_tools: bool = False  # read each completion's text for tool calls (see agent_prepare.py)
+    tool_names: tuple[str, ...] = ()  # the tools the request offered
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -153,6 +154,7 @@ def prepare_chat(request: ChatCompletionRequest, tokenizer: Any, arena: ArenaLim
     top = (request.top_logprobs or 0) if request.logprobs else None
     prepared = _job("chatcmpl", turn.tokens, sampling, request.n, policy, tenant, top)
     prepared.parse_tools = turn.parse_tools
+    prepared.tool_names = turn.tool_names
     return prepared
 
 
@@ -165,6 +167,7 @@ def prepare_spec(spec: ChatSpec, prefix: str, tokenizer: Any, arena: ArenaLimits
     max_tokens = _fit(len(turn.tokens), spec.max_tokens, default_max_tokens, 1, policy, arena)
     prepared = _job(prefix, turn.tokens, _sampling(spec, max_tokens, turn.grammar), 1, policy, tenant, None)
     prepared.parse_tools = turn.parse_tools
+    prepared.tool_names = turn.tool_names
     return prepared, turn
 
 

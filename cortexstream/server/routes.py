@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import APIRouter, Depends, Request
@@ -109,7 +110,7 @@ async def _serve(request: Request, kind: str, body: Any, prepared: PreparedReque
     want_logprobs = job.top_logprobs is not None
     builder = ResponseBuilder(kind, prepared.response_id, state.model_name, len(job.request_ids),
                               prepared.prompt_tokens, state.token_text, want_logprobs,
-                              state.tools.parser if prepared.parse_tools else None)
+                              partial(state.tools.parser, prepared.tool_names) if prepared.parse_tools else None)
     handle = await submit(state, prepared)
     if not body.stream:
         await collect(request, handle, builder.add)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Callable, Iterable, Union
 
 from cortexstream.server.tool_calls.hermes import HermesToolParser
 from cortexstream.server.tool_calls.llama3 import Llama3ToolParser
@@ -51,10 +51,11 @@ def detect_family(chat_template: str | None, model_type: str | None = None) -> T
     return None
 
 
-def parser_for(family: ToolFamily) -> ToolCallParser:
-    """A new parser for one completion in a built-in family's format."""
+def parser_for(family: ToolFamily, known_tools: Iterable[str] = ()) -> ToolCallParser:
+    """A new parser for one completion in a built-in family's format; `known_tools` (the offered tools' names)
+    lets the Hermes parser read calls written without their markers."""
     if family is ToolFamily.HERMES:
-        return HermesToolParser()
+        return HermesToolParser(known_tools=known_tools)
     if family is ToolFamily.LLAMA3:
         return Llama3ToolParser()
     if family in (ToolFamily.MISTRAL, ToolFamily.MISTRAL_ARGS):
@@ -103,9 +104,11 @@ class ToolParserRegistry:
                 return entry.name
         return detect_family(chat_template, model_type)
 
-    def parser_for(self, family: FamilyKey) -> ToolCallParser:
+    def parser_for(self, family: FamilyKey, known_tools: Iterable[str] = ()) -> ToolCallParser:
+        """A parser for one completion; a registered family's factory takes no arguments (`known_tools` is for
+        the built-in families)."""
         if isinstance(family, ToolFamily):
-            return parser_for(family)
+            return parser_for(family, known_tools)
         entry = self._registered.get(family)
         if entry is None:
             raise ValueError(f"family: no tool family {family!r}; known: "
