@@ -7,20 +7,16 @@ constrained runs, whose grammar forces the JSON, come out valid whenever they en
 
 from __future__ import annotations
 
-import copy
 import json
 import shlex
 import statistics
-from types import SimpleNamespace
 
-import jsonschema
 import pytest
 
 from cortexstream.benchmarks.structured import run
 from cortexstream.benchmarks.structured_measure import Verdict, judge, unfenced
 from cortexstream.benchmarks.structured_schemas import SCHEMA_CASES, schema_cases
-from cortexstream.benchmarks.structured_settings import StructuredSettings, ToolsMode, command_line, from_args
-from cortexstream.benchmarks.structured_tools import TOOL_CASES, TOOLS, ToolCase, renders_tools, score, tool_rows
+from cortexstream.benchmarks.structured_settings import StructuredSettings, command_line, from_args
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.grammar.spec import GrammarSpec
 
@@ -80,20 +76,11 @@ def test_the_schema_set_covers_the_keywords_compiles_and_always_ends():
     assert [c.name for c in schema_cases(3)] == [c.name for c in SCHEMA_CASES[:3]]
 
 
-def test_tool_cases_need_each_tool_and_their_schemas_are_bounded():
-    assert len(TOOL_CASES) >= 30
-    assert {c.expected for c in TOOL_CASES} == set(TOOLS)
-    assert {c.all_tools for c in TOOL_CASES} == {True, False}
-    for name, tool in TOOLS.items():
-        GrammarSpec.json_schema(tool["function"]["parameters"]).check()
-        assert _unbounded(tool["function"]["parameters"], name) == []
-
-
 # --- options --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("field, value, flag", [
     ("schemas", 0, "--schemas"), ("schemas", len(SCHEMA_CASES) + 1, "--schemas"), ("rounds", 0, "--rounds"),
     ("batch", 1, "--batch"), ("max_tokens", 0, "--max-tokens"), ("temperature", 0.0, "--temperature"),
-    ("tools", "sometimes", "--tools"), ("models", (), "--model")])
+    ("models", (), "--model")])
 def test_bad_options_are_refused_naming_the_flag(field, value, flag):
     with pytest.raises(InvalidArgumentError, match=flag):
         StructuredSettings(**{field: value})
@@ -103,10 +90,10 @@ def test_the_cli_registers_the_command_and_its_command_line_round_trips():
     from cortexstream.cli.main import build_parser
 
     words = ["bench", "structured", "--model", "a.gguf", "--model", "b", "--rounds", "2", "--schemas", "7",
-             "--tools", "off", "--out-dir", "somewhere"]
+             "--out-dir", "somewhere"]
     args = build_parser().parse_args(words)
     settings = from_args(args)
-    assert args.out == "somewhere" and settings.models == ("a.gguf", "b") and settings.tools is ToolsMode.OFF
+    assert args.out == "somewhere" and settings.models == ("a.gguf", "b") and settings.schemas == 7
     again = from_args(build_parser().parse_args(shlex.split(command_line(settings))[1:]))
     assert again == settings
 
@@ -139,7 +126,7 @@ def test_the_json_holds_every_part_as_written(results):
                      ("greedy", 8, False)}
     assert stored["settings"]["schema_names"] == [c.name for c in SCHEMA_CASES[:SMALL]]
     assert [t["status"] for t in stored["targets"]] in (["met"], ["missed"])
-    assert "cpu" in stored["machine"] and stored["peers"]["note"]
+    assert "cpu" in stored["machine"] and "tools" not in stored
 
 
 def test_validity_numbers_are_those_of_the_stored_outputs(results):
@@ -173,8 +160,6 @@ def test_mask_cost_compile_and_mask_rows(results):
     greedy = next(r for r in stored["validity"] if r["constrained"] and r["concurrency"] == 8
                   and r["decoding"] == "greedy")
     assert mask["tokens"] == greedy["tokens"] and 0 < mask["mask_us_p50"] <= mask["mask_us_p99"]
-    assert stored["tools"] == [{"model": "tiny", "skipped": stored["tools"][0]["skipped"]}]
-    assert "chat template renders no tools" in stored["tools"][0]["skipped"]
 
 
 def test_the_markdown_report(results):
@@ -182,59 +167,7 @@ def test_the_markdown_report(results):
     assert f"Command: `{stored['settings']['command']}`" in md
     assert stored["settings"]["command"].startswith("cortexstream bench structured") and "--schemas 5" in md
     for heading in ("## Targets", "## Validity", "## Mask cost", "## Grammar compile and host mask time",
-                    "## Tool calls", "## Peers"):
+                    ):
         assert heading in md
     assert "| tiny | greedy | 8 | no | 0/5 (0%) |" in md
-    assert "not run: its chat template renders no tools" in md and "Machine: " in md
-
-
-def test_tools_on_refuses_a_model_whose_template_renders_none(tiny, tmp_path):
-    model, tokenizer = tiny
-    with pytest.raises(InvalidArgumentError, match="--tools on"):
-        run(StructuredSettings(schemas=1, max_tokens=8, rounds=1, tools="on"), str(tmp_path),
-            loaded=[("tiny", model, tokenizer)], progress=False, log=lambda _: None)
-
-
-# --- tool calls -----------------------------------------------------------------------------------------------
-def _message(content="", calls=()):
-    return SimpleNamespace(content=content, tool_calls=[SimpleNamespace(function=SimpleNamespace(
-        name=name, arguments=arguments)) for name, arguments in calls])
-
-
-def test_score_tells_the_outcomes_apart():
-    case = ToolCase("weather in Oslo?", "get_weather", all_tools=True)
-    good = '{"city": "Oslo", "unit": "celsius"}'
-    assert score(case, _message(calls=[("get_weather", good)]), "tool_calls")["outcome"] == "correct"
-    assert score(case, _message(calls=[("get_time", '{"location": "Oslo"}')]), "tool_calls")["outcome"] == \
-        "wrong_function"
-    assert score(case, _message(calls=[("get_weather", '{"city": "Oslo", "unit": "kelvin"}')]),
-                 "tool_calls")["outcome"] == "invalid_arguments"
-    assert score(case, _message(calls=[("get_weather", good)] * 2), "tool_calls")["outcome"] == "extra_calls"
-    bare = '```json\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n```'
-    assert score(case, _message(bare), "stop")["outcome"] == "untagged_call"
-    assert score(case, _message("It is sunny."), "stop")["outcome"] == "no_call"
-
-
-def test_tool_calls_over_http_on_a_template_that_renders_tools(tiny):
-    from test_server_agent import HERMES_TEMPLATE
-
-    model, tokenizer = tiny
-    hermes = copy.copy(tokenizer)  # the wrapper only: the session's tokenizer keeps its own template
-    hermes._tokenizer = copy.copy(tokenizer._tokenizer)
-    hermes._tokenizer.chat_template = HERMES_TEMPLATE
-    assert renders_tools(hermes) and not renders_tools(tokenizer)
-    cases = TOOL_CASES[:4]
-    rows = tool_rows(model, hermes, "tiny", cases, max_tokens=96, workers=4, progress=False)
-    assert [r["tool_choice"] for r in rows] == ["auto", "required"]
-    for row in rows:
-        answers = row["answers"]
-        assert [a["prompt"] for a in answers] == [c.prompt for c in cases]
-        assert sum(row["outcomes"].values()) == len(cases) == sum(row["finish_reasons"].values())
-        assert row["correct"] == sum(a["outcome"] == "correct" for a in answers)
-        for a in answers:
-            if a["outcome"] == "correct":
-                jsonschema.validate(json.loads(a["arguments"]), TOOLS[a["expected"]]["function"]["parameters"])
-    required = rows[1]["answers"]
-    # the grammar makes every completion under "required" that is not cut short a call
-    assert all(a["calls"] == 1 for a in required if a["finish_reason"] != "length")
-    assert any(a["finish_reason"] == "tool_calls" for a in required)
+    assert "cortexstream bench tools" in md and "Machine: " in md

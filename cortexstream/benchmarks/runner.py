@@ -24,8 +24,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
             "C2C fusion: held-out quality (same model, cross-model) and handoff latency"),
     "kv-dtype": ("cortexstream.benchmarks.kv_dtype", "quality, memory and speed of int8/int4/float16 KV"),
     "serve": ("cortexstream.benchmarks.serve", "cortexstream serve vs mlx_lm.server over HTTP (3 workloads)"),
-    "structured": ("cortexstream.benchmarks.structured",
-                   "JSON-schema validity, grammar mask cost and compile time, tool calls over HTTP"),
+    "structured": ("cortexstream.benchmarks.structured", "JSON-schema validity, grammar mask cost and compile time"),
+    "tools": ("cortexstream.benchmarks.tool_bench",
+              "tool calls and enforced JSON schemas over HTTP, beside mlx_lm.server and the peers"),
 }
 
 

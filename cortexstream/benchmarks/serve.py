@@ -54,7 +54,8 @@ def machine_line() -> str:
     return f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, {blas}"
 
 
-def _convert(source: str | None, out_dir: Path) -> None:
+def convert_to_mlx_lm(source: str | None, out_dir: Path) -> None:
+    """`cortexstream convert SOURCE OUT_DIR` in a subprocess (SmolLM2 when SOURCE is None)."""
     cmd = [sys.executable, "-m", "cortexstream.cli.main", "convert", source or "smollm2-135m", str(out_dir)]
     run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if run.returncode != 0:
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         model_dir = work / "model"
         print(f"[bench serve] converting {args.model or 'smollm2-135m'} to an mlx-lm directory", flush=True)
-        _convert(args.model, model_dir)
+        convert_to_mlx_lm(args.model, model_dir)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         workloads = [w for w in build_workloads(tokenizer, args.seed, args.quick, args.rate) if w.name in wanted]
         result: dict[str, Any] = {

@@ -52,7 +52,10 @@ class Peer(str, Enum):
 @dataclass(frozen=True)
 class Launch:
     """How to start one server. `kv_tokens`, `kv_dtype`, `kv_group_size`: cortexstream's arena size and storage
-    (None: its default storage); `python` and `kv_bits`: a peer's venv interpreter and KV quantization bits."""
+    (None: its default storage); `python` and `kv_bits`: a peer's venv interpreter and KV quantization bits;
+    `tool_parser`: the tool-call parser a peer that parses calls only on request is started with (vllm-mlx,
+    rapid-mlx: `--enable-auto-tool-choice --tool-call-parser NAME`; cortexstream and mlx_lm.server pick theirs
+    from the chat template)."""
 
     system: str
     kv_tokens: int | None
@@ -61,6 +64,7 @@ class Launch:
     kv_group_size: int | None = None
     python: str | None = None
     kv_bits: int | None = None
+    tool_parser: str | None = None
 
     def __post_init__(self) -> None:
         peers = [p.value for p in Peer]
@@ -77,6 +81,8 @@ class Launch:
                 raise ValueError(f"kv_bits: {self.kv_bits!r} must be one of {PEER_KV_BITS} or None")
         elif self.python is not None or self.kv_bits is not None:
             raise ValueError(f"python / kv_bits: only peers take them, not {self.system}")
+        if self.tool_parser is not None and self.system not in (Peer.VLLM_MLX.value, Peer.RAPID_MLX.value):
+            raise ValueError(f"tool_parser: only vllm_mlx and rapid_mlx take one, not {self.system}")
 
     @property
     def label(self) -> str:
@@ -130,6 +136,8 @@ def command(launch: Launch, model_dir: str, port: int) -> list[str]:
                 "WARNING"]
     peer = Peer(launch.system)
     script, flags = str(peer_script(launch.python or "", peer)), peer.kv_flags(launch.kv_bits)
+    if launch.tool_parser is not None:
+        flags += ["--enable-auto-tool-choice", "--tool-call-parser", launch.tool_parser]
     if peer is Peer.MLX_VLM:
         return [script, "--host", "127.0.0.1", "--port", str(port), "--model", model_dir, "--max-num-seqs",
                 str(launch.max_num_seqs), *flags]

@@ -7,9 +7,8 @@ For every model given (SmolLM2-135M by default):
   own schema; the fraction of outputs that `json.loads` parses and `jsonschema` accepts, and the 'length' finishes.
   The same prompts unconstrained (greedy, `--batch` at once) are the baseline;
 - mask cost (`structured_speed`): decode tokens/s at batch `--batch` with every request constrained vs free, the
-  order alternating over `--rounds`; compile time per schema and `warm()`; host time of one mask per token;
-- tool calls (`structured_tools`, `--tools`): through the real HTTP server with the `openai` SDK, tool_choice "auto"
-  and "required", for models whose chat template renders tools (a note for the others).
+  order alternating over `--rounds`; compile time per schema and `warm()`; host time of one mask per token.
+Tool calls, and json_schema beside the peer servers, are `bench tools` (`tool_bench`).
 Writes `<out>/structured.json` (rewritten after every cell) and `structured.md` (`structured_report`).
 """
 
@@ -17,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import os
-import shutil
 import time
 from typing import Any, Callable, Sequence
 
@@ -27,16 +24,12 @@ from cortexstream.benchmarks.common import show_report, write_report
 from cortexstream.benchmarks.result_store import ResultStore
 from cortexstream.benchmarks.structured_report import markdown, targets
 from cortexstream.benchmarks.structured_schemas import SchemaCase, schema_cases
-from cortexstream.benchmarks.structured_settings import (Decoding, StructuredSettings, ToolsMode, add_arguments,
-                                                         command_line, from_args)
-from cortexstream.errors import InvalidArgumentError
+from cortexstream.benchmarks.structured_settings import (Decoding, StructuredSettings, add_arguments, command_line,
+                                                         from_args)
 
 NAME = "structured"
-STORE_PARTS = ("validity", "mask_cost", "compile", "host_mask", "tools", "runs")
+STORE_PARTS = ("validity", "mask_cost", "compile", "host_mask", "runs")
 DEFAULT_MODEL = "SmolLM2-135M-Instruct (default)"
-PEERS = {"mlx_lm.server": ("mlx_lm.server", None), "vllm-mlx": ("vllm_mlx", "vllm-mlx"),
-         "rapid-mlx": ("rapid_mlx", "rapid-mlx")}  # name -> (module, command)
-
 Loaded = tuple[str, Any, Any]  # (name in the results, model, tokenizer)
 
 
@@ -46,48 +39,14 @@ def model_name(source: str | None) -> str:
     return DEFAULT_MODEL if source is None else neutral_source(source)
 
 
-def peers() -> dict[str, Any]:
-    """Which peer servers this machine has; none of them is driven by this benchmark (no numbers for them)."""
-    def found(module: str, command: str | None) -> bool:
-        try:
-            spec = importlib.util.find_spec(module)
-        except ModuleNotFoundError:
-            spec = None
-        return spec is not None or (command is not None and shutil.which(command) is not None)
-
-    installed = {name: found(*where) for name, where in PEERS.items()}
-    have = [n for n, ok in installed.items() if ok]
-    lack = [n for n, ok in installed.items() if not ok]
-    note = ("No peer was measured: this benchmark drives CortexStream only, and reports no numbers for servers it "
-            "did not run. " + (f"Not installed here: {', '.join(lack)}. " if lack else "")
-            + (f"Installed but not driven: {', '.join(have)}." if have else ""))
-    return {"installed": installed, "note": note.strip()}
-
-
-def _tools_decision(mode: ToolsMode, tokenizer: Any, name: str) -> str | None:
-    """None: run the tool part for this model; else why not (an error for `--tools on`)."""
-    from cortexstream.benchmarks.structured_tools import renders_tools
-
-    if mode is ToolsMode.OFF:
-        return "--tools off"
-    if renders_tools(tokenizer):
-        return None
-    reason = "its chat template renders no tools (the server refuses tools for it)"
-    if mode is ToolsMode.ON:
-        raise InvalidArgumentError(f"--tools on: {name}: {reason}; use --tools auto or off")
-    return reason
-
-
 def measure_model(loaded: Loaded, cases: Sequence[SchemaCase], s: StructuredSettings, results: ResultStore, *,
                   progress: bool, log: Callable[[str], None]) -> None:
     from cortexstream.benchmarks.structured_measure import validity_cell
     from cortexstream.benchmarks.structured_speed import compile_and_mask, mask_cost
-    from cortexstream.benchmarks.structured_tools import TOOL_CASES, tool_rows
     from cortexstream.engine.engine import Engine
     from cortexstream.engine.prompt import prompt_to_tokens
 
     name, model, tokenizer = loaded
-    skip_tools = _tools_decision(s.tools, tokenizer, name)  # `--tools on` refused before anything is measured
     prompts = [prompt_to_tokens(tokenizer, case.messages()) for case in cases]
     schemas = [case.schema for case in cases]
     engine = Engine(model, tokenizer, kv_tokens=s.batch * (max(map(len, prompts)) + s.max_tokens + 32),
@@ -114,14 +73,6 @@ def measure_model(loaded: Loaded, cases: Sequence[SchemaCase], s: StructuredSett
         f"mask p50 {mask_row['mask_us_p50']:.0f} µs")
     results.add("mask_cost", mask_cost(model, tokenizer, name, prompts, schemas, batch=s.batch,
                                        max_tokens=s.max_tokens, rounds=s.rounds, progress=progress, log=log))
-    if skip_tools is not None:
-        log(f"{name}: tool calls not run: {skip_tools}")
-        results.add("tools", {"model": name, "skipped": skip_tools})
-        return
-    for row in tool_rows(model, tokenizer, name, TOOL_CASES, max_tokens=s.tool_max_tokens, workers=s.batch,
-                         progress=progress):
-        results.add("tools", row)
-        log(f"{name} tools {row['tool_choice']}: {row['correct']}/{row['cases']} right calls")
 
 
 def run(settings: StructuredSettings = StructuredSettings(), out_dir: str = "bench/results", *,
@@ -134,10 +85,9 @@ def run(settings: StructuredSettings = StructuredSettings(), out_dir: str = "ben
     recorded = {"command": command_line(s), "model_names": names, "schemas": len(cases),
                 "schema_names": [c.name for c in cases], "max_tokens": s.max_tokens, "batch": s.batch,
                 "concurrencies": list(s.concurrencies), "rounds": s.rounds, "temperature": s.temperature,
-                "seed": s.seed, "tools": s.tools.value, "tool_max_tokens": s.tool_max_tokens}
+                "seed": s.seed}
     os.makedirs(out_dir, exist_ok=True)
     results = ResultStore(os.path.join(out_dir, f"{NAME}.json"), NAME, recorded, STORE_PARTS, resume=False)
-    results.data["peers"] = peers()
     started = time.perf_counter()
     if loaded is not None:
         for entry in loaded:
@@ -173,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     return run_as_script(__doc__, add_arguments, run_from_args, argv, "python -m cortexstream.benchmarks.structured")
 
 
-__all__ = ["add_arguments", "main", "measure_model", "peers", "run", "run_from_args"]
+__all__ = ["add_arguments", "main", "measure_model", "run", "run_from_args"]
 
 
 if __name__ == "__main__":

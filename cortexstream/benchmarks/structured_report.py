@@ -77,19 +77,6 @@ def _host(compiles: list[dict[str, Any]], masks: list[dict[str, Any]]) -> list[s
     return out
 
 
-def _tools(rows: list[dict[str, Any]]) -> list[str]:
-    out = ["| model | tool_choice | right call, valid arguments | outcomes | finish reasons | seconds |",
-           "|---|---|---:|---|---|---:|"]
-    notes = []
-    for r in rows:
-        if r.get("skipped"):
-            notes.append(f"- {r['model']}: not run: {r['skipped']}")
-            continue
-        out.append(f"| {r['model']} | {r['tool_choice']} | {_pct(r['correct'], r['cases'])} | "
-                   f"{_counts(r['outcomes'])} | {_counts(r['finish_reasons'])} | {r['seconds']:.1f} |")
-    return (out if len(out) > 2 else []) + ([""] if len(out) > 2 and notes else []) + notes
-
-
 def markdown(data: dict[str, Any]) -> str:
     s = data["settings"]
     out = ["# Structured output (`cortexstream bench structured`)", "", f"Command: `{s['command']}`", "",
@@ -124,11 +111,8 @@ def markdown(data: dict[str, Any]) -> str:
             "A fresh `GrammarCompiler`: `warm()` once, then `constraint(GrammarSpec.json_schema(s))` per schema; "
             "the mask time is `allowed(vocab)` + `consume(token)` per token of an engine output, fed to a fresh "
             "constraint.", ""] + _host(data["compile"], data["host_mask"]) + [""]
-    out += ["## Tool calls", "",
-            "Through the HTTP server with the `openai` SDK, greedy, `parallel_tool_calls=false`: a case counts when "
-            "the answer calls the function its prompt needs with arguments valid against its schema.", ""]
-    out += _tools(data["tools"]) or ["No model was run."]
-    out += ["", "## Peers", "", data["peers"]["note"], ""]
+    out += ["Tool calls, and json_schema requests to the peer servers, are measured by `cortexstream bench tools` "
+            "(`tools.md`).", ""]
     for run in data.get("runs", []):
         seconds = run["seconds"]
         out.append(f"Run: {seconds / 60:.1f} min." if seconds >= 60 else f"Run: {seconds:.0f} s.")

@@ -16,12 +16,6 @@ class Decoding(str, enum.Enum):
     SAMPLED = "sampled"  # at `temperature`, every request seeded
 
 
-class ToolsMode(str, enum.Enum):
-    AUTO = "auto"  # on for models whose chat template renders tools, a note for the others
-    ON = "on"  # every model: a model whose template renders none is an error
-    OFF = "off"
-
-
 @dataclass(frozen=True)
 class StructuredSettings:
     """`models`: sources for `cortexstream.load` (None: the default SmolLM2). `schemas`: how many of the schema set
@@ -34,13 +28,11 @@ class StructuredSettings:
     batch: int = 8
     temperature: float = 0.7
     seed: int = 0
-    tools: ToolsMode = ToolsMode.AUTO
-    tool_max_tokens: int = 192
 
     def __post_init__(self) -> None:
         if not self.models:
             raise InvalidArgumentError("--model: give at least one model")
-        for name in ("rounds", "max_tokens", "batch", "tool_max_tokens"):
+        for name in ("rounds", "max_tokens", "batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"--{name.replace('_', '-')}: {value!r} must be an integer >= 1")
@@ -54,11 +46,6 @@ class StructuredSettings:
             raise InvalidArgumentError(f"--temperature: {self.temperature!r} must be in (0, 2]")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise InvalidArgumentError(f"--seed: {self.seed!r} must be an integer")
-        try:
-            object.__setattr__(self, "tools", ToolsMode(self.tools))
-        except ValueError:
-            raise InvalidArgumentError(f"--tools: {self.tools!r} must be one of "
-                                       f"{', '.join(m.value for m in ToolsMode)}") from None
 
     @property
     def concurrencies(self) -> tuple[int, int]:
@@ -78,9 +65,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=d.batch, help="requests in the engine at once")
     parser.add_argument("--temperature", type=float, default=d.temperature, help="temperature of the sampled runs")
     parser.add_argument("--seed", type=int, default=d.seed, help="seed of request i in the sampled runs: seed + i")
-    parser.add_argument("--tools", default=d.tools.value, choices=[m.value for m in ToolsMode],
-                        help="tool-call part over HTTP (auto: for models whose chat template renders tools)")
-    parser.add_argument("--tool-max-tokens", type=int, default=d.tool_max_tokens)
     parser.add_argument("--out-dir", "--out", dest="out", default="bench/results", metavar="DIR",
                         help="output folder")
 
@@ -88,8 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def from_args(args: argparse.Namespace) -> StructuredSettings:
     return StructuredSettings(models=tuple(args.model) if args.model else (None,), rounds=args.rounds,
                               max_tokens=args.max_tokens, schemas=args.schemas, batch=args.batch,
-                              temperature=args.temperature, seed=args.seed, tools=args.tools,
-                              tool_max_tokens=args.tool_max_tokens)
+                              temperature=args.temperature, seed=args.seed)
 
 
 def command_line(s: StructuredSettings) -> str:
@@ -100,12 +83,10 @@ def command_line(s: StructuredSettings) -> str:
     for model in s.models:
         if model is not None:
             words += ["--model", neutral_source(model)]
-    for name in ("rounds", "max_tokens", "schemas", "batch", "temperature", "seed", "tool_max_tokens"):
+    for name in ("rounds", "max_tokens", "schemas", "batch", "temperature", "seed"):
         if getattr(s, name) != getattr(d, name):
             words += [f"--{name.replace('_', '-')}", str(getattr(s, name))]
-    if s.tools is not d.tools:
-        words += ["--tools", s.tools.value]
     return shlex.join(words)
 
 
-__all__ = ["Decoding", "StructuredSettings", "ToolsMode", "add_arguments", "command_line", "from_args"]
+__all__ = ["Decoding", "StructuredSettings", "add_arguments", "command_line", "from_args"]

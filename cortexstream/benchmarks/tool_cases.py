@@ -1,27 +1,20 @@
-"""Tool calls for `bench structured`: prompts that each clearly need one tool, sent through the real HTTP server
-(`cortexstream.server.create_app` under uvicorn on 127.0.0.1, an ephemeral port) with the `openai` SDK.
+"""The prompts and tools of `bench tools`, how one answer is scored, and how a case set is asked of a server.
 
-A case counts when the response holds a call (`message.tool_calls`, OpenAI format) to the right function whose
-arguments parse as JSON and validate against that tool's parameter schema; no call, the wrong function, arguments
-that fail, and the finish reasons are counted too, and so is a text answer that is the right call written as bare
-JSON without the template's call markers ("untagged_call": no parser reads it, so no client sees a call). Half the cases offer only the tool they need, half offer all
-six. Run for `tool_choice` "auto" (the text is parsed for calls) and "required" (a grammar makes the completion a
-call), greedy, one call per answer (`parallel_tool_calls=false`). Only models whose chat template renders tools can
-take part: the server refuses tools for the others.
+Each prompt clearly needs one of six tools. A case counts when the response holds a call (`message.tool_calls`,
+OpenAI format) to the right function whose arguments parse as JSON and validate against that tool's parameter
+schema; no call, the wrong function, arguments that fail, an HTTP error and the finish reasons are counted too, and
+so is a text answer that is the right call written as bare JSON that the server did not read as a call
+("untagged_call": no client sees a call). Half the cases offer only the tool they need, half offer all six.
 """
 
 from __future__ import annotations
 
 import json
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from cortexstream.benchmarks.structured_schemas import CURRENCY, DATE, CLOCK, choice, obj, pattern, real, text, whole
 
-MODEL_NAME = "bench"
 TOOL_CHOICES = ("auto", "required")
 
 
@@ -90,36 +83,6 @@ def renders_tools(tokenizer: Any) -> bool:
     return ToolSupport.for_tokenizer(tokenizer).family is not None
 
 
-class LiveServer:
-    """`create_app(model, tokenizer)` served by uvicorn on 127.0.0.1 (an ephemeral port) in a daemon thread."""
-
-    def __init__(self, model: Any, tokenizer: Any, kv_tokens: int, max_num_seqs: int) -> None:
-        import uvicorn
-
-        from cortexstream.server import ServerConfig, create_app
-
-        app = create_app(model, tokenizer, ServerConfig(model_name=MODEL_NAME, kv_tokens=kv_tokens,
-                                                        max_num_seqs=max_num_seqs))
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    lifespan="on", timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.url = ""
-
-    def __enter__(self) -> "LiveServer":
-        self.thread.start()
-        deadline = time.time() + 60
-        while not self.server.started:
-            if time.time() > deadline or not self.thread.is_alive():
-                raise RuntimeError("bench structured: the server did not start")
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
 def _untagged_call(content: str, expected: str) -> bool:
     """Whether a text answer is the right call written as bare JSON (no call markers, so no parser reads it)."""
     from cortexstream.benchmarks.structured_measure import unfenced
@@ -157,35 +120,4 @@ def score(case: ToolCase, message: Any, finish_reason: str) -> dict[str, Any]:
     return row
 
 
-def tool_rows(model: Any, tokenizer: Any, model_name: str, cases: Sequence[ToolCase], *, max_tokens: int,
-              workers: int, progress: bool = True) -> list[dict[str, Any]]:
-    """One row per tool_choice: the fraction of `cases` answered with the right, schema-valid call."""
-    import openai
-    from tqdm import tqdm
-
-    rows = []
-    with LiveServer(model, tokenizer, kv_tokens=workers * (2048 + max_tokens), max_num_seqs=workers) as live:
-        client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=600)
-        for tool_choice in TOOL_CHOICES:
-            def ask(case: ToolCase, tool_choice: str = tool_choice) -> dict[str, Any]:
-                out = client.chat.completions.create(
-                    model=MODEL_NAME, messages=[{"role": "user", "content": case.prompt}], tools=case.tools(),
-                    tool_choice=tool_choice, parallel_tool_calls=False, temperature=0.0, max_tokens=max_tokens)
-                return score(case, out.choices[0].message, out.choices[0].finish_reason)
-
-            tic = time.perf_counter()
-            with ThreadPoolExecutor(workers) as pool:
-                answers = list(tqdm(pool.map(ask, cases), total=len(cases), unit="req", leave=False,
-                                    desc=f"{model_name} tools {tool_choice}", disable=not progress))
-            outcomes = [a["outcome"] for a in answers]
-            reasons = [a["finish_reason"] for a in answers]
-            correct = outcomes.count("correct")
-            rows.append({"model": model_name, "tool_choice": tool_choice, "cases": len(cases),
-                         "correct": correct, "correct_fraction": correct / len(cases),
-                         "outcomes": {o: outcomes.count(o) for o in sorted(set(outcomes))},
-                         "finish_reasons": {r: reasons.count(r) for r in sorted(set(reasons))},
-                         "seconds": round(time.perf_counter() - tic, 2), "answers": answers})
-    return rows
-
-
-__all__ = ["TOOLS", "TOOL_CASES", "TOOL_CHOICES", "LiveServer", "ToolCase", "renders_tools", "score", "tool_rows"]
+__all__ = ["TOOLS", "TOOL_CASES", "TOOL_CHOICES", "ToolCase", "renders_tools", "score"]
