@@ -142,3 +142,22 @@ def test_a_whole_run_on_a_subprocess_server(tiny_gguf, tmp_path):
                     "## Servers"):
         assert heading in md
     assert f"| cortexstream auto | auto | 0/{len(TOOL_CASES)} (0%) | http_400 {len(TOOL_CASES)} |" in md
+
+
+def test_peer_variants_are_parsed_labelled_and_need_their_peer(tmp_path):
+    from cortexstream.benchmarks.tool_bench import parse_variants
+
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    python.write_text("")
+    variants = parse_variants(["rapid-mlx:RAPID_MLX_CONSTRAIN_TOOLS=0"])
+    assert variants == ((Peer.RAPID_MLX, "RAPID_MLX_CONSTRAIN_TOOLS", "0"),)
+    settings = ToolBenchSettings(systems=(), peers={Peer.RAPID_MLX: str(python)}, variants=variants)
+    labels = [launch.label for launch in settings.launches()]
+    assert labels == ["rapid_mlx", "rapid_mlx RAPID_MLX_CONSTRAIN_TOOLS=0"]
+    assert all(launch.fresh_home and launch.tool_parser == "hermes" for launch in settings.launches())
+    with pytest.raises(InvalidArgumentError, match="--peer-variant"):
+        ToolBenchSettings(variants=variants)
+    for bad in ("rapid_mlx", "rapid_mlx:=1", "nope:A=1"):
+        with pytest.raises(InvalidArgumentError, match="--peer-variant"):
+            parse_variants([bad])

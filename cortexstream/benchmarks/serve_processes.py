@@ -55,7 +55,9 @@ class Launch:
     (None: its default storage); `python` and `kv_bits`: a peer's venv interpreter and KV quantization bits;
     `tool_parser`: the tool-call parser a peer that parses calls only on request is started with (vllm-mlx,
     rapid-mlx: `--enable-auto-tool-choice --tool-call-parser NAME`; cortexstream and mlx_lm.server pick theirs
-    from the chat template)."""
+    from the chat template); `env`: extra environment variables for the server (a peer's own switches), shown in
+    its label; `fresh_home`: HOME is a new empty folder, so nothing a peer keeps on disk between runs (vllm-mlx
+    saves its prefix cache under ~/.cache at exit and loads it at start) carries into this one."""
 
     system: str
     kv_tokens: int | None
@@ -65,6 +67,8 @@ class Launch:
     python: str | None = None
     kv_bits: int | None = None
     tool_parser: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    fresh_home: bool = False
 
     def __post_init__(self) -> None:
         peers = [p.value for p in Peer]
@@ -89,9 +93,10 @@ class Launch:
         """How the report names this server."""
         if self.system == "cortexstream":
             return f"cortexstream {self.kv_dtype or 'auto'}"
+        extra = "".join(f" {key}={value}" for key, value in self.env)
         if self.system == "mlx_lm":
-            return "mlx_lm.server"
-        return self.system  # the report shows a peer's KV flags beside its name
+            return "mlx_lm.server" + extra
+        return self.system + extra  # the report shows a peer's KV flags beside its name
 
     @property
     def request_model(self) -> str | None:
@@ -210,7 +215,10 @@ def start_server(launch: Launch, model_dir: str, log_dir: Path, timeout: float =
     """Start `launch` on an ephemeral port and wait until it answers /v1/models (or /health)."""
     system = launch.system
     port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **_blas_env(system), **peer_env(system)}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **_blas_env(system), **peer_env(system),
+           **dict(launch.env)}
+    if launch.fresh_home:
+        env["HOME"] = tempfile.mkdtemp(prefix="home-", dir=log_dir)
     # mlx_lm.server lists models from the hub cache and answers /v1/models only when that directory exists.
     Path(os.path.expanduser("~/.cache/huggingface/hub")).mkdir(parents=True, exist_ok=True)
     log = log_dir / (launch.label.replace(" ", "_").replace("/", "_").replace("=", "-") + ".log")

@@ -41,6 +41,7 @@ class ToolBenchSettings:
     model_dir: str | None = None
     systems: tuple[str, ...] = OWN_SYSTEMS
     peers: dict[Peer, str] = field(default_factory=dict)
+    variants: tuple[tuple[Peer, str, str], ...] = ()  # (peer, variable, value): one more run of a given peer
     tool_parser: str = "hermes"
     workers: int = 4
     max_tokens: int = 192
@@ -68,13 +69,16 @@ class ToolBenchSettings:
             raise InvalidArgumentError(f"--model-dir: {self.model_dir} has no config.json (not an mlx-lm directory)")
         if not self.timeout > 0:
             raise InvalidArgumentError(f"--timeout: {self.timeout!r} must be > 0")
+        for peer, _, _ in self.variants:
+            if peer not in self.peers:
+                raise InvalidArgumentError(f"--peer-variant: {peer} has no --peer-python")
 
     def launches(self) -> list[Launch]:
         out = [Launch(s, self.kv_tokens if s == "cortexstream" else None, self.workers) for s in self.systems]
         tool_peers = (Peer.VLLM_MLX, Peer.RAPID_MLX)
-        return out + [Launch(peer.value, None, self.workers, python=python,
-                             tool_parser=self.tool_parser if peer in tool_peers else None)
-                      for peer, python in self.peers.items()]
+        runs = [(peer, ()) for peer in self.peers] + [(peer, ((key, value),)) for peer, key, value in self.variants]
+        return out + [Launch(peer.value, None, self.workers, python=self.peers[peer], env=env, fresh_home=True,
+                             tool_parser=self.tool_parser if peer in tool_peers else None) for peer, env in runs]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--systems", default=",".join(d.systems), help="comma-separated: cortexstream, mlx_lm")
     parser.add_argument("--peer-python", action="append", default=None, metavar="NAME=PYTHON",
                         help="a peer server from its own venv (repeatable): vllm_mlx, rapid_mlx, mlx_vlm")
+    parser.add_argument("--peer-variant", action="append", default=None, metavar="NAME:VAR=VALUE",
+                        help="one more run of a peer with an environment variable set (repeatable), e.g. "
+                             "rapid_mlx:RAPID_MLX_CONSTRAIN_TOOLS=0")
     parser.add_argument("--tool-parser", default=d.tool_parser, help="tool-call parser vllm-mlx/rapid-mlx start with")
     parser.add_argument("--workers", type=int, default=d.workers, help="requests in flight per server")
     parser.add_argument("--max-tokens", type=int, default=d.max_tokens, help="max_tokens of a tool request")
@@ -99,9 +106,26 @@ def from_args(args: argparse.Namespace) -> ToolBenchSettings:
 
     systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
     return ToolBenchSettings(model=args.model, model_dir=args.model_dir, systems=systems,
-                             peers=parse_peer_pythons(args.peer_python), tool_parser=args.tool_parser,
+                             peers=parse_peer_pythons(args.peer_python),
+                             variants=parse_variants(args.peer_variant), tool_parser=args.tool_parser,
                              workers=args.workers, max_tokens=args.max_tokens, schemas=args.schemas,
                              schema_max_tokens=args.schema_max_tokens, timeout=args.timeout)
+
+
+def parse_variants(items: list[str] | None) -> tuple[tuple[Peer, str, str], ...]:
+    out = []
+    for item in items or []:
+        name, sep, assignment = item.partition(":")
+        key, eq, value = assignment.partition("=")
+        if not sep or not eq or not key.strip():
+            raise InvalidArgumentError(f"--peer-variant: {item!r} must be NAME:VARIABLE=VALUE")
+        try:
+            peer = Peer(name.strip().replace("-", "_"))
+        except ValueError:
+            raise InvalidArgumentError(f"--peer-variant: {name!r} is not a peer; choose from "
+                                       f"{', '.join(p.value for p in Peer)}") from None
+        out.append((peer, key.strip(), value))
+    return tuple(out)
 
 
 def _model_dir(s: ToolBenchSettings, work: Path) -> str:
@@ -185,6 +209,7 @@ def command_line(s: ToolBenchSettings) -> str:
     if s.systems != d.systems:
         words += ["--systems", ",".join(s.systems)]
     words += [w for peer in s.peers for w in ("--peer-python", f"{peer.value}=PYTHON")]
+    words += [w for peer, key, value in s.variants for w in ("--peer-variant", f"{peer.value}:{key}={value}")]
     for name in ("tool_parser", "workers", "max_tokens", "schemas", "schema_max_tokens"):
         if getattr(s, name) != getattr(d, name):
             words += [f"--{name.replace('_', '-')}", str(getattr(s, name))]
