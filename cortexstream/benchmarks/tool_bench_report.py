@@ -37,7 +37,8 @@ def markdown(data: dict[str, Any]) -> str:
            f"Model: {s['model']}, converted once to an mlx-lm directory that every server loads. Servers run one "
            f"at a time on 127.0.0.1, each asked with the `openai` SDK, {s['workers']} requests in flight, greedy "
            f"(temperature 0). vllm-mlx and rapid-mlx start with `--enable-auto-tool-choice --tool-call-parser "
-           f"{s['tool_parser']}`; CortexStream and mlx_lm.server read the format from the chat template.", ""]
+           f"{s['tool_parser']}`; CortexStream and mlx_lm.server read the format from the chat template "
+           "(`cortexstream auto`: `cortexstream serve` with its default KV storage).", ""]
     out += ["## Tool calls", "",
             f"A case counts when the response's `tool_calls` holds one call to the function its prompt needs, "
             f"with arguments that parse and validate against that tool's schema (`parallel_tool_calls=false`, "

@@ -1,9 +1,9 @@
 """Grammars for one tokenizer: builds llguidance's view of the vocabulary once, then a matcher per request.
 
-llguidance rather than xgrammar: it needs no PyTorch (xgrammar's wheel requires torch and triton) and computes each
-mask lazily from the parser state, with no per-grammar precomputation over the vocabulary (compile and mask times:
-`cortexstream bench structured`, docs/structured_output.md). The vocabulary view is costly, so it is built on the
-first constrained request (or by `warm()`), never for an engine that never sees one.
+llguidance rather than xgrammar: it compiles a new schema far faster, enforces keywords xgrammar ignores
+(`multipleOf`), and needs no PyTorch (xgrammar's wheel requires torch and triton); measured in docs/agents.md
+(`bench/grammar_engines.py`). The vocabulary view is costly, so it is built on the first constrained request (or
+by `warm()`), never for an engine that never sees one.
 """
 
 from __future__ import annotations
