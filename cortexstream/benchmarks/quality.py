@@ -86,7 +86,9 @@ def passkey_cell(model: Any, tokenizer: Any, context: int, policy: KVPolicy | No
     keys = [str(k) for k in rng.integers(10000, 100000, trials)]
     budget_context = context + ANSWER_TOKENS
     base = make_prompt_cache(model, max_tokens=context)
-    attach_policy(base, policy, model)
+    state = attach_policy(base, policy, model)
+    if state is not None:  # a query-aware policy (SnapKV) compresses once the question is in, not before
+        state.expect_prompt_end(len(passkey_prompt(tokenizer, context, 0.5, keys[0])[0]))
     fed = 0
     results = []
     for depth, key in zip(depths, keys):

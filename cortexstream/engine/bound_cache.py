@@ -28,9 +28,11 @@ class BoundCache:
         self.evict = evict
 
     @classmethod
-    def bind(cls, prompt_cache: Any, model: nn.Module, kv_policy: Any, context_tokens: int) -> "BoundCache":
+    def bind(cls, prompt_cache: Any, model: nn.Module, kv_policy: Any, context_tokens: int,
+             prompt_tokens: int | None = None) -> "BoundCache":
         """Check `prompt_cache` against `model` and attach `kv_policy` to it (in place, as mlx-lm callers expect);
-        `context_tokens` (what this turn can reach) resolves fractional policy budgets."""
+        `context_tokens` (what this turn can reach) resolves fractional policy budgets; `prompt_tokens` (this
+        turn's prompt) tells a query-aware policy where the question ends."""
         from cortexstream.kv.prompt_cache_check import check_cache_for_model
 
         if not isinstance(prompt_cache, list):
@@ -39,8 +41,11 @@ class BoundCache:
         check_cache_for_model(prompt_cache, model)  # a short or foreign cache would run silently wrong
         evict = None
         if (kv_policy is not None and kv_policy.evicts) or policy_state_of(prompt_cache) is not None:
-            if attach_policy(prompt_cache, kv_policy, model) is not None:
+            state = attach_policy(prompt_cache, kv_policy, model)
+            if state is not None:
                 context = prompt_cache[0].offset + context_tokens
+                if prompt_tokens is not None:
+                    state.expect_prompt_end(prompt_cache[0].offset + prompt_tokens)
                 evict = functools.partial(apply_policy, prompt_cache, context)
         return cls(prompt_cache, evict)
 

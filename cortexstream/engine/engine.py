@@ -148,7 +148,7 @@ class Engine:
             sampler = seeded_sampler(sampling, sampling.seed)
         if prompt_cache is not None:
             bound = BoundCache.bind(prompt_cache, self.model, None if kv_policy is None else policy,
-                                    len(tokens) + sampling.max_tokens)
+                                    len(tokens) + sampling.max_tokens, prompt_tokens=len(tokens))
             seq = Sequence(tokens, sampling, tenant=tenant, bound_cache=bound, kv_from_tokens=False,
                            sampler=sampler, **ids)
         else:

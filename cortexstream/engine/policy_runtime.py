@@ -21,6 +21,7 @@ from cortexstream.kv.sequence_kv import SequenceKV
 from cortexstream.engine.attention_hook import (
     additive_mask, attention_received, original_sdpa,
 )
+from cortexstream.engine.observation import observation_for
 from cortexstream.policies.base import KVPolicy
 from cortexstream.engine.rerotate import KeyRotator, key_rotator, renumber
 
@@ -44,6 +45,17 @@ class PolicyState:
         self.num_merged = 0  # physical slots removed by merging
         self.rotate: KeyRotator | None = None  # set for policies that renumber positions (StreamingLLM rerotate)
         self.num_merges = 0
+        self.observation = observation_for(policy)  # which queries vote, for policies with a window (SnapKV)
+
+    def expect_prompt_end(self, logical_end: int) -> None:
+        """The prompt being prefilled ends at `logical_end`: only its last queries (and later ones) vote, and
+        nothing is evicted before it is complete. No effect for policies without an observation window."""
+        if self.observation is not None:
+            self.observation.prompt_end = int(logical_end)
+
+    def voting_row(self, end: int, num_queries: int) -> int | None:
+        """First query row of a pass ending at logical position `end` whose attention is recorded (None: none)."""
+        return 0 if self.observation is None else self.observation.first_voting_row(end, num_queries)
 
     @classmethod
     def for_sequence(cls, policy: KVPolicy, seq: SequenceKV, model: Any = None) -> "PolicyState":
@@ -97,6 +109,8 @@ class PolicyState:
     def after_forward(self, seq: SequenceKV, context: int) -> int:
         """Sync, then let the policy evict and/or merge down to its budget. Returns the physical slots removed."""
         self.sync(seq)
+        if self.observation is not None and not self.observation.may_evict(seq.logical_length):
+            return 0
         n = seq.num_tokens
         scores = np.stack(self.scores) if self.policy.needs_attention_scores else None
         keep = self.policy.select(n, context, scores)
@@ -237,6 +251,9 @@ class PolicyState:
         other.num_evicted, other.num_evictions = self.num_evicted, self.num_evictions
         other.num_merged, other.num_merges = self.num_merged, self.num_merges
         other.rotate = self.rotate
+        if self.observation is not None:
+            other.observation = observation_for(self.policy)
+            other.observation.prompt_end = self.observation.prompt_end
         return other
 
 
@@ -260,7 +277,10 @@ class PolicyKVCache(ArenaKVCache):
         if bias is not None:
             mask = biased_mask(mask, bias, queries.shape[2], keys.shape[2], queries.dtype)
         if state.policy.needs_attention_scores:
-            state.record(self.layer, attention_received(queries, keys, scale, mask, sinks)[0])
+            first = state.voting_row(self.offset, queries.shape[2])
+            if first is not None:
+                rows_mask = mask[..., first:, :] if first and isinstance(mask, mx.array) else mask
+                state.record(self.layer, attention_received(queries[:, :, first:], keys, scale, rows_mask, sinks)[0])
         return original_sdpa(queries, keys, values, self, scale=scale, mask=mask, sinks=sinks)
 
     def trim(self, n: int) -> int:

@@ -85,6 +85,7 @@ class ModelRunner:
         kv.sync(item.block_table, item.physical_start, item.start)
         if request.policy is None and request.spec.kv_policy.evicts:
             request.policy = PolicyState.for_sequence(request.spec.kv_policy, kv, self.model)
+            request.policy.expect_prompt_end(len(request.spec.token_ids))  # what its first prefill computes
         return kv
 
     def _caches(self, request: _Request, kv: SequenceKV) -> list[Any]:

@@ -81,7 +81,8 @@ class Scheduler:
 
     def physical_budget(self, seq: Sequence) -> int:
         """Most KV slots the sequence can ever hold: its policy's bound, else prompt + max_tokens."""
-        limit = seq.kv_policy.max_physical_tokens(seq.max_total_tokens, self.config.prefill_step_size)
+        limit = seq.kv_policy.max_physical_tokens(seq.max_total_tokens, self.config.prefill_step_size,
+                                                  len(seq.prompt_ids))
         return min(seq.max_total_tokens, limit) if limit else seq.max_total_tokens
 
     def live_sequences(self) -> list[Sequence]:

@@ -103,7 +103,9 @@ def needle_cell(model: Any, tokenizer: Any, heap: Sequence[int], context: int, p
     names = [NAMES[int(i)] for i in rng.integers(0, len(NAMES), trials)]
     budget_context = context + ANSWER_TOKENS
     base = make_prompt_cache(model, max_tokens=budget_context + chunk)
-    attach_policy(base, policy)
+    state = attach_policy(base, policy)
+    if state is not None:  # a query-aware policy (SnapKV) compresses once the question is in, not before
+        state.expect_prompt_end(len(needle_prompt(tokenizer, heap, context, 0.5, names[0], codes[0])[0]))
     fed, results = 0, []
     for depth, code, name in zip(depths, codes, names):
         ids, needle_at, answer_ids = needle_prompt(tokenizer, heap, context, float(depth), name, code)

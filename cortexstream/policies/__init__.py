@@ -1,5 +1,5 @@
-"""KV policies: `FullCache` (default), `StreamingLLM` (sinks + window), `H2O` (heavy hitters + recent), and the
-merging policies (`merging`: `MeanPool`, the learned `Compressor` and `Sidecar`, `TokenMerging`).
+"""KV policies: `FullCache` (default), `StreamingLLM` (sinks + window), `H2O` (heavy hitters + recent), `SnapKV`
+(the prompt's last queries vote for the keys to keep), and the merging policies (`merging`: `MeanPool`, the learned `Compressor` and `Sidecar`, `TokenMerging`).
 
 Attach one to a request with `kv_policy=` (an object or a string such as 'h2o:budget=0.2,sinks=4,recent=64');
 see `base` for budgets and the policy protocol. Policies only select; the runtime that holds per-sequence state and
@@ -13,8 +13,9 @@ from cortexstream.policies.mean_pool import MeanPool
 from cortexstream.policies.parsing import parse_policy
 from cortexstream.policies.merging import Merged, MergingPolicy
 from cortexstream.policies.sidecar import Sidecar
+from cortexstream.policies.snapkv import SnapKV
 from cortexstream.policies.streaming_llm import StreamingLLM
 from cortexstream.policies.token_merging import TokenMerging
 
 __all__ = ["Compressor", "FullCache", "H2O", "KVPolicy", "MeanPool", "Merged", "MergingPolicy", "Sidecar",
-           "StreamingLLM", "TokenMerging", "parse_policy"]
+           "SnapKV", "StreamingLLM", "TokenMerging", "parse_policy"]

@@ -69,6 +69,9 @@ class KVPolicy:
       through `SequenceKV.replace` (see `merging`).
     - `uses_logit_bias`: merged slots carry an additive attention-logit bias the SDPA hook adds.
     - `rerotate`: kept keys are re-rotated to positions 0..n-1 after each eviction (needs the model's RoPE).
+    - `observation_window`: None, or how many queries before the end of a prompt vote (SnapKV): the runtime
+      records attention only from queries at or after `prompt_end - window` and evicts only once the prompt is
+      complete (see `engine.observation`).
     - `parse_keys`: keys accepted in the policy's string form (key -> kind, see `parsing`).
     """
 
@@ -78,14 +81,16 @@ class KVPolicy:
     merges = False
     uses_logit_bias = False
     rerotate = False
+    observation_window: int | None = None
     parse_keys: ClassVar[dict[str, str]] = {}
 
     def budget_tokens(self, context: int) -> int | None:
         """Physical tokens allowed between forward passes for a request of `context` tokens (None: no bound)."""
         return None
 
-    def max_physical_tokens(self, max_total_tokens: int, chunk: int) -> int | None:
-        """Upper bound on the physical KV slots a sequence can hold: the budget plus one forward pass's tokens."""
+    def max_physical_tokens(self, max_total_tokens: int, chunk: int, prompt_tokens: int | None = None) -> int | None:
+        """Upper bound on the physical KV slots a sequence can hold: the budget plus one forward pass's tokens.
+        `prompt_tokens`: the prompt's length, for policies that compress a prompt only once it is complete."""
         budget = self.budget_tokens(max_total_tokens)
         return None if budget is None else budget + chunk
 

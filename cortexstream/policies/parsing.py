@@ -27,6 +27,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "compressor": ("cortexstream.policies.compressor", "Compressor"),
     "sidecar": ("cortexstream.policies.sidecar", "Sidecar"),
     "tome": ("cortexstream.policies.token_merging", "TokenMerging"),
+    "snapkv": ("cortexstream.policies.snapkv", "SnapKV"),
 }
 def _value(policy: str, key: str, text: str, kind: str) -> Any:
     if kind == "str":
