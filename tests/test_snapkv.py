@@ -154,3 +154,36 @@ def test_batched_equals_unbatched(sharp):
         np.testing.assert_allclose(logprobs[i], alone_logprobs[0], atol=2e-4)
         if policy is not None:
             assert max(p for p, _ in physical[i][1:]) <= policy.budget_tokens(72)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "k=int8,v=int4"])
+def test_on_quantized_blocks(tiny, kv_dtype):
+    """The packed rows, their scales and the policy's scores stay aligned through the compression."""
+    from tiny_models import tiny_model
+
+    model, tokenizer = tiny_model(seed=5, head_dim=32), tiny[1]
+    policy = SnapKV(budget=24, window=4)
+    engine = Engine(model, tokenizer, kv_tokens=1024, prefill_step_size=16, kv_dtype=kv_dtype, kv_group_size=32)
+    rid = engine.add_request(random_token_ids(60), max_tokens=8, kv_policy=policy)
+    tokens, physical = [], []
+    while engine.has_unfinished:
+        for out in engine.step():
+            tokens += [out.token] if out.token is not None else []
+        kv = engine.runner.kv_view(rid)
+        if kv is not None and kv.logical_length >= 60:
+            physical.append(kv.num_tokens)
+    assert len(tokens) == 8 and physical and max(physical) == 24
+    assert engine.arena.allocator.num_used_blocks == 0
+
+
+def test_the_server_takes_snapkv_as_a_request_policy(sharp):
+    from server_harness import LiveServer
+
+    model, tokenizer = sharp
+    with LiveServer(model, tokenizer, kv_tokens=2048) as live:
+        out = live.client().completions.create(model="tiny", prompt=random_token_ids(80), max_tokens=4,
+                                               extra_body={"kv_policy": "snapkv:budget=32,window=8"})
+        assert out.usage.completion_tokens == 4
+        bad = live.client().with_options(max_retries=0)
+        with pytest.raises(Exception, match="kernel"):
+            bad.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"kv_policy": "snapkv:kernel=2"})

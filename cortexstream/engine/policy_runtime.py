@@ -22,8 +22,9 @@ from cortexstream.engine.attention_hook import (
     additive_mask, attention_received, original_sdpa,
 )
 from cortexstream.engine.observation import observation_for
+from cortexstream.engine.query_statistics import QueryStatistics
 from cortexstream.policies.base import KVPolicy
-from cortexstream.engine.rerotate import KeyRotator, key_rotator, renumber
+from cortexstream.engine.rerotate import KeyRotator, find_rope, key_rotator, renumber
 
 
 class PolicyState:
@@ -46,12 +47,26 @@ class PolicyState:
         self.rotate: KeyRotator | None = None  # set for policies that renumber positions (StreamingLLM rerotate)
         self.num_merges = 0
         self.observation = observation_for(policy)  # which queries vote, for policies with a window (SnapKV)
+        self.queries: QueryStatistics | None = None  # the prompt's query statistics (ExpectedAttention)
+        self.prompt_end: int | None = None
 
     def expect_prompt_end(self, logical_end: int) -> None:
-        """The prompt being prefilled ends at `logical_end`: only its last queries (and later ones) vote, and
-        nothing is evicted before it is complete. No effect for policies without an observation window."""
+        """The prompt being prefilled ends at `logical_end`: for a policy with an observation window only its last
+        queries (and later ones) vote, and nothing is evicted before it is complete; query statistics take the
+        prompt's queries only. No effect on other policies."""
+        self.prompt_end = int(logical_end)
         if self.observation is not None:
             self.observation.prompt_end = int(logical_end)
+
+    def add_queries(self, layer: int, queries: mx.array, end: int) -> None:
+        """A pass's queries `[Hq, n, D]` at logical positions [end - n, end), for the query statistics (those of
+        the prompt only, when its end is known)."""
+        if self.queries is None:
+            return
+        n = queries.shape[1]
+        keep = n if self.prompt_end is None else min(n, max(0, self.prompt_end - (end - n)))
+        if keep:
+            self.queries.add(layer, queries[:, :keep], end - n + keep)
 
     def voting_row(self, end: int, num_queries: int) -> int | None:
         """First query row of a pass ending at logical position `end` whose attention is recorded (None: none)."""
@@ -70,6 +85,11 @@ class PolicyState:
         state = cls(policy, cfg.num_layers, cfg.num_kv_heads, seq.num_tokens)
         if policy.rerotate and model is not None:
             state.rotate = key_rotator(model)
+        if policy.needs_query_statistics:
+            if model is None:
+                raise InvalidArgumentError(f"{policy.describe()}: query statistics need the model's RoPE "
+                                           "(attach the policy with model=...)")
+            state.queries = QueryStatistics(cfg.num_layers, find_rope(model))
         return state
 
     @property
@@ -83,7 +103,8 @@ class PolicyState:
         self.pending[layer] = received if prior is None else prior + received
 
     def pending_arrays(self) -> list[mx.array]:
-        return [p for p in self.pending if p is not None]
+        extra = self.queries.arrays() if self.queries is not None else []
+        return [p for p in self.pending if p is not None] + extra
 
     def sync(self, seq: SequenceKV) -> None:
         """Append entries for the tokens the last forward pass added, and fold in its scores."""
@@ -113,6 +134,8 @@ class PolicyState:
             return 0
         n = seq.num_tokens
         scores = np.stack(self.scores) if self.policy.needs_attention_scores else None
+        if self.queries is not None and n > self.policy.budget_tokens(context):
+            scores = self.expected_scores(seq)
         keep = self.policy.select(n, context, scores)
         removed = 0
         if keep is not None:
@@ -130,6 +153,14 @@ class PolicyState:
         if self.policy.merges:
             removed += self.merge(seq, context)
         return removed
+
+    def expected_scores(self, seq: SequenceKV) -> np.ndarray:
+        """`[L, H, n]` expected attention of every slot (see `engine.query_statistics`)."""
+        out = []
+        for layer in range(len(self.scores)):
+            keys, values = seq.arena.read(layer, seq.blocks, seq.num_tokens)
+            out.append(self.queries.scores(layer, keys, values, seq.logical_length, self.policy.future))
+        return np.stack(out)
 
     def merge(self, seq: SequenceKV, context: int) -> int:
         """Apply the policy's merges (`merging.MergingPolicy`) until it asks for none. Returns slots removed."""
@@ -254,6 +285,8 @@ class PolicyState:
         if self.observation is not None:
             other.observation = observation_for(self.policy)
             other.observation.prompt_end = self.observation.prompt_end
+        other.prompt_end = self.prompt_end
+        other.queries = self.queries.clone() if self.queries is not None else None
         return other
 
 
@@ -267,7 +300,7 @@ class PolicyKVCache(ArenaKVCache):
         super().__init__(sequence, layer)
         self.policy_state = state
         policy = state.policy
-        if policy.needs_attention_scores or policy.uses_logit_bias:
+        if policy.needs_attention_scores or policy.uses_logit_bias or policy.needs_query_statistics:
             self.attention_hook = self._hook  # reached once the model's SDPA is routed (engine or attach_policy)
 
     def _hook(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
@@ -276,6 +309,7 @@ class PolicyKVCache(ArenaKVCache):
         bias = state.logit_bias(self.layer, keys.shape[2], queries.shape[1])
         if bias is not None:
             mask = biased_mask(mask, bias, queries.shape[2], keys.shape[2], queries.dtype)
+        state.add_queries(self.layer, queries[0], self.offset)
         if state.policy.needs_attention_scores:
             first = state.voting_row(self.offset, queries.shape[2])
             if first is not None:

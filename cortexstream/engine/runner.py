@@ -74,6 +74,11 @@ class ModelRunner:
         request = self._requests.get(request_id)
         return None if request is None else request.kv
 
+    def policy_view(self, request_id: str) -> PolicyState | None:
+        """The request's policy state (scores, positions, statistics), None without an evicting policy."""
+        request = self._requests.get(request_id)
+        return None if request is None else request.policy
+
     def _open(self, spec: NewRequest) -> None:
         sampler = RequestSampler(spec.sampling, spec.token_ids, spec.sampler, self.constraints, spec.num_prompt_tokens)
         self._requests[spec.request_id] = _Request(spec, sampler)

@@ -1,5 +1,6 @@
 """KV policies: `FullCache` (default), `StreamingLLM` (sinks + window), `H2O` (heavy hitters + recent), `SnapKV`
-(the prompt's last queries vote for the keys to keep), and the merging policies (`merging`: `MeanPool`, the learned `Compressor` and `Sidecar`, `TokenMerging`).
+(the prompt's last queries vote for the keys to keep), `ExpectedAttention` (keys scored by the attention a query
+drawn from the prompt's query distribution would pay them), and the merging policies (`merging`: `MeanPool`, the learned `Compressor` and `Sidecar`, `TokenMerging`).
 
 Attach one to a request with `kv_policy=` (an object or a string such as 'h2o:budget=0.2,sinks=4,recent=64');
 see `base` for budgets and the policy protocol. Policies only select; the runtime that holds per-sequence state and
@@ -8,6 +9,7 @@ the SDPA hook lives in the engine (`engine.policy_runtime`, `engine.attention_ho
 
 from cortexstream.policies.base import FullCache, KVPolicy
 from cortexstream.policies.compressor import Compressor
+from cortexstream.policies.expected_attention import ExpectedAttention
 from cortexstream.policies.h2o import H2O
 from cortexstream.policies.mean_pool import MeanPool
 from cortexstream.policies.parsing import parse_policy
@@ -17,5 +19,5 @@ from cortexstream.policies.snapkv import SnapKV
 from cortexstream.policies.streaming_llm import StreamingLLM
 from cortexstream.policies.token_merging import TokenMerging
 
-__all__ = ["Compressor", "FullCache", "H2O", "KVPolicy", "MeanPool", "Merged", "MergingPolicy", "Sidecar",
+__all__ = ["Compressor", "ExpectedAttention", "FullCache", "H2O", "KVPolicy", "MeanPool", "Merged", "MergingPolicy", "Sidecar",
            "SnapKV", "StreamingLLM", "TokenMerging", "parse_policy"]

@@ -68,7 +68,7 @@ class H2O(KVPolicy):
         if num_physical <= budget:
             return None
         if scores is None:
-            raise InvalidArgumentError("H2O: attention scores are required but were not collected")
+            raise InvalidArgumentError(f"{self.name}: key scores are required but were not collected")
         front, recent = self.protected, self.recent_tokens(budget)
         heavy = budget - front - recent
         layers, heads, n = scores.shape

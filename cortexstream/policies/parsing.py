@@ -28,6 +28,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "sidecar": ("cortexstream.policies.sidecar", "Sidecar"),
     "tome": ("cortexstream.policies.token_merging", "TokenMerging"),
     "snapkv": ("cortexstream.policies.snapkv", "SnapKV"),
+    "expected": ("cortexstream.policies.expected_attention", "ExpectedAttention"),
 }
 def _value(policy: str, key: str, text: str, kind: str) -> Any:
     if kind == "str":
