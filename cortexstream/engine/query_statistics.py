@@ -29,6 +29,7 @@ class QueryStatistics:
         self.count = [0] * num_layers
         self.sums: list[mx.array | None] = [None] * num_layers  # [Hq, D]
         self.outer: list[mx.array | None] = [None] * num_layers  # [Hq, D, D]
+        self._rotation: tuple[tuple[int, int, int], mx.array] | None = None  # every layer of a pass shares it
 
     def add(self, layer: int, queries: mx.array, end: int) -> None:
         """Queries `[Hq, n, D]` (post-RoPE) at logical positions [end - n, end)."""
@@ -49,9 +50,14 @@ class QueryStatistics:
 
     def average_rotation(self, start: int, future: int, dim: int) -> mx.array:
         """mean over t in [0, future) of R(start + t), as a `[D, D]` matrix."""
+        key = (int(start), int(future), int(dim))
+        if self._rotation is not None and self._rotation[0] == key:
+            return self._rotation[1]
         basis = mx.broadcast_to(mx.eye(dim, dtype=mx.float32)[:, None, :], (dim, future, dim))
         rotated = self.rope(basis[None], offset=int(start))[0]  # [D, future, D]: R(start + t) e_j
-        return rotated.mean(axis=1).T
+        matrix = rotated.mean(axis=1).T
+        self._rotation = (key, matrix)
+        return matrix
 
     def scores(self, layer: int, keys: mx.array, values: mx.array, logical_end: int, future: int) -> np.ndarray:
         """Expected attention `[H, n]` of the cached keys `[H, n, D]` (values for their norms)."""
