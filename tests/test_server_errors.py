@@ -152,3 +152,22 @@ def test_api_keys_401_and_accepted(tiny):
             live.client(api_key="wrong").models.list()
         assert live.client(api_key="beta").completions.create(model="tiny", prompt="x", max_tokens=2).choices
         assert httpx.get(f"{live.url}/health").status_code == 200  # health and metrics need no key
+
+
+def test_anthropic_clients_authenticate_with_x_api_key_and_get_anthropic_401s(tiny):
+    import anthropic
+
+    model, tokenizer = tiny
+    with LiveServer(model, tokenizer, kv_tokens=512, api_keys=("alpha", "beta")) as live:
+        good = anthropic.Anthropic(base_url=live.url, api_key="beta", max_retries=0)
+        reply = good.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        assert reply.type == "message" and reply.usage.output_tokens >= 1
+        bad = anthropic.Anthropic(base_url=live.url, api_key="wrong", max_retries=0)
+        with pytest.raises(anthropic.AuthenticationError) as info:
+            bad.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        body = info.value.response.json()
+        assert body["type"] == "error" and body["error"]["type"] == "authentication_error"
+        # OpenAI's paths keep OpenAI's body; a Bearer header still wins over x-api-key
+        response = _post(live, "/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                         headers={"x-api-key": "alpha", "Authorization": "Bearer wrong"})
+        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"

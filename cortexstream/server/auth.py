@@ -35,14 +35,21 @@ class KeyRing:
     def enabled(self) -> bool:
         return bool(self._keys)
 
-    def tenant_for(self, authorization: str | None) -> str | None:
+    def tenant_for(self, authorization: str | None, api_key: str | None = None) -> str | None:
+        """The tenant of a request's key: `Authorization: Bearer <key>` (OpenAI's clients) or, without that
+        header, `x-api-key: <key>` (Anthropic's)."""
         if not self._keys:
             return None
-        if not authorization:
-            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-        scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise APIError(401, "malformed Authorization header: expected 'Bearer <key>'", code="invalid_api_key")
+        if not authorization and api_key and api_key.strip():
+            token = api_key
+        elif not authorization:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
+                           code="invalid_api_key")
+        else:
+            scheme, _, token = authorization.partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                raise APIError(401, "malformed Authorization header: expected 'Bearer <key>'",
+                               code="invalid_api_key")
         given = token.strip().encode("utf-8")
         label = None
         for key, tenant in self._keys:  # compare with every key in constant time; never stop early
@@ -65,13 +72,18 @@ class AuthMiddleware:
         if scope["type"] != "http" or not scope.get("path", "").startswith("/v1/"):
             await self.app(scope, receive, send)
             return
-        header = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"authorization"), None)
+        headers = dict(scope.get("headers", []))
+        header, api_key = (headers[name].decode("latin-1") if name in headers else None
+                           for name in (b"authorization", b"x-api-key"))
         try:
-            tenant = self.keys.tenant_for(header)
+            tenant = self.keys.tenant_for(header, api_key)
         except APIError as exc:
+            from starlette.requests import Request
+
             from cortexstream.server.errors import error_response
 
-            await error_response(exc)(scope, receive, send)
+            # The request's own API's error body (Anthropic's on /v1/messages): the app is in the scope.
+            await error_response(exc, Request(scope) if "app" in scope else None)(scope, receive, send)
             return
         scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
