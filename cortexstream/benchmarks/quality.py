@@ -33,7 +33,7 @@ from cortexstream.benchmarks.quality_report import markdown, plot
 from cortexstream.evaluation.perplexity import token_nlls
 from cortexstream.evaluation.wiki_corpus import wiki_text
 from cortexstream.kv.prompt_cache import make_prompt_cache
-from cortexstream.policies import H2O, ExpectedAttention, KVPolicy, SnapKV, StreamingLLM, parse_policy
+from cortexstream.policies import D2O, H2O, ExpectedAttention, KVPolicy, SnapKV, StreamingLLM, parse_policy
 from cortexstream.engine.policy_prompt_cache import apply_policy, attach_policy, fork_cache
 
 FULL_CHUNK = 256
@@ -46,6 +46,7 @@ def policies_for(budgets: list[float]) -> list[tuple[str, KVPolicy | None]]:
     out += [(f"h2o@{b:g}", H2O(budget=b, sinks=4)) for b in budgets]
     out += [(f"snapkv@{b:g}", SnapKV(budget=b)) for b in budgets]
     out += [(f"expected@{b:g}", ExpectedAttention(budget=b)) for b in budgets]
+    out += [(f"d2o@{b:g}", D2O(budget=b, sinks=4)) for b in budgets]
     return out
 
 

@@ -21,6 +21,7 @@ from cortexstream.kv.sequence_kv import SequenceKV
 from cortexstream.engine.attention_hook import (
     additive_mask, attention_received, original_sdpa,
 )
+from cortexstream.engine.evict_merge import merged_values, write_values
 from cortexstream.engine.observation import observation_for
 from cortexstream.engine.query_statistics import QueryStatistics
 from cortexstream.policies.base import KVPolicy
@@ -46,6 +47,7 @@ class PolicyState:
         self.num_merged = 0  # physical slots removed by merging
         self.rotate: KeyRotator | None = None  # set for policies that renumber positions (StreamingLLM rerotate)
         self.num_merges = 0
+        self.num_folded = 0  # evicted slots folded into a kept one's value (merges_evicted)
         self.observation = observation_for(policy)  # which queries vote, for policies with a window (SnapKV)
         self.queries: QueryStatistics | None = None  # the prompt's query statistics (ExpectedAttention)
         self.prompt_end: int | None = None
@@ -140,7 +142,15 @@ class PolicyState:
         removed = 0
         if keep is not None:
             keep = np.asarray(keep, dtype=np.int64)
+            new_values = None
+            if self.policy.merges_evicted:
+                full = keep if keep.ndim == 3 else np.broadcast_to(keep, (len(self.scores), self.scores[0].shape[0],
+                                                                          keep.shape[-1]))
+                new_values, folded = merged_values(seq, full, float(self.policy.threshold))
+                self.num_folded += folded
             seq.keep(keep)
+            if new_values is not None:
+                write_values(seq, new_values)
             self.compact(keep)
             if self.policy.rerotate:
                 if self.rotate is None:
@@ -281,6 +291,7 @@ class PolicyState:
         other.bias = [b.copy() for b in self.bias]
         other.num_evicted, other.num_evictions = self.num_evicted, self.num_evictions
         other.num_merged, other.num_merges = self.num_merged, self.num_merges
+        other.num_folded = self.num_folded
         other.rotate = self.rotate
         if self.observation is not None:
             other.observation = observation_for(self.policy)

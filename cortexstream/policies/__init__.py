@@ -9,6 +9,7 @@ the SDPA hook lives in the engine (`engine.policy_runtime`, `engine.attention_ho
 
 from cortexstream.policies.base import FullCache, KVPolicy
 from cortexstream.policies.compressor import Compressor
+from cortexstream.policies.d2o import D2O
 from cortexstream.policies.expected_attention import ExpectedAttention
 from cortexstream.policies.h2o import H2O
 from cortexstream.policies.mean_pool import MeanPool
@@ -19,5 +20,5 @@ from cortexstream.policies.snapkv import SnapKV
 from cortexstream.policies.streaming_llm import StreamingLLM
 from cortexstream.policies.token_merging import TokenMerging
 
-__all__ = ["Compressor", "ExpectedAttention", "FullCache", "H2O", "KVPolicy", "MeanPool", "Merged", "MergingPolicy", "Sidecar",
+__all__ = ["Compressor", "D2O", "ExpectedAttention", "FullCache", "H2O", "KVPolicy", "MeanPool", "Merged", "MergingPolicy", "Sidecar",
            "SnapKV", "StreamingLLM", "TokenMerging", "parse_policy"]

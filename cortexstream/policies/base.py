@@ -69,6 +69,8 @@ class KVPolicy:
       through `SequenceKV.replace` (see `merging`).
     - `uses_logit_bias`: merged slots carry an additive attention-logit bias the SDPA hook adds.
     - `rerotate`: kept keys are re-rotated to positions 0..n-1 after each eviction (needs the model's RoPE).
+    - `merges_evicted`: before the slots `select` dropped are compacted away, each is folded into the value of
+      its most similar kept slot (`engine.evict_merge`; the policy's `threshold`).
     - `needs_query_statistics`: the runtime keeps the prompt's query mean and covariance per layer and head and
       passes each key's expected attention to `select` as its scores (`engine.query_statistics`).
     - `observation_window`: None, or how many queries before the end of a prompt vote (SnapKV): the runtime
@@ -84,6 +86,7 @@ class KVPolicy:
     uses_logit_bias = False
     rerotate = False
     needs_query_statistics = False
+    merges_evicted = False
     observation_window: int | None = None
     parse_keys: ClassVar[dict[str, str]] = {}
 

@@ -29,6 +29,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "tome": ("cortexstream.policies.token_merging", "TokenMerging"),
     "snapkv": ("cortexstream.policies.snapkv", "SnapKV"),
     "expected": ("cortexstream.policies.expected_attention", "ExpectedAttention"),
+    "d2o": ("cortexstream.policies.d2o", "D2O"),
 }
 def _value(policy: str, key: str, text: str, kind: str) -> Any:
     if kind == "str":

@@ -1,0 +1,65 @@
+"""Merging what eviction drops into what it keeps (D2O / CaM style), for policies with `merges_evicted`.
+
+An evicting policy chose, per layer and KV head, the slots to keep. Before they are compacted, every dropped slot
+is matched to the kept slot of the same head whose key is most similar (cosine); when that similarity reaches the
+policy's `threshold`, the dropped value is folded into the kept one as a weighted average (the kept value with
+weight 1, each merged value with its similarity), so the information a dropped token carried still reaches the
+queries that attend to its nearest survivor. Keys are left as they are: they carry their own RoPE position, and
+which queries find a slot is the kept token's business. Runs on the arena as written (a quantized arena is read
+dequantized and the changed values written back requantized).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from cortexstream.kv.sequence_kv import SequenceKV
+
+
+def merged_values(seq: SequenceKV, keep: np.ndarray, threshold: float) -> tuple[list[mx.array | None], int]:
+    """Per layer, the new values `[H, n_keep, D]` of the kept slots in ascending slot order (None: unchanged),
+    and how many dropped slots were merged. `keep`: `[L, H, n_keep]` slots to keep (before compaction)."""
+    out: list[mx.array | None] = []
+    merged = 0
+    n = seq.num_tokens
+    for layer in range(keep.shape[0]):
+        keys, values = seq.arena.read(layer, seq.blocks, n)
+        k = np.asarray(keys.astype(mx.float32))
+        v = np.asarray(values.astype(mx.float32))
+        rows = np.sort(keep[layer], axis=-1)
+        new_v = np.take_along_axis(v, rows[..., None], axis=1)  # [H, n_keep, D]
+        changed = False
+        for head in range(k.shape[0]):
+            dropped = np.setdiff1d(np.arange(n), rows[head], assume_unique=True)
+            if dropped.size == 0:
+                continue
+            unit = k[head] / np.maximum(np.linalg.norm(k[head], axis=-1, keepdims=True), 1e-6)
+            sim = unit[dropped] @ unit[rows[head]].T  # [dropped, kept]
+            best = sim.argmax(axis=1)
+            weight = sim[np.arange(dropped.size), best]
+            take = weight >= threshold
+            if not take.any():
+                continue
+            target, weight, source = best[take], weight[take], dropped[take]
+            total = np.ones(rows.shape[1])
+            acc = new_v[head].copy()
+            np.add.at(acc, target, weight[:, None] * v[head][source])
+            np.add.at(total, target, weight)
+            new_v[head] = acc / total[:, None]
+            merged += int(take.sum())
+            changed = True
+        out.append(mx.array(new_v.astype(np.float32)) if changed else None)
+    return out, merged
+
+
+def write_values(seq: SequenceKV, values: list[mx.array | None]) -> None:
+    """After compaction: write each layer's new kept values (keys rewritten as they are) at slots 0..n_keep-1."""
+    with seq.arena.lock:
+        for layer, new in enumerate(values):
+            if new is None:
+                continue
+            keys, _ = seq.arena.read(layer, seq.blocks, new.shape[1])
+            mx.eval(keys)  # materialise before the same buffer is written in place
+            seq.arena.write(layer, seq.blocks, 0, keys, new)
+        mx.eval(seq.arena.arrays())

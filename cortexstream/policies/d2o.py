@@ -1,0 +1,32 @@
+"""D2O-style eviction with merging (after D2O, Wan et al. 2024, and CaM, Zhang et al. 2024): H2O's choice of what
+to keep, and every dropped token whose key is close enough (cosine >= `threshold`) to a kept key of the same head
+folded into that kept token's value instead of lost (`engine.evict_merge`). Same budget and memory as H2O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from cortexstream.errors import InvalidArgumentError
+from cortexstream.policies.h2o import H2O
+
+
+@dataclass(frozen=True)
+class D2O(H2O):
+    threshold: float = 0.5
+
+    name = "d2o"
+    merges_evicted = True
+    parse_keys: ClassVar[dict[str, str]] = {"budget": "budget", "sinks": "count", "recent": "count",
+                                            "keep_prefix": "count", "threshold": "float"}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
+                or not -1.0 <= float(self.threshold) <= 1.0:
+            raise InvalidArgumentError(f"D2O: threshold {self.threshold!r} must be a cosine in [-1, 1]")
+
+    def describe(self) -> str:
+        recent = "" if self.recent is None else f",recent={self.recent}"
+        prefix = f",keep_prefix={self.keep_prefix}" if self.keep_prefix else ""
+        return f"d2o:budget={self.budget},sinks={self.sinks}{recent}{prefix},threshold={self.threshold:g}"
