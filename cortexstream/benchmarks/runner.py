@@ -27,6 +27,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "structured": ("cortexstream.benchmarks.structured", "JSON-schema validity, grammar mask cost and compile time"),
     "tools": ("cortexstream.benchmarks.tool_bench",
               "tool calls and enforced JSON schemas over HTTP, beside mlx_lm.server and the peers"),
+    "retrieval": ("cortexstream.benchmarks.retrieval",
+                  "passkey / needle / multi-key / multi-query retrieval from a compressed KV cache"),
 }
 
 
