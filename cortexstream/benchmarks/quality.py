@@ -40,10 +40,14 @@ FULL_CHUNK = 256
 ANSWER_TOKENS = 7
 
 
-def policies_for(budgets: list[float]) -> list[tuple[str, KVPolicy | None]]:
+def policies_for(budgets: list[float], extended: bool = False) -> list[tuple[str, KVPolicy | None]]:
+    """The full cache, StreamingLLM and H2O at each budget; `extended` adds SnapKV, ExpectedAttention and D2O (the
+    perplexity part of `bench quality`; `bench kv-dtype` and the chunk check keep the two baselines)."""
     out: list[tuple[str, KVPolicy | None]] = [("full", None)]
     out += [(f"streaming@{b:g}", StreamingLLM(sinks=4, budget=b)) for b in budgets]
     out += [(f"h2o@{b:g}", H2O(budget=b, sinks=4)) for b in budgets]
+    if not extended:
+        return out
     out += [(f"snapkv@{b:g}", SnapKV(budget=b)) for b in budgets]
     out += [(f"expected@{b:g}", ExpectedAttention(budget=b)) for b in budgets]
     out += [(f"d2o@{b:g}", D2O(budget=b, sinks=4)) for b in budgets]
@@ -148,7 +152,7 @@ def expected_but_absent(data: dict[str, Any], budgets: list[float], ppl_chunk: i
     """Every cell the settings ask for that the results lack (interrupted, skipped for time, or not requested)."""
     s, missing = data["settings"], []
     for context in s["contexts"]:
-        missing += [f"perplexity context={context} {label}" for label, _ in policies_for(budgets)
+        missing += [f"perplexity context={context} {label}" for label, _ in policies_for(budgets, extended=True)
                     if not any(r["context"] == context and r["policy"] == label for r in data["perplexity"])]
     for context in s["passkey_contexts"]:
         missing += [f"passkey context={context} {spec}" for spec in s["passkey_policies"]
@@ -198,7 +202,7 @@ def run(model_source: str | None = None, out_dir: str = "bench/results", *, quic
 
     if "perplexity" in parts:
         for context in contexts:
-            for label, policy in policies_for(list(budgets)):
+            for label, policy in policies_for(list(budgets), extended=True):
                 if results.has("perplexity", context=context, policy=label) or not due(f"perplexity {context} {label}"):
                     continue
                 tic = time.perf_counter()
