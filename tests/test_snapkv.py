@@ -68,13 +68,12 @@ def test_the_prompt_is_held_whole_while_it_is_prefilled():
 
 
 def test_observation_rule():
-    window = Observation(8, prompt_end=100)
-    assert window.first_voting_row(80, 16) is None  # queries 64..79: before the window
-    assert window.first_voting_row(96, 16) == 12  # queries 80..95: 92..95 vote
-    assert window.first_voting_row(100, 4) == 0 and window.first_voting_row(101, 1) == 0  # then every query
-    assert not window.may_evict(96) and window.may_evict(100)
-    unknown = Observation(8)
-    assert unknown.first_voting_row(50, 16) == 8 and unknown.may_evict(1)
+    window = Observation(8)
+    assert window.first_voting_row(100, 80, 16) is None  # prompt ends at 100; queries 64..79: before the window
+    assert window.first_voting_row(100, 96, 16) == 12  # queries 80..95: 92..95 vote
+    assert window.first_voting_row(100, 100, 4) == 0 and window.first_voting_row(100, 101, 1) == 0  # then every query
+    assert not window.may_evict(100, 96) and window.may_evict(100, 100)
+    assert window.first_voting_row(None, 50, 16) == 8 and window.may_evict(None, 1)  # no known prompt end
 
 
 # --- the constructed case: the question points at one planted key -----------------------------------------------
@@ -88,8 +87,7 @@ def test_snapkv_keeps_the_planted_key_the_question_asks_for_where_h2o_drops_it()
     targets = [hubs[i % 20] for i in range(n - window)] + [planted] * window
     queries = mx.array((10.0 * np.eye(n, dim, dtype=np.float32)[targets])[None, None])  # query i looks at its target
     budget = 4 + 12 + window  # sinks + 12 voted/heavy + the recent window
-    observation = Observation(window, prompt_end=n)
-    first = observation.first_voting_row(n, n)
+    first = Observation(window).first_voting_row(n, n, n)
     snap_scores = np.asarray(attention_received(queries[:, :, first:], keys, 1.0, "causal")[0])[None]
     all_scores = np.asarray(attention_received(queries, keys, 1.0, "causal")[0])[None]
     snap = SnapKV(budget=budget, window=window, kernel=1, sinks=4).select(n, n, snap_scores)
@@ -138,7 +136,7 @@ def test_only_the_windows_queries_vote_on_a_prompt_cache(sharp, monkeypatch):
     assert sum(rows) == layers * (8 + 4) and len(out) == 5
     assert cache[0].size() == policy.budget_tokens(75)
     state = direct.policy_state_of(cache)
-    assert state.observation.prompt_end == 70 and state.num_evictions >= 1
+    assert state.prompt_end == 70 and state.num_evictions >= 1
 
 
 def test_batched_equals_unbatched(sharp):

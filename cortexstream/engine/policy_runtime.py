@@ -57,8 +57,6 @@ class PolicyState:
         queries (and later ones) vote, and nothing is evicted before it is complete; query statistics take the
         prompt's queries only. No effect on other policies."""
         self.prompt_end = int(logical_end)
-        if self.observation is not None:
-            self.observation.prompt_end = int(logical_end)
 
     def add_queries(self, layer: int, queries: mx.array, end: int) -> None:
         """A pass's queries `[Hq, n, D]` at logical positions [end - n, end), for the query statistics (those of
@@ -72,7 +70,8 @@ class PolicyState:
 
     def voting_row(self, end: int, num_queries: int) -> int | None:
         """First query row of a pass ending at logical position `end` whose attention is recorded (None: none)."""
-        return 0 if self.observation is None else self.observation.first_voting_row(end, num_queries)
+        return 0 if self.observation is None else self.observation.first_voting_row(self.prompt_end, end,
+                                                                                    num_queries)
 
     @classmethod
     def for_sequence(cls, policy: KVPolicy, seq: SequenceKV, model: Any = None) -> "PolicyState":
@@ -132,7 +131,7 @@ class PolicyState:
     def after_forward(self, seq: SequenceKV, context: int) -> int:
         """Sync, then let the policy evict and/or merge down to its budget. Returns the physical slots removed."""
         self.sync(seq)
-        if self.observation is not None and not self.observation.may_evict(seq.logical_length):
+        if self.observation is not None and not self.observation.may_evict(self.prompt_end, seq.logical_length):
             return 0
         n = seq.num_tokens
         scores = np.stack(self.scores) if self.policy.needs_attention_scores else None
@@ -293,9 +292,7 @@ class PolicyState:
         other.num_merged, other.num_merges = self.num_merged, self.num_merges
         other.num_folded = self.num_folded
         other.rotate = self.rotate
-        if self.observation is not None:
-            other.observation = observation_for(self.policy)
-            other.observation.prompt_end = self.observation.prompt_end
+        other.observation = self.observation  # immutable: the policy's window
         other.prompt_end = self.prompt_end
         other.queries = self.queries.clone() if self.queries is not None else None
         return other
