@@ -6,7 +6,7 @@ policy's `threshold`, the dropped value is folded into the kept one as a weighte
 weight 1, each merged value with its similarity), so the information a dropped token carried still reaches the
 queries that attend to its nearest survivor. Keys are left as they are: they carry their own RoPE position, and
 which queries find a slot is the kept token's business. Runs on the arena as written (a quantized arena is read
-dequantized and the changed values written back requantized).
+dequantized and only the changed values are written back, requantized; keys are never rewritten).
 """
 
 from __future__ import annotations
@@ -54,12 +54,8 @@ def merged_values(seq: SequenceKV, keep: np.ndarray, threshold: float) -> tuple[
 
 
 def write_values(seq: SequenceKV, values: list[mx.array | None]) -> None:
-    """After compaction: write each layer's new kept values (keys rewritten as they are) at slots 0..n_keep-1."""
-    with seq.arena.lock:
-        for layer, new in enumerate(values):
-            if new is None:
-                continue
-            keys, _ = seq.arena.read(layer, seq.blocks, new.shape[1])
-            mx.eval(keys)  # materialise before the same buffer is written in place
-            seq.arena.write(layer, seq.blocks, 0, keys, new)
-        mx.eval(seq.arena.arrays())
+    """After compaction: write each layer's new kept values at slots 0..n_keep-1 (keys stay as stored)."""
+    for layer, new in enumerate(values):
+        if new is not None:
+            seq.write_values(layer, 0, new)
+    mx.eval(seq.arena.arrays())

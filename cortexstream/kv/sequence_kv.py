@@ -17,6 +17,7 @@ from cortexstream.errors import InvalidArgumentError, OutOfBlocksError
 from cortexstream.kernels.evict_gather import compact_layer
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_config import ArenaConfig
+from cortexstream.kv.arena_sides import write_side
 from cortexstream.kv.kv_dtype import KVDtype
 
 
@@ -258,6 +259,18 @@ class SequenceKV:
             self.arena.num_compressed_tokens += end - start - m
             mx.eval(self.arena.arrays())
             return self._free_unused_blocks()
+
+    def write_values(self, layer: int, start: int, values: mx.array) -> None:
+        """Overwrite one layer's values `[H, n, D]` at physical tokens [start, start+n), keys untouched (values
+        that absorbed others: `engine.evict_merge`). The caller evaluates the arena."""
+        n = int(values.shape[1])
+        if start < 0 or start + n > self.lengths[layer]:
+            raise InvalidArgumentError(f"write_values: tokens [{start}, {start + n}) outside layer {layer}'s "
+                                       f"{self.lengths[layer]}")
+        slots = mx.array(self.arena.slot_indices(self.blocks, start, start + n).astype(np.int32))
+        with self.arena.lock:
+            self.make_writable(start, start + n)
+            write_side(self.arena.values[layer], slots, values)
 
     def _free_unused_blocks(self) -> int:
         if self.managed:
