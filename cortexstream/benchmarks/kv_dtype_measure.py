@@ -18,7 +18,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from cortexstream.benchmarks.passkey import passkey_prompt
-from cortexstream.benchmarks.quality import ANSWER_TOKENS, feed_chunks, greedy_answer
+from cortexstream.benchmarks.quality import ANSWER_TOKENS, greedy_answer
+from cortexstream.evaluation.answering import feed_chunks
 from cortexstream.engine.policy_prompt_cache import attach_policy, fork_cache
 from cortexstream.evaluation.perplexity import token_nlls
 from cortexstream.kv.arena_config import ArenaConfig, model_kv_shape

@@ -30,11 +30,12 @@ from cortexstream.benchmarks.passkey import passkey_prompt
 from cortexstream.benchmarks.result_store import ResultStore
 from cortexstream.benchmarks.common import add_run_options, policy_specs, show_report, write_report
 from cortexstream.benchmarks.quality_report import markdown, plot
+from cortexstream.evaluation.answering import feed_chunks, greedy_tokens
 from cortexstream.evaluation.perplexity import token_nlls
 from cortexstream.evaluation.wiki_corpus import wiki_text
 from cortexstream.kv.prompt_cache import make_prompt_cache
 from cortexstream.policies import D2O, H2O, ExpectedAttention, KVPolicy, SnapKV, StreamingLLM, parse_policy
-from cortexstream.engine.policy_prompt_cache import apply_policy, attach_policy, fork_cache
+from cortexstream.engine.policy_prompt_cache import attach_policy, fork_cache
 
 FULL_CHUNK = 256
 ANSWER_TOKENS = 7
@@ -58,32 +59,9 @@ QUALITY_PARTS = ("perplexity", "passkey", "streaming", "chunkcheck", "restart", 
 QUALITY_RUN_PARTS = ("perplexity", "streaming", "restart", "chunkcheck", "passkey")  # what `parts` may name
 
 
-def feed_chunks(model: Any, cache: list[Any], ids: list[int], chunk: int, context: int, logits: bool = False) -> Any:
-    """Prefill `ids` in chunks with eviction after each; returns the last position's logits if asked."""
-    last = None
-    for start in range(0, len(ids), chunk):
-        piece = mx.array(ids[start : start + chunk], dtype=mx.uint32)[None]
-        final = logits and start + chunk >= len(ids)
-        inner = getattr(model, "model", None)  # the transformer without the lm_head: no logits needed
-        out = model(piece, cache=cache)[:, -1, :] if final or inner is None else inner(piece, cache=cache)
-        mx.eval(out)
-        apply_policy(cache, context)
-        last = out if final else None
-    return last
-
-
 def greedy_answer(model: Any, tokenizer: Any, cache: list[Any], logits: mx.array, context: int) -> str:
-    tokens: list[int] = []
-    for _ in range(ANSWER_TOKENS):
-        token = int(mx.argmax(logits, axis=-1).item())
-        tokens.append(token)
-        text = tokenizer.decode(tokens)
-        if re.search(r"\d{5}", text) or token in tokenizer.eos_token_ids:
-            break
-        logits = model(mx.array([[token]], dtype=mx.uint32), cache=cache)[:, -1, :]
-        mx.eval(logits)
-        apply_policy(cache, context)
-    return tokenizer.decode(tokens)
+    """The greedy answer to a passkey question (up to a 5-digit number or `ANSWER_TOKENS` tokens)."""
+    return tokenizer.decode(greedy_tokens(model, tokenizer, cache, logits, context, 5, ANSWER_TOKENS))
 
 
 def passkey_cell(model: Any, tokenizer: Any, context: int, policy: KVPolicy | None, trials: int, chunk: int,

@@ -23,10 +23,10 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from cortexstream.benchmarks.quality import feed_chunks
+from cortexstream.evaluation.answering import feed_chunks, greedy_tokens
 from cortexstream.benchmarks.retrieval_prompts import Trial
 from cortexstream.benchmarks.retrieval_settings import Placement
-from cortexstream.engine.policy_prompt_cache import apply_policy, attach_policy, fork_cache, policy_state_of
+from cortexstream.engine.policy_prompt_cache import attach_policy, fork_cache, policy_state_of
 from cortexstream.kv.prompt_cache import make_prompt_cache
 from cortexstream.policies import KVPolicy, parse_policy
 
@@ -36,23 +36,6 @@ ANSWER_TOKENS = 10
 def budget_context(context: int, questions: int) -> int:
     """What a budget fraction is a fraction of: the document and questions plus every answer's tokens."""
     return context + questions * ANSWER_TOKENS
-
-
-def greedy_answer(model: Any, tokenizer: Any, cache: list[Any], logits: mx.array, context: int,
-                  digits: int) -> list[int]:
-    """Greedy tokens until a `digits`-digit number, an end of sequence or `ANSWER_TOKENS`; every token but the
-    last is fed to `cache` (the last is fed with the next prompt, if any)."""
-    tokens: list[int] = []
-    eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
-    for step in range(ANSWER_TOKENS):
-        token = int(mx.argmax(logits, axis=-1).item())
-        tokens.append(token)
-        if token in eos or re.search(rf"\d{{{digits}}}", tokenizer.decode(tokens)) or step == ANSWER_TOKENS - 1:
-            break
-        logits = model(mx.array([[token]], dtype=mx.uint32), cache=cache)[:, -1, :]
-        mx.eval(logits)
-        apply_policy(cache, context)
-    return tokens
 
 
 def matches(answer: str, code: str) -> bool:
@@ -85,7 +68,7 @@ def run_trial(model: Any, tokenizer: Any, cache: list[Any], trial: Trial, placem
     for question, code in zip(trial.questions, trial.answers):
         logits = prompt(pending + list(question), logits=True)
         physical.append(physical_tokens(cache))
-        tokens = greedy_answer(model, tokenizer, cache, logits, context, len(code))
+        tokens = greedy_tokens(model, tokenizer, cache, logits, context, len(code), ANSWER_TOKENS)
         position += len(tokens) - 1
         pending = tokens[-1:]  # the answer's last token opens the next prompt
         answers.append(tokenizer.decode(tokens).strip())
@@ -153,4 +136,4 @@ def run_cell(model: Any, tokenizer: Any, trials: Sequence[Trial], placement: Pla
             "shared_prefix": share_prefix, "results": results}
 
 
-__all__ = ["ANSWER_TOKENS", "PrefixBase", "budget_context", "greedy_answer", "matches", "run_cell", "run_trial"]
+__all__ = ["ANSWER_TOKENS", "PrefixBase", "budget_context", "matches", "run_cell", "run_trial"]

@@ -51,33 +51,6 @@ def needle_prompt(tokenizer: Any, heap: Sequence[int], total_tokens: int, depth:
     return prefix + needle + body[cut:] + question, len(prefix), list(encode(f" {code}"))
 
 
-def _feed(model: Any, cache: list[Any], ids: Sequence[int], chunk: int, context: int) -> mx.array:
-    """Prefill in chunks with the policy applied after each; the last position's logits."""
-    from cortexstream.engine.policy_prompt_cache import apply_policy
-
-    logits = None
-    for start in range(0, len(ids), chunk):
-        logits = model(mx.array([list(ids[start:start + chunk])], dtype=mx.uint32), cache=cache)[:, -1, :]
-        mx.eval(logits)
-        apply_policy(cache, context)
-    return logits
-
-
-def _greedy(model: Any, tokenizer: Any, cache: list[Any], logits: mx.array, context: int) -> str:
-    from cortexstream.engine.policy_prompt_cache import apply_policy
-
-    tokens: list[int] = []
-    for _ in range(ANSWER_TOKENS):
-        token = int(mx.argmax(logits, axis=-1).item())
-        tokens.append(token)
-        if token in getattr(tokenizer, "eos_token_ids", ()) or re.search(r"\d{6}", tokenizer.decode(tokens)):
-            break
-        logits = model(mx.array([[token]], dtype=mx.uint32), cache=cache)[:, -1, :]
-        mx.eval(logits)
-        apply_policy(cache, context)
-    return tokenizer.decode(tokens)
-
-
 def _answer_nll(model: Any, cache: list[Any], logits: mx.array, answer: list[int], context: int) -> float:
     from cortexstream.engine.policy_prompt_cache import apply_policy
 
@@ -96,6 +69,7 @@ def needle_cell(model: Any, tokenizer: Any, heap: Sequence[int], context: int, p
     """Every trial of one (context, policy) cell."""
     from cortexstream.kv.prompt_cache import make_prompt_cache
     from cortexstream.engine.policy_prompt_cache import attach_policy, fork_cache
+    from cortexstream.evaluation.answering import feed_chunks, greedy_tokens
 
     rng = np.random.default_rng([seed, context])
     depths = np.linspace(0.1, 0.9, trials) if trials > 1 else np.array([0.5])
@@ -109,13 +83,13 @@ def needle_cell(model: Any, tokenizer: Any, heap: Sequence[int], context: int, p
     fed, results = 0, []
     for depth, code, name in zip(depths, codes, names):
         ids, needle_at, answer_ids = needle_prompt(tokenizer, heap, context, float(depth), name, code)
-        _feed(model, base, ids[fed:needle_at], chunk, budget_context)
+        feed_chunks(model, base, ids[fed:needle_at], chunk, budget_context)
         fed = needle_at
         trial = fork_cache(base)
-        logits = _feed(model, trial, ids[needle_at:], chunk, budget_context)
+        logits = feed_chunks(model, trial, ids[needle_at:], chunk, budget_context, logits=True)
         physical = int(trial[0].sequence.num_tokens)
         nll = _answer_nll(model, fork_cache(trial), logits, answer_ids, budget_context)
-        answer = _greedy(model, tokenizer, trial, logits, budget_context)
+        answer = tokenizer.decode(greedy_tokens(model, tokenizer, trial, logits, budget_context, 6, ANSWER_TOKENS))
         found = re.search(r"\d+", answer)
         results.append({"depth": round(float(depth), 3), "code": code, "name": name, "answer": answer.strip(),
                         "correct": bool(found and found.group(0) == code), "answer_nll": round(nll, 4),
