@@ -15,13 +15,13 @@ from cortexstream.benchmarks.common import real_text
 from cortexstream.benchmarks.passkey import passkey_prompt
 from cortexstream.benchmarks.retrieval import command_line, run
 from cortexstream.benchmarks.retrieval_measure import run_cell
-from cortexstream.benchmarks.retrieval_prompts import Fact, build_trials, cell_rng, vault_question, vault_trial
+from cortexstream.benchmarks.retrieval_prompts import Fact, build_trials, cell_rng, vault_trial
 from cortexstream.benchmarks.retrieval_report import Status, add_ratios, markdown, targets
 from cortexstream.benchmarks.retrieval_settings import Placement, RetrievalSettings, Task
 from cortexstream.cli.main import main
 from cortexstream.engine.policy_runtime import PolicyState
 from cortexstream.errors import InvalidArgumentError
-from cortexstream.evaluation.needle import needle_prompt
+from cortexstream.evaluation.needle import needle_prompt, needle_question
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_multikey_and_multiquery_place_every_fact_and_ask_as_said(tiny, heap):
             order = sorted(range(len(trial.facts)), key=lambda i: trial.facts[i].depth)
             assert sorted(starts) == [starts[i] for i in order]  # deeper facts lie later
             for question, code, fact in zip(trial.questions, trial.answers, trial.facts):
-                assert list(question) == list(tokenizer.encode(vault_question(fact.name))) and code == fact.code
+                assert list(question) == list(tokenizer.encode(needle_question(fact.name))) and code == fact.code
         if task is Task.MULTIQUERY:  # the second fact 40% of the 10-90% range away, wrapped inside it
             assert [round(t.facts[1].depth, 3) for t in trials] == [0.42, 0.687, 0.153, 0.42]
 

@@ -21,7 +21,7 @@ from cortexstream.benchmarks.passkey import QUESTION as PASSKEY_QUESTION
 from cortexstream.benchmarks.passkey import passkey_prompt
 from cortexstream.benchmarks.retrieval_settings import Placement, Task
 from cortexstream.errors import InvalidArgumentError
-from cortexstream.evaluation.needle import NAMES
+from cortexstream.evaluation.needle import NAMES, needle_question, needle_sentence
 from cortexstream.evaluation.needle import TASK as VAULT_TASK
 
 MULTIKEY_FACTS = 3
@@ -64,18 +64,14 @@ def passkey_trial(tokenizer: Any, context: int, depth: float, key: str) -> Trial
                  (Fact("", key, depth),))
 
 
-def vault_question(name: str) -> str:
-    return f"\nWhat is the vault code for {name}? The vault code for {name} is"
-
-
 def vault_trial(tokenizer: Any, heap: Sequence[int], context: int, facts: Sequence[Fact],
                 asked: Sequence[int]) -> Trial:
     """Task text, `heap` tokens with each fact's sentence at its depth, and the questions for `facts[i]` for i in
     `asked` (in that order); document + questions = `context` tokens."""
     encode = tokenizer.encode
     task = list(encode(VAULT_TASK))
-    needles = [list(encode(f" The vault code for {f.name} is {f.code}. ")) for f in facts]
-    questions = [tuple(encode(vault_question(facts[i].name))) for i in asked]
+    needles = [list(encode(needle_sentence(f.name, f.code))) for f in facts]
+    questions = [tuple(encode(needle_question(facts[i].name))) for i in asked]
     room = context - len(task) - sum(map(len, needles)) - sum(map(len, questions))
     if room < 16 or room > len(heap):
         raise InvalidArgumentError(f"--contexts: {context} tokens leave {room} heap tokens for {len(facts)} facts "
@@ -124,4 +120,4 @@ def build_trials(task: Task, tokenizer: Any, heap: Sequence[int] | None, context
     return out
 
 
-__all__ = ["Fact", "Trial", "build_trials", "cell_rng", "passkey_trial", "vault_question", "vault_trial"]
+__all__ = ["Fact", "Trial", "build_trials", "cell_rng", "passkey_trial", "vault_trial"]

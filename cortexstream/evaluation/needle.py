@@ -34,13 +34,21 @@ NAMES = ("Dr. Ellington", "Mrs. Okafor", "Captain Varga", "Professor Lindqvist",
          "Judge Moreau", "Sister Agnes", "Colonel Brandt", "Ms. Castellanos", "Father Dunleavy")
 
 
+def needle_sentence(name: str, code: str) -> str:
+    return f" The vault code for {name} is {code}. "
+
+
+def needle_question(name: str) -> str:
+    return f"\nWhat is the vault code for {name}? The vault code for {name} is"
+
+
 def needle_prompt(tokenizer: Any, heap: Sequence[int], total_tokens: int, depth: float, name: str,
                   code: str) -> tuple[list[int], int, list[int]]:
     """(prompt ids of about `total_tokens`, index where the needle starts, ids of the answer " <code>")."""
     encode = tokenizer.encode
     task = list(encode(TASK))
-    needle = list(encode(f" The vault code for {name} is {code}. "))
-    question = list(encode(f"\nWhat is the vault code for {name}? The vault code for {name} is"))
+    needle = list(encode(needle_sentence(name, code)))
+    question = list(encode(needle_question(name)))
     room = total_tokens - len(task) - len(needle) - len(question)
     if room < 16 or room > len(heap):
         raise InvalidArgumentError(f"needle: context {total_tokens} leaves {room} heap tokens "
