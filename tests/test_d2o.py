@@ -11,7 +11,7 @@ from cortexstream.errors import InvalidArgumentError
 from cortexstream.evaluation.perplexity import token_nlls
 from cortexstream.kv.prompt_cache import make_prompt_cache
 from cortexstream.policies import D2O, H2O, parse_policy
-from test_policies_runtime import engine_run
+from test_policies_runtime import assert_batched_matches_alone
 from tiny_models import random_token_ids
 
 
@@ -71,12 +71,4 @@ def test_batched_equals_unbatched(sharp):
     model, tokenizer = sharp
     prompts = [random_token_ids(50, seed=s) for s in range(3)]
     policies = [D2O(budget=24, recent=6), D2O(budget=0.4, threshold=0.0), None]
-    tokens, logprobs, physical, _ = engine_run(model, tokenizer, prompts, policies, max_tokens=12,
-                                               prefill_step_size=256)
-    for i, (prompt, policy) in enumerate(zip(prompts, policies)):
-        alone, alone_logprobs, _, _ = engine_run(model, tokenizer, [prompt], [policy], max_tokens=12,
-                                                 prefill_step_size=256)
-        assert tokens[i] == alone[0], policy
-        np.testing.assert_allclose(logprobs[i], alone_logprobs[0], atol=2e-4)
-        if policy is not None:
-            assert max(p for p, _ in physical[i]) <= policy.budget_tokens(62)
+    assert_batched_matches_alone(model, tokenizer, prompts, policies, max_tokens=12, context=62)

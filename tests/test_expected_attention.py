@@ -17,7 +17,7 @@ from cortexstream.errors import InvalidArgumentError
 from cortexstream.generation.stream import stream_generate
 from cortexstream.kv.prompt_cache import make_prompt_cache
 from cortexstream.policies import ExpectedAttention, parse_policy
-from test_policies_runtime import engine_run
+from test_policies_runtime import assert_batched_matches_alone
 from tiny_models import random_token_ids
 
 DIM = 8
@@ -95,13 +95,7 @@ def test_batched_equals_unbatched(sharp):
     model, tokenizer = sharp
     prompts = [random_token_ids(60, seed=s) for s in range(3)]
     policies = [ExpectedAttention(budget=30, recent=4), ExpectedAttention(budget=0.4), None]
-    tokens, logprobs, physical, _ = engine_run(model, tokenizer, prompts, policies, max_tokens=12,
-                                               prefill_step_size=256)
-    for i, (prompt, policy) in enumerate(zip(prompts, policies)):
-        alone, alone_logprobs, _, _ = engine_run(model, tokenizer, [prompt], [policy], max_tokens=12,
-                                                 prefill_step_size=256)
-        assert tokens[i] == alone[0], policy
-        np.testing.assert_allclose(logprobs[i], alone_logprobs[0], atol=2e-4)
+    assert_batched_matches_alone(model, tokenizer, prompts, policies, max_tokens=12, context=72)
 
 
 def test_on_a_prompt_cache_across_turns(sharp):

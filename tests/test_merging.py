@@ -14,7 +14,7 @@ from cortexstream.engine.attention_hook import original_sdpa
 from cortexstream.policies.mean_pool import MeanPool
 from cortexstream.policies.merging import Merged, MergingPolicy
 from cortexstream.engine.policy_runtime import biased_mask
-from test_policies_runtime import engine_run
+from test_policies_runtime import assert_batched_matches_alone, engine_run
 from tiny_models import random_token_ids
 
 
@@ -92,15 +92,9 @@ def test_engine_frees_blocks_and_batched_decode_matches_alone(sharp):
     model, tokenizer = sharp
     prompts = [random_token_ids(70, seed=s) for s in range(3)]
     policies = [MeanPool(window=4, sinks=2, recent=6), None, MeanPool(window=8, sinks=4, recent=4, log_mass=False)]
-    tokens, logprobs, physical, engine = engine_run(model, tokenizer, prompts, policies, max_tokens=20,
-                                                    prefill_step_size=256)
-    for i, (prompt, policy) in enumerate(zip(prompts, policies)):
-        alone_tokens, alone_logprobs, _, _ = engine_run(model, tokenizer, [prompt], [policy], max_tokens=20,
-                                                        prefill_step_size=256)
-        assert tokens[i] == alone_tokens[0], policy
-        np.testing.assert_allclose(logprobs[i], alone_logprobs[0], atol=1e-4)
+    physical = assert_batched_matches_alone(model, tokenizer, prompts, policies, max_tokens=20, context=90, atol=1e-4)
+    for i, policy in enumerate(policies):
         if policy is not None:
-            assert max(p for p, _ in physical[i]) <= policy.budget_tokens(90)
             assert min(p for p, _ in physical[i]) < 70  # it really merged
     # only merging requests: every block comes back; and the bias changes the model's view once windows pool
     _, with_mass, _, engine = engine_run(model, tokenizer, prompts[:1], [MeanPool(window=4, sinks=2, recent=6)],

@@ -38,6 +38,22 @@ def engine_run(model, tokenizer, prompts, policies, max_tokens=12, **kwargs):
     return ([tokens[i] for i in ids], [np.stack(logprobs[i]) for i in ids], [physical[i] for i in ids], engine)
 
 
+def assert_batched_matches_alone(model, tokenizer, prompts, policies, *, max_tokens, context, atol=2e-4):
+    """Each request's greedy tokens and logprobs in one engine run with all of them equal its run alone (each
+    prompt one prefill chunk in both: eviction points depend on chunking; decode is batched), and each policy stays
+    within its budget for `context` tokens. Returns the batched run's physical sizes per request and step."""
+    tokens, logprobs, physical, _ = engine_run(model, tokenizer, prompts, policies, max_tokens=max_tokens,
+                                               prefill_step_size=256)
+    for i, (prompt, policy) in enumerate(zip(prompts, policies)):
+        alone_tokens, alone_logprobs, _, _ = engine_run(model, tokenizer, [prompt], [policy], max_tokens=max_tokens,
+                                                        prefill_step_size=256)
+        assert tokens[i] == alone_tokens[0], policy
+        np.testing.assert_allclose(logprobs[i], alone_logprobs[0], atol=atol)
+        if policy is not None:
+            assert max(p for p, _ in physical[i]) <= policy.budget_tokens(context), policy
+    return physical
+
+
 # --- budgets, protected tokens ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.describe())
 @pytest.mark.parametrize("chunk", [1, 5])
@@ -141,17 +157,7 @@ def test_batched_decode_with_mixed_policies_matches_each_request_alone(sharp):
     model, tokenizer = sharp
     prompts = [token_stream(50, seed=s) for s in range(4)]
     policies = [None, StreamingLLM(budget=30), H2O(budget=30, recent=8), H2O(budget=0.3, keep_prefix=6)]
-    # Each prompt is one prefill chunk in both runs (eviction points depend on chunking); decode is batched.
-    tokens, logprobs, physical, _ = engine_run(model, tokenizer, prompts, policies, max_tokens=16,
-                                               prefill_step_size=256)
-    for i, (prompt, policy) in enumerate(zip(prompts, policies)):
-        alone_tokens, alone_logprobs, _, _ = engine_run(model, tokenizer, [prompt], [policy], max_tokens=16,
-                                                        prefill_step_size=256)
-        assert tokens[i] == alone_tokens[0], policy
-        np.testing.assert_allclose(logprobs[i], alone_logprobs[0], atol=2e-4)
-        if policy is not None:
-            limit = policy.budget_tokens(66)
-            assert max(p for p, _ in physical[i]) <= limit
+    assert_batched_matches_alone(model, tokenizer, prompts, policies, max_tokens=16, context=66)
 
 
 def test_batch_generate_takes_one_policy_per_prompt(sharp):

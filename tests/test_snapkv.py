@@ -19,7 +19,7 @@ from cortexstream.generation.stream import stream_generate
 from cortexstream.kv.prompt_cache import make_prompt_cache
 from cortexstream.policies import H2O, SnapKV, parse_policy
 from cortexstream.policies.snapkv import Pooling, pool_scores
-from test_policies_runtime import engine_run
+from test_policies_runtime import assert_batched_matches_alone
 from tiny_models import random_token_ids
 
 
@@ -143,15 +143,7 @@ def test_batched_equals_unbatched(sharp):
     model, tokenizer = sharp
     prompts = [random_token_ids(60, seed=s) for s in range(3)]
     policies = [SnapKV(budget=30, window=8), SnapKV(budget=0.4, window=4, pooling="avg"), None]
-    tokens, logprobs, physical, _ = engine_run(model, tokenizer, prompts, policies, max_tokens=12,
-                                               prefill_step_size=256)
-    for i, (prompt, policy) in enumerate(zip(prompts, policies)):
-        alone, alone_logprobs, _, _ = engine_run(model, tokenizer, [prompt], [policy], max_tokens=12,
-                                                 prefill_step_size=256)
-        assert tokens[i] == alone[0], policy
-        np.testing.assert_allclose(logprobs[i], alone_logprobs[0], atol=2e-4)
-        if policy is not None:
-            assert max(p for p, _ in physical[i][1:]) <= policy.budget_tokens(72)
+    assert_batched_matches_alone(model, tokenizer, prompts, policies, max_tokens=12, context=72)
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "k=int8,v=int4"])
