@@ -5,7 +5,6 @@ recorded as the server's answer)."""
 
 from __future__ import annotations
 
-import copy
 import json
 import shlex
 from types import SimpleNamespace
@@ -54,12 +53,10 @@ def test_score_tells_the_outcomes_apart():
 
 @pytest.fixture(scope="module")
 def hermes_server(tiny):
-    from test_server_agent import HERMES_TEMPLATE
+    from test_server_agent import hermes_tokenizer
 
     model, tokenizer = tiny
-    hermes = copy.copy(tokenizer)  # the wrapper only: the session's tokenizer keeps its own template
-    hermes._tokenizer = copy.copy(tokenizer._tokenizer)
-    hermes._tokenizer.chat_template = HERMES_TEMPLATE
+    hermes = hermes_tokenizer(tokenizer)
     assert renders_tools(hermes) and not renders_tools(tokenizer)
     with LiveServer(model, hermes, kv_tokens=8192, max_num_seqs=4) as live:
         yield live

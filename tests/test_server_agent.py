@@ -42,13 +42,19 @@ TIME = {"type": "function", "function": {
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 
 
+def hermes_tokenizer(tokenizer):
+    """A copy of `tokenizer` with HERMES_TEMPLATE (the wrapper and the HF tokenizer copied: the session's tokenizer
+    keeps its own template)."""
+    hermes = copy.copy(tokenizer)
+    hermes._tokenizer = copy.copy(tokenizer._tokenizer)
+    hermes._tokenizer.chat_template = HERMES_TEMPLATE
+    return hermes
+
+
 @pytest.fixture(scope="module")
 def server(tiny):
     model, tokenizer = tiny
-    hermes = copy.copy(tokenizer)  # the wrapper only: the session's tokenizer keeps its own template
-    hermes._tokenizer = copy.copy(tokenizer._tokenizer)
-    hermes._tokenizer.chat_template = HERMES_TEMPLATE
-    with LiveServer(model, hermes, kv_tokens=8192) as live:
+    with LiveServer(model, hermes_tokenizer(tokenizer), kv_tokens=8192) as live:
         yield live
 
 

@@ -104,17 +104,13 @@ def test_any_text_in_any_chunking_parses_as_a_whole_and_loses_nothing(pieces, cu
 
 def test_the_server_gives_its_parser_the_offered_tools(tiny):
     """A chat request's tools reach the parser the server makes for its completions (and only with auto)."""
-    import copy
-
     from cortexstream.server.agent_prepare import ToolSupport, prepare_turn
     from cortexstream.server.chat_translate import chat_to_spec
     from cortexstream.server.protocol import ChatCompletionRequest
-    from tests.test_server_agent import HERMES_TEMPLATE, TIME, WEATHER
+    from tests.test_server_agent import TIME, WEATHER, hermes_tokenizer
 
     _, tokenizer = tiny
-    hermes = copy.copy(tokenizer)
-    hermes._tokenizer = copy.copy(tokenizer._tokenizer)
-    hermes._tokenizer.chat_template = HERMES_TEMPLATE
+    hermes = hermes_tokenizer(tokenizer)
     support = ToolSupport.for_tokenizer(hermes)
     body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [WEATHER, TIME]}
     turn = prepare_turn(chat_to_spec(ChatCompletionRequest(**body)), hermes, support)
