@@ -19,12 +19,13 @@ import argparse
 import json
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 from cortexstream.benchmarks.common import write_results
 from cortexstream.benchmarks.machine import machine, machine_sentence
 from cortexstream.benchmarks.runner import run_as_script
 from cortexstream.benchmarks.structured_schemas import SCHEMA_CASES
+from cortexstream.grammar.spec import JSON_LAYOUT
 
 MODELS = {"smollm2-135m": None, "qwen2.5-coder-0.5b-instruct.gguf (benchmark asset)": "qwen"}
 
@@ -54,16 +55,33 @@ def _load(which: str | None) -> tuple[Any, list[int], int]:
     return backend, sorted(int(t) for t in tokenizer.eos_token_ids), vocab
 
 
-def _answers(model_name: str) -> dict[str, str]:
+def _answers(model_name: str, backend: Any, eos: list[int]) -> dict[str, list[int]]:
+    """The valid constrained greedy answers, as token ids (plus end of sequence), by schema name."""
     data = json.load(open("bench/results/structured.json"))
     for row in data["validity"]:
         if row["model"] == model_name and row["constrained"] and row["decoding"] == "greedy" \
                 and row["concurrency"] == data["settings"]["batch"]:
-            return {o["schema"]: o["text"] for o in row["outputs"] if o["verdict"] == "valid"}
+            return {o["schema"]: backend.encode(o["text"], add_special_tokens=False).ids + [eos[0]]
+                    for o in row["outputs"] if o["verdict"] == "valid"}
     raise SystemExit(f"no constrained greedy outputs of {model_name} in bench/results/structured.json")
 
 
-def _llguidance(backend: Any, eos: list[int], vocab: int, answers: dict[str, str]) -> dict[str, Any]:
+def _add_mask_times(name: str, tokens: list[int], step: Callable[[int], bool], mask_s: list[float],
+                    rejected: list[str]) -> None:
+    """Time `step` (fill the next-token bitmask, accept the token) per token of an answer; all its times go to
+    `mask_s`, or its schema to `rejected` when a token is refused."""
+    times = []
+    for token in tokens:
+        tic = time.perf_counter()
+        ok = step(token)
+        times.append(time.perf_counter() - tic)
+        if not ok:
+            rejected.append(name)
+            return
+    mask_s += times
+
+
+def _llguidance(backend: Any, eos: list[int], vocab: int, answers: dict[str, list[int]]) -> dict[str, Any]:
     import llguidance
     import llguidance.numpy as lnp
 
@@ -72,33 +90,25 @@ def _llguidance(backend: Any, eos: list[int], vocab: int, answers: dict[str, str
     setup = time.perf_counter() - tic
     compile_s, mask_s, refused, rejected = [], [], [], []
     bitmask = lnp.allocate_token_bitmask(1, tok.vocab_size)
-    options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     for case in SCHEMA_CASES:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(case.schema, defaults=options)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(case.schema, defaults=JSON_LAYOUT)
         tic = time.perf_counter()
         matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
         compile_s.append(time.perf_counter() - tic)
         if matcher.is_error():
             refused.append(case.name)
             continue
-        if case.name not in answers:
-            continue
-        times = []
-        for token in backend.encode(answers[case.name], add_special_tokens=False).ids + [eos[0]]:
-            tic = time.perf_counter()
-            lnp.fill_next_token_bitmask(matcher, bitmask, 0)
-            ok = matcher.consume_token(token)
-            times.append(time.perf_counter() - tic)
-            if not ok:
-                rejected.append(case.name)
-                break
-        else:
-            mask_s += times
+        if case.name in answers:
+            def step(token: int, matcher: Any = matcher) -> bool:
+                lnp.fill_next_token_bitmask(matcher, bitmask, 0)
+                return matcher.consume_token(token)
+
+            _add_mask_times(case.name, answers[case.name], step, mask_s, rejected)
     return {"setup_seconds": setup, "compile": _stats(compile_s, 1e3), "mask": _stats(mask_s, 1e6),
             "refused": refused, "rejected": rejected}
 
 
-def _xgrammar(backend: Any, eos: list[int], vocab: int, answers: dict[str, str]) -> dict[str, Any]:
+def _xgrammar(backend: Any, eos: list[int], vocab: int, answers: dict[str, list[int]]) -> dict[str, Any]:
     import xgrammar as xgr
     from transformers import PreTrainedTokenizerFast
 
@@ -119,19 +129,12 @@ def _xgrammar(backend: Any, eos: list[int], vocab: int, answers: dict[str, str])
             refused.append(f"{case.name}: {type(exc).__name__}")
             continue
         compile_s.append(time.perf_counter() - tic)
-        if case.name not in answers:
-            continue
-        times = []
-        for token in backend.encode(answers[case.name], add_special_tokens=False).ids + [eos[0]]:
-            tic = time.perf_counter()
-            matcher.fill_next_token_bitmask(bitmask)
-            ok = matcher.accept_token(token)
-            times.append(time.perf_counter() - tic)
-            if not ok:
-                rejected.append(case.name)
-                break
-        else:
-            mask_s += times
+        if case.name in answers:
+            def step(token: int, matcher: Any = matcher) -> bool:
+                matcher.fill_next_token_bitmask(bitmask)
+                return matcher.accept_token(token)
+
+            _add_mask_times(case.name, answers[case.name], step, mask_s, rejected)
     return {"setup_seconds": setup, "compile": _stats(compile_s, 1e3), "mask": _stats(mask_s, 1e6),
             "refused": refused, "rejected": rejected}
 
@@ -163,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for name, which in MODELS.items():
             backend, eos, vocab = _load(which)
-            answers = _answers(name)
+            answers = _answers(name, backend, eos)
             for engine, measure in (("llguidance", _llguidance), ("xgrammar", _xgrammar)):
                 print(f"[grammar_engines] {name}: {engine}", flush=True)
                 rows.append({"model": name, "engine": engine, **measure(backend, eos, vocab, answers)})
