@@ -55,8 +55,12 @@ class ToolSupport:
 class PreparedTurn:
     tokens: list[int]
     grammar: GrammarSpec | None
-    parse_tools: bool  # the completion's text is read for tool calls
-    tool_names: tuple[str, ...] = ()  # the offered tools (a parser may read untagged calls to them)
+    tool_names: tuple[str, ...] = ()  # the offered tools when the text is read for calls (none: it is not)
+
+    @property
+    def parse_tools(self) -> bool:
+        """Whether the completion's text is read for tool calls (a parser may read untagged calls to them)."""
+        return bool(self.tool_names)
 
 
 def render(tokenizer: Any, spec: ChatSpec, with_tools: bool) -> list[int]:
@@ -107,4 +111,4 @@ def prepare_turn(spec: ChatSpec, tokenizer: Any, support: ToolSupport) -> Prepar
     grammar = output_grammar(spec, support)
     tokens = render(tokenizer, spec, with_tools=use_tools)
     names = tuple(tool.name for tool in spec.tools) if use_tools else ()
-    return PreparedTurn(tokens, grammar, parse_tools=use_tools, tool_names=names)
+    return PreparedTurn(tokens, grammar, tool_names=names)

@@ -39,8 +39,12 @@ class PreparedRequest:
     job: EngineJob
     response_id: str
     prompt_tokens: int
-    parse_tools: bool = False  # read each completion's text for tool calls (see agent_prepare.py)
-    tool_names: tuple[str, ...] = ()  # the tools the request offered
+    tool_names: tuple[str, ...] = ()  # the tools offered when each completion's text is read for calls
+
+    @property
+    def parse_tools(self) -> bool:
+        """Whether each completion's text is read for tool calls (see agent_prepare.py)."""
+        return bool(self.tool_names)
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -153,7 +157,6 @@ def prepare_chat(request: ChatCompletionRequest, tokenizer: Any, arena: ArenaLim
     sampling = _sampling(request, max_tokens, turn.grammar)
     top = (request.top_logprobs or 0) if request.logprobs else None
     prepared = _job("chatcmpl", turn.tokens, sampling, request.n, policy, tenant, top)
-    prepared.parse_tools = turn.parse_tools
     prepared.tool_names = turn.tool_names
     return prepared
 
@@ -166,7 +169,6 @@ def prepare_spec(spec: ChatSpec, prefix: str, tokenizer: Any, arena: ArenaLimits
     policy = _policy(None, default_policy)
     max_tokens = _fit(len(turn.tokens), spec.max_tokens, default_max_tokens, 1, policy, arena)
     prepared = _job(prefix, turn.tokens, _sampling(spec, max_tokens, turn.grammar), 1, policy, tenant, None)
-    prepared.parse_tools = turn.parse_tools
     prepared.tool_names = turn.tool_names
     return prepared, turn
 
