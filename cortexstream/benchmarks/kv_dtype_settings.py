@@ -135,10 +135,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def from_args(args: argparse.Namespace) -> KVDtypeSettings:
     """The settings the options ask for (`--quick`: their smoke-run sizes)."""
-    from cortexstream.cli.number_lists import int_list
-
-    def names(text: str) -> tuple[str, ...]:
-        return tuple(x.strip() for x in text.split(",") if x.strip())
+    from cortexstream.cli.number_lists import int_list, name_list
 
     def storages(text: str, option: str) -> tuple[str, ...]:
         specs = tuple(x.strip() for x in text.split(";") if x.strip())
@@ -151,11 +148,11 @@ def from_args(args: argparse.Namespace) -> KVDtypeSettings:
         group_size=args.group_size, budget=args.budget, ppl_chunk=args.ppl_chunk,
         passkey_contexts=int_list(args.passkey_contexts, "--passkey-contexts", 256),
         passkey_storages=storages(args.passkey_kv_dtypes, "--passkey-kv-dtypes"),
-        passkey_policies=names(args.passkey_policies), passkey_trials=args.passkey_trials,
+        passkey_policies=name_list(args.passkey_policies), passkey_trials=args.passkey_trials,
         passkey_chunk=args.passkey_chunk, batches=int_list(args.batches, "--batches", 1),
         decode_keys=int_list(args.decode_keys, "--decode-keys", 16),
         decode_storages=storages(args.decode_kv_dtypes, "--decode-kv-dtypes"), decode_steps=args.decode_steps,
-        rounds=args.rounds, parts=names(args.parts))
+        rounds=args.rounds, parts=name_list(args.parts))
     return settings.quick() if args.quick else settings
 
 

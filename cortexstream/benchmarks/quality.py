@@ -252,7 +252,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Every option checked before anything loads (each error names its option), then `run`."""
-    from cortexstream.cli.number_lists import at_least, fraction_list, int_list
+    from cortexstream.cli.number_lists import at_least, fraction_list, int_list, name_list
 
     contexts = int_list(args.contexts, "--contexts", 16)
     passkey_contexts = int_list(args.passkey_contexts, "--passkey-contexts", 16)
@@ -262,7 +262,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     specs = policy_specs(args.passkey_policies)
     for spec in specs:
         parse_policy(spec)  # fail before loading anything
-    parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
+    parts = name_list(args.parts)
     unknown = sorted(set(parts) - set(QUALITY_RUN_PARTS))
     if unknown:
         from cortexstream.errors import InvalidArgumentError

@@ -137,13 +137,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def from_args(args: argparse.Namespace) -> RetrievalSettings:
     """The settings the options ask for (`--quick`: its smoke-run sizes)."""
     from cortexstream.benchmarks.common import policy_specs
-    from cortexstream.cli.number_lists import fraction_list, int_list
-
-    def names(text: str) -> tuple[str, ...]:
-        return tuple(x.strip() for x in text.split(",") if x.strip())
+    from cortexstream.cli.number_lists import fraction_list, int_list, name_list
 
     settings = RetrievalSettings(
-        tasks=names(args.tasks), placements=names(args.placements), policies=policy_specs(args.policies),
+        tasks=name_list(args.tasks), placements=name_list(args.placements), policies=policy_specs(args.policies),
         budgets=fraction_list(args.budgets, "--budgets"), contexts=int_list(args.contexts, "--contexts", 256),
         trials=args.trials, chunk=args.chunk, seed=args.seed)
     return settings.quick() if args.quick else settings

@@ -92,7 +92,9 @@ def _positive(flag: str, value: int) -> int:
 
 
 def _names(flag: str, text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
-    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    from cortexstream.cli.number_lists import name_list
+
+    names = name_list(text)
     unknown = [n for n in names if n not in allowed]
     if not names or unknown:
         from cortexstream.errors import InvalidArgumentError

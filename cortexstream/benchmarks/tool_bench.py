@@ -103,8 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def from_args(args: argparse.Namespace) -> ToolBenchSettings:
     from cortexstream.benchmarks.serve_memory_options import parse_peer_pythons
+    from cortexstream.cli.number_lists import name_list
 
-    systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    systems = name_list(args.systems)
     return ToolBenchSettings(model=args.model, model_dir=args.model_dir, systems=systems,
                              peers=parse_peer_pythons(args.peer_python),
                              variants=parse_variants(args.peer_variant), tool_parser=args.tool_parser,

@@ -1,11 +1,16 @@
-"""Comma-separated number options (`--contexts 2048,4096`, `--budgets 0.1,0.2`): parsed and range-checked before
-a benchmark loads anything, each error naming the option."""
+"""Comma-separated options (`--contexts 2048,4096`, `--budgets 0.1,0.2`, `--tasks passkey,needle`): parsed and
+range-checked before a benchmark loads anything, each error naming the option."""
 
 from __future__ import annotations
 
 import math
 
 from cortexstream.errors import InvalidArgumentError
+
+
+def name_list(text: str) -> tuple[str, ...]:
+    """`text`'s comma-separated items, stripped, blanks dropped (the caller checks the names)."""
+    return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 def int_list(text: str, option: str, minimum: int = 1) -> tuple[int, ...]:
