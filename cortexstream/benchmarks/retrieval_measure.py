@@ -85,7 +85,7 @@ class PrefixBase:
                  share: bool) -> None:
         self.model, self.policy, self.placement = model, policy, placement
         self.context, self.chunk, self.share = context, chunk, share
-        window = getattr(policy, "observation_window", None)
+        window = policy.observation_window if policy is not None else None
         self.window = int(window) if window is not None else 0
         self.cache: list[Any] | None = None
         self.fed: tuple[int, ...] = ()

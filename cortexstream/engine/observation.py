@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cortexstream.policies.base import KVPolicy
+
 
 @dataclass(frozen=True)
 class Observation:
@@ -32,6 +34,7 @@ class Observation:
         return prompt_end is None or logical_length >= prompt_end
 
 
-def observation_for(policy: object) -> Observation | None:
-    window = getattr(policy, "observation_window", None)
+def observation_for(policy: KVPolicy) -> Observation | None:
+    """The window rule of a policy that declares one (`KVPolicy.observation_window`), else None."""
+    window = policy.observation_window
     return None if window is None else Observation(int(window))
