@@ -22,6 +22,11 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     size.add_argument("--kv-memory", type=float, default=None, help="KV arena as a fraction of device memory")
     serve.add_argument("--block-size", type=int, default=16)
     add_kv_storage_args(serve)  # one arena, one storage type: fixed for every request
+    serve.add_argument("--kv-disk", default=None, metavar="DIR",
+                       help="keep prefix-cache KV blocks on disk in DIR too: they survive restarts and are read back "
+                            "instead of recomputed (one server per DIR; an unusable DIR serves from RAM and says so)")
+    serve.add_argument("--kv-disk-size", default="20GiB", metavar="SIZE",
+                       help="most bytes the disk tier keeps in DIR, least recently used dropped first (default 20GiB)")
     serve.add_argument("--max-num-seqs", type=int, default=32)
     serve.add_argument("--max-queue", type=int, default=256, help="requests queued beyond max-num-seqs before 429")
     serve.add_argument("--kv-policy", default=None, help="default KV policy (anything parse_policy accepts)")
@@ -59,7 +64,8 @@ def run_serve(args: argparse.Namespace) -> int:
             kv_memory=args.kv_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
             max_queue=args.max_queue, kv_policy=args.kv_policy, api_keys=api_keys,
             shutdown_timeout=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,
-            kv_dtype=args.kv_dtype, kv_group_size=args.kv_group_size,
+            kv_dtype=args.kv_dtype, kv_group_size=args.kv_group_size, kv_disk=args.kv_disk,
+            kv_disk_size=args.kv_disk_size,
         )  # validated before the model loads, so a bad option fails in a second
     model, tokenizer = load(args.model, dtype=args.dtype)
     with flag_errors():  # what depends on the model, e.g. a group size that does not divide its head dim
@@ -71,6 +77,13 @@ def run_serve(args: argparse.Namespace) -> int:
     arena_text = (f"{arena.config.num_blocks} blocks x {arena.config.block_size} tokens = {arena.config.num_slots} "
                   f"tokens, {arena.config.total_bytes / 2**20:.0f} MiB ({arena.config.storage.text}, "
                   f"{arena.config.bytes_per_token:,} bytes/token)")
+    engine = app.state.server.bridge.engine
+    if engine.disk is not None:
+        disk = engine.disk.stats()
+        arena_text += (f"; disk tier {args.kv_disk}: {disk['disk_blocks']} blocks of this model, "
+                       f"{disk['disk_bytes_on_disk'] / 2**20:.0f} MiB of {args.kv_disk_size}")
+    elif engine.disk_problem is not None:
+        arena_text += f"; disk tier OFF ({engine.disk_problem})"
     print(banner(f"http://{args.host}:{args.port}", config.model_name,
                  f"{'Metal GPU' if backend.metal else 'CPU backend'}, BLAS {backend.blas}, mlx {backend.mlx_version}", arena_text,
                  tenants), flush=True)

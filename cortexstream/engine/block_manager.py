@@ -1,8 +1,10 @@
 """Block accounting for the scheduler: admission, growth, release and the prefix cache. Pure Python.
 
-Prefix cache: every full block of a sequence whose KV matches its tokens one-to-one is hashed by
-(parent hash, token ids), with the chain rooted in a salt of the tenant and of the arena's storage (`storage_key`:
-dtype, bits, group size), so a prefix never crosses tenants and blocks of different storage are never mixed. The cache
+Prefix cache: every full block of a sequence whose KV matches its tokens one-to-one is keyed by (parent key, token
+ids) (kv/prefix_chain.py), with the chain rooted in the tenant and the arena's storage (`storage_key`: dtype, bits,
+group size; with a disk tier also the model's identity), so a prefix never crosses tenants and blocks of different
+storage are never mixed. With a disk tier (`disk`, engine/disk_prefix.py) a chain continues on disk where the RAM
+hits end: those blocks are read back instead of recomputed, and every block entering the cache is queued for disk. The cache
 holds its own reference on each registered block, so (a) any later write to it goes through copy-on-write and
 (b) it survives the sequence that computed it; those pool-only blocks are reclaimed, least recently used first,
 when an allocation would otherwise fail.
@@ -14,8 +16,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterator
 
+from cortexstream.engine.disk_prefix import DiskPrefix, Restored
 from cortexstream.engine.sequence import Sequence
 from cortexstream.kv.allocator import BlockAllocator
+from cortexstream.kv.prefix_chain import chain_next, chain_root
 
 
 # Blocks a sequence that outgrew its reservation takes at once (a run of 8 x 16 tokens), so decode growth keeps
@@ -31,8 +35,9 @@ class _CachedBlock:
 
 class BlockManager:
     def __init__(self, allocator: BlockAllocator, block_size: int, prefix_caching: bool = True,
-                 storage_key: str = "") -> None:
+                 storage_key: str = "", disk: DiskPrefix | None = None) -> None:
         self.allocator = allocator
+        self.disk = disk
         self.storage_key = storage_key  # how the arena stores a block (`ArenaConfig.cache_key`)
         self.block_size = block_size
         self.prefix_caching = prefix_caching
@@ -66,7 +71,7 @@ class BlockManager:
     # --- prefix cache -----------------------------------------------------------------------------------------
     def prefix_root(self, tenant: str | None) -> int:
         """The salt a tenant's prefix chains start from in this arena's storage."""
-        return hash(("cortexstream-prefix-root", self.storage_key, tenant))
+        return chain_root(self.storage_key, tenant)
 
     def _match(self, seq: Sequence) -> tuple[list[int], list[int]]:
         """Blocks (and their hashes) of the longest cached chain of full prompt blocks."""
@@ -88,7 +93,7 @@ class BlockManager:
         bs, ids = self.block_size, seq.all_ids
         for i in range(start, stop):
             tokens = tuple(ids[i * bs : (i + 1) * bs])
-            parent = hash((parent, tokens))
+            parent = chain_next(parent, tokens)
             yield parent, tokens
 
     def waits_for_shared_prefix(self, seq: Sequence) -> bool:
@@ -135,6 +140,8 @@ class BlockManager:
             self.allocator.share([block])
             self._by_hash[h] = _CachedBlock(block, tokens)
             self._lru[block] = h
+            if self.disk is not None:
+                self.disk.queue_write(block, h, tokens)
 
     def _reclaim(self, num_blocks: int, protect: set[int] = frozenset()) -> int:
         freed = 0
@@ -243,6 +250,34 @@ class BlockManager:
         self.num_prefix_hits += len(hits)
         if self.prefix_caching and seq.kv_from_tokens and seq.hook is None:
             self._add_pending(seq, len(hits))
+            self._restore_from_disk(seq, len(hits), fresh)
+
+    def _restore_from_disk(self, seq: Sequence, num_hits: int, fresh: list[int]) -> None:
+        """Start reading the blocks that continue the RAM hits' chain on disk into the first fresh blocks."""
+        if self.disk is None or not fresh:
+            return
+        parent = seq.block_hashes[-1] if seq.block_hashes else self.prefix_root(seq.tenant)
+        stop = min(len(seq.all_ids) // self.block_size, num_hits + len(fresh))
+        entries = self.disk.on_disk(self._chain(seq, num_hits, stop, parent))
+        if entries:
+            self.disk.start(seq, fresh[:len(entries)], entries)
+
+    def restoring(self, seq: Sequence) -> bool:
+        """Whether `seq` waits for prefix blocks being read from disk (it takes no prefill work until then)."""
+        return self.disk is not None and self.disk.restoring(seq)
+
+    def finish_restores(self) -> list[Restored]:
+        """Restores whose reads are done: their sequences now count the restored tokens as computed; the caller
+        hands the payloads to the runner, which writes them before anything reads them."""
+        if self.disk is None or not self.disk.num_restoring:
+            return []
+        done = self.disk.finished()
+        for restored in done:
+            seq = restored.seq
+            if restored.blocks:
+                cached = min(seq.num_computed + len(restored.blocks) * self.block_size, seq.num_tokens - 1)
+                seq.num_computed = seq.num_physical = seq.num_cached_prefix = cached
+        return done
 
     def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Room for `num_new_tokens` more physical tokens, with a private copy of each shared block the write
@@ -319,6 +354,8 @@ class BlockManager:
     def release(self, seq: Sequence) -> int:
         """Drop the sequence's references; blocks also held by the prefix cache stay cached."""
         self._drop_pending(seq)
+        if self.disk is not None:
+            self.disk.cancel(seq)
         self._holders.pop(seq.owner, None)
         freed = self.allocator.free(seq.block_table) if seq.block_table else 0
         seq.block_table.clear()

@@ -52,6 +52,15 @@ class AdaptivePrefillBudget:
             extra = max(step_seconds - self.decode_seconds, 0.05 * self.decode_seconds)
             self.mixed_seconds_per_token = self._average(self.mixed_seconds_per_token, extra / prefill_tokens)
 
+    def after_step(self, prefill_tokens: int, prefill_seconds: float, mixed_tokens: int,
+                   decode_seconds: float | None, decoded: bool, mixed: bool) -> int:
+        """Record a step as the engine measured it (`decoded`: it planned decode work; `mixed_tokens` prompt tokens
+        rode in its decode pass) and return the budget for the next step (`mixed`: chunks may ride again)."""
+        self.observe(prefill_tokens, prefill_seconds, decode_seconds if decoded and not mixed_tokens else None)
+        if mixed_tokens and decode_seconds is not None:
+            self.observe_mixed(mixed_tokens, decode_seconds)
+        return self.tokens(mixed=mixed)
+
     def tokens(self, mixed: bool = False) -> int:
         """The budget for the next step that also decodes; `mixed`: its chunks ride in the decode pass."""
         per_token = self.mixed_seconds_per_token if mixed and self.mixed_seconds_per_token else self.seconds_per_token

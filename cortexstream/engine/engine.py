@@ -28,12 +28,13 @@ from cortexstream.backend import ComputeBackend
 from cortexstream.engine.block_manager import BlockManager
 from cortexstream.engine.bound_cache import BoundCache
 from cortexstream.engine import kv_edits
+from cortexstream.engine.disk_tier import open_disk_tier
 from cortexstream.engine.chunk_budget import AdaptivePrefillBudget
 from cortexstream.engine.finish_reason import FinishReason
 from cortexstream.engine.runner import ModelRunner
 from cortexstream.engine.scheduler import Scheduler, SchedulerConfig
 from cortexstream.engine.sequence import Sequence, SequenceHook
-from cortexstream.engine.snapshot import EngineView, take_snapshot
+from cortexstream.engine.snapshot import EngineView, engine_stats, take_snapshot
 from cortexstream.engine.step_plan import StepPlan, StepResult
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.grammar.compiler import GrammarCompiler
@@ -70,8 +71,14 @@ class Engine:
         small_batch_matmul: int | str = "auto",
         kv_dtype: str | None = None,
         kv_group_size: int | None = None,
+        kv_disk: str | None = None,
+        kv_disk_size: int | str = "20GiB",
+        kv_disk_required: bool = True,
     ) -> None:
+        """`kv_disk`: a directory for the prefix cache's disk tier, `kv_disk_size` at most; if it cannot be used,
+        `kv_disk_required` False runs without it (`disk_problem` says why) instead of raising. engine/disk_tier.py."""
         arena = engine_arena(model, arena, kv_tokens, kv_bytes, block_size, kv_dtype, kv_group_size)
+        self.disk, self.disk_problem = open_disk_tier(model, arena, kv_disk, kv_disk_size, kv_disk_required)
         # Everything platform-specific (BLAS threads, the CPU small-batch kernel, attention strategies, Metal
         # kernels, SDPA routing) is behind this, chosen once; the step below never asks what platform it runs on.
         self.backend = ComputeBackend.for_engine(small_batch_matmul, model=model)
@@ -81,7 +88,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.arena = arena
         self.block_manager = BlockManager(arena.allocator, arena.config.block_size, prefix_caching,
-                                          arena.config.cache_key)
+                                          self.disk.namespace if self.disk else arena.config.cache_key,
+                                          self.disk.prefix if self.disk else None)
         # "auto": chunks sized so that one costs about one decode step (see chunk_budget); an int: fixed.
         self._adaptive = None
         auto = prefill_tokens_while_decoding == "auto"
@@ -251,9 +259,12 @@ class Engine:
             self.backend.end_step(self.has_in_flight)  # a launched pass still computes with the step's settings
 
     def close(self) -> None:
-        """Release what the backend holds for this engine now (idempotent): call it when done with the engine, or
-        when abandoning it with a pass in flight. A later step takes what it needs again."""
+        """Release what the backend holds now (idempotent; a later step takes what it needs again), and write what
+        the disk tier has queued and release its directory (for good: later steps run without it)."""
         self.backend.close()
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = self.block_manager.disk = None
 
     def __enter__(self) -> "Engine":
         return self
@@ -286,6 +297,8 @@ class Engine:
         self._adapt(plan, result, decode_seconds)
         if not self.pipeline:
             outputs.extend(self._drain())
+        if self.disk is not None:
+            self.disk.after_step()
         outputs.extend(self._failures)
         self._failures = []
         return outputs
@@ -324,16 +337,11 @@ class Engine:
 
     def _adapt(self, plan: StepPlan, result: StepResult, decode_seconds: float | None) -> None:
         """Feed the adaptive prefill budget this step's timings; pass its new budget to the scheduler."""
-        if self._adaptive is None:
-            return
-        mixed = result.mixed_tokens
-        self._adaptive.observe(result.prefill_tokens, result.prefill_seconds,
-                               decode_seconds if plan.decode and not mixed else None)
-        if mixed and decode_seconds is not None:
-            self._adaptive.observe_mixed(mixed, decode_seconds)
-        budget = self._adaptive.tokens(mixed=self.runner.mixed_prefill)
-        if budget != self.scheduler.config.prefill_tokens_while_decoding:
-            self.scheduler.config = replace(self.scheduler.config, prefill_tokens_while_decoding=budget)
+        if self._adaptive is not None:
+            budget = self._adaptive.after_step(result.prefill_tokens, result.prefill_seconds, result.mixed_tokens,
+                                               decode_seconds, bool(plan.decode), self.runner.mixed_prefill)
+            if budget != self.scheduler.config.prefill_tokens_while_decoding:
+                self.scheduler.config = replace(self.scheduler.config, prefill_tokens_while_decoding=budget)
 
     def _drain(self) -> list[RequestOutput]:
         """Read and apply every token in flight."""
@@ -388,13 +396,5 @@ class Engine:
         return take_snapshot(self, blocks)
 
     def stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = dict(self.arena.stats())
-        stats.update(
-            running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
-            preemptions=self.scheduler.num_preemptions,
-            prefix_cached_blocks=self.block_manager.num_cached_blocks,
-            prefix_hit_blocks=self.block_manager.num_prefix_hits,
-            generated_tokens=self.num_generated_tokens,
-        )
-        return stats
+        """Arena, scheduler, prefix-cache and disk-tier counters (engine/snapshot.py, `engine_stats`)."""
+        return engine_stats(self)

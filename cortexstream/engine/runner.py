@@ -36,6 +36,7 @@ from cortexstream.engine.request_sampler import ConstraintFactory, RequestSample
 from cortexstream.engine.step_plan import NewRequest, SampledToken, StepPlan, StepResult, WorkItem
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_cache import ArenaKVCache
+from cortexstream.kv.block_io import import_blocks
 from cortexstream.kv.sequence_kv import SequenceKV
 
 
@@ -130,6 +131,8 @@ class ModelRunner:
         for spec in plan.new_requests:
             self._open(spec)
         self.arena.ensure_blocks(plan.num_blocks_used)
+        if plan.restores:
+            import_blocks(self.arena, [block for block, _ in plan.restores], [data for _, data in plan.restores])
         self.copy_blocks(plan.copies)
         out = _Outcome()
         decode = list(plan.decode)

@@ -190,13 +190,15 @@ class Scheduler:
         ended, self._finished = self._finished, []
         self._admit()
         self._run_hooks(ended)
+        restores = tuple((block, payload) for done in self.blocks.finish_restores()
+                         for block, payload in zip(done.blocks, done.payloads))
         budget = self.config.prefill_budget(decoding=any(s.num_pending == 1 for s in self.running),
                                             num_prefilling=sum(s.num_pending > 1 for s in self.running))
         prefill: list[tuple[Sequence, int]] = []
         for seq in self.running:
             # More than one pending token is prompt (or recompute after preemption); one is a decode step.
             if seq.num_pending > 1:
-                if budget <= 0:
+                if budget <= 0 or self.blocks.restoring(seq):
                     continue
                 chunk = min(seq.num_pending, budget, self._room_before_hook(seq))
                 if not self.blocks.reserve(seq, chunk):
@@ -225,9 +227,10 @@ class Scheduler:
                 decode = [s for s in decode if s is not victim]
             else:
                 decode.append(seq)
-        return self._plan(prefill, decode), ended
+        return self._plan(prefill, decode, restores), ended
 
-    def _plan(self, prefill: list[tuple[Sequence, int]], decode: list[Sequence]) -> StepPlan:
+    def _plan(self, prefill: list[tuple[Sequence, int]], decode: list[Sequence],
+              restores: tuple[tuple[int, bytes], ...] = ()) -> StepPlan:
         """The plan of the chosen work; every counter advances as if it were done (the runner does it next)."""
         dropped, self._dropped = tuple(self._dropped), []
         new = [self._announce(seq) for seq, _ in prefill if seq.request_id not in self._announced]
@@ -252,7 +255,7 @@ class Scheduler:
             seq.num_computed += 1
             seq.num_physical += 1
         return StepPlan(tuple(new), dropped, copies, tuple(prefill_items), tuple(decode_items),
-                        self.blocks.allocator.high_water)
+                        self.blocks.allocator.high_water, restores)
 
     def _announce(self, seq: Sequence) -> NewRequest:
         self._announced.add(seq.request_id)

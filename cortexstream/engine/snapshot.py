@@ -130,3 +130,20 @@ def take_snapshot(engine: Any, blocks: bool = True) -> EngineView:
         block_owners=owners,
         prefix_cached_blocks=cached,
     )
+
+
+def engine_stats(engine: Any) -> dict[str, Any]:
+    """The engine's counters as a flat dict: the arena's, then running/waiting requests, preemptions, the prefix
+    cache's blocks and hits, generated tokens, and the disk tier's counters when it has one."""
+    stats: dict[str, Any] = dict(engine.arena.stats())
+    stats.update(
+        running=len(engine.scheduler.running),
+        waiting=len(engine.scheduler.waiting),
+        preemptions=engine.scheduler.num_preemptions,
+        prefix_cached_blocks=engine.block_manager.num_cached_blocks,
+        prefix_hit_blocks=engine.block_manager.num_prefix_hits,
+        generated_tokens=engine.num_generated_tokens,
+    )
+    if engine.disk is not None:
+        stats.update(engine.disk.stats())
+    return stats

@@ -70,6 +70,8 @@ class StepPlan:
     prefill: tuple[WorkItem, ...] = ()
     decode: tuple[WorkItem, ...] = ()
     num_blocks_used: int = 0  # one past the highest block id in use: the arena must back them
+    # (block, payload) read back from the disk tier (kv/block_io.py layout), written before the copies
+    restores: tuple[tuple[int, bytes], ...] = ()
 
     @property
     def is_empty(self) -> bool:

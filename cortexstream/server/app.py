@@ -52,15 +52,18 @@ def build_engine(model: Any, tokenizer: Any, config: ServerConfig) -> Any:
         arena = KVArena(ArenaConfig.for_model(model, memory_fraction=config.kv_memory, **storage))
     else:
         arena = KVArena(ArenaConfig.for_model(model, num_tokens=config.kv_tokens or 16384, **storage))
+    # An unusable --kv-disk directory (or one another process owns) does not stop the server: it serves the
+    # prefix cache from RAM and says why in its log and in /metrics (`Engine.disk_problem`).
     return Engine(model, tokenizer, arena=arena, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-                  kv_policy=config.kv_policy)
+                  kv_policy=config.kv_policy, kv_disk=config.kv_disk, kv_disk_size=config.kv_disk_size,
+                  kv_disk_required=False)
 
 
 def create_app(model: Any, tokenizer: Any, config: ServerConfig | None = None, engine: Any = None) -> FastAPI:
     """The ASGI app. The engine thread starts with the app's lifespan and stops with it."""
     config = config or ServerConfig()
     engine = engine if engine is not None else build_engine(model, tokenizer, config)
-    metrics = Metrics(config.model_name)
+    metrics = Metrics(config.model_name, getattr(engine, "disk_problem", None))  # a test's engine may have none
     view = engine.snapshot(blocks=False)  # the engine thread has not started: read it here
     bridge = EventLoopBridge(engine, handoff=config.handoff, on_events=metrics.on_event)
     from cortexstream.policies import parse_policy

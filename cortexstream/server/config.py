@@ -29,6 +29,9 @@ class ServerConfig:
     # the group size of quantized sides (32 or 64; None: 64). One arena, one storage type: requests cannot pick.
     kv_dtype: str | None = None
     kv_group_size: int | None = None
+    # The prefix cache's disk tier (engine/disk_tier.py): a directory, and the most bytes it may hold on disk.
+    kv_disk: str | None = None
+    kv_disk_size: str = "20GiB"
     max_num_seqs: int = 32
     max_queue: int = 256  # requests waiting beyond max_num_seqs before 429
     kv_policy: str | None = None  # default policy for requests that name none
@@ -69,6 +72,12 @@ class ServerConfig:
             # The spelling and the group size now; whether the group divides the model's head dim when the
             # arena is built (the placeholder float type only decides what "auto" means).
             parse_kv_dtype(self.kv_dtype, self.kv_group_size, model_dtype=StorageType.FLOAT32)
+        if self.kv_disk is not None and (not isinstance(self.kv_disk, str) or not self.kv_disk.strip()):
+            raise ValueError(f"kv_disk: {self.kv_disk!r} must be a directory path")
+        from cortexstream.kv.disk import parse_size
+
+        if parse_size(self.kv_disk_size, "kv_disk_size") < 1:
+            raise ValueError(f"kv_disk_size: {self.kv_disk_size!r} must be more than 0 bytes")
         if self.kv_policy is not None:
             from cortexstream.policies import parse_policy
 

@@ -62,6 +62,8 @@ def kv_snapshot(view: EngineView, owner_tenants: dict[int, str | None], tenant_a
         "block_ref_counts": ref_counts,
         "block_tenants": tenants,
         "prefix_cached_blocks": sorted(cached),
+        # The disk tier's counters (engine/disk_tier.py) without their `disk_` prefix; null without a tier.
+        "disk": {k[len("disk_"):]: v for k, v in view.stats.items() if k.startswith("disk_")} or None,
         "sequences": sequences,
     }
 

@@ -55,9 +55,44 @@ def _storage_info(labels: str, view: EngineView) -> list[str]:
             f'{name}{{{labels},kv_dtype="{kv_dtype}",block_size="{view.block_size}"}} 1']
 
 
+# Disk tier counters shown in /metrics: the engine stats key (engine/disk_tier.py) -> (metric kind, help).
+_DISK_METRICS = {
+    "disk_blocks": ("gauge", "KV blocks of this model in the disk tier."),
+    "disk_bytes_on_disk": ("gauge", "Bytes of the disk tier's segment files (every model sharing the directory)."),
+    "disk_hit_blocks": ("counter", "Prefix blocks found on disk at admission."),
+    "disk_restored_blocks": ("counter", "Prefix blocks read back from disk instead of recomputed."),
+    "disk_restored_tokens": ("counter", "Prompt tokens read back from disk instead of recomputed."),
+    "disk_failed_blocks": ("counter", "Prefix blocks found on disk but recomputed (evicted or damaged meanwhile)."),
+    "disk_restore_seconds": ("counter", "Seconds from admission to restored payloads, summed over restores."),
+    "disk_puts": ("counter", "KV blocks written to disk."),
+    "disk_dropped_puts": ("counter", "KV blocks not written (queue full or writing off)."),
+    "disk_corrupt_skipped": ("counter", "Damaged records found on disk and skipped."),
+    "disk_evicted_blocks": ("counter", "KV blocks deleted from disk by LRU eviction."),
+}
+
+
+def _disk_lines(labels: str, view: EngineView | None, problem: str | None) -> list[str]:
+    """The disk tier: whether it is on (with the reason when a directory was given but cannot be used, or
+    writing stopped), and its counters."""
+    stats = view.stats if view is not None else {}
+    name = "cortexstream:kv_disk_enabled"
+    reason = problem or stats.get("disk_write_disabled_reason")
+    on = 1 if "disk_blocks" in stats and problem is None else 0
+    lines = [f"# HELP {name} 1 when the KV disk tier is on (reason: why it is off, or why writing stopped).",
+             f"# TYPE {name} gauge"]
+    escaped = "" if reason is None else str(reason).replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
+    lines.append(f'{name}{{{labels},reason="{escaped}"}} {on}' if reason else f"{name}{{{labels}}} {on}")
+    for key, (kind, help_text) in _DISK_METRICS.items():
+        if key in stats:
+            metric = f"cortexstream:kv_{key}" + ("_total" if kind == "counter" else "")
+            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} {kind}", f"{metric}{{{labels}}} {stats[key]}"]
+    return lines
+
+
 class Metrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, disk_problem: str | None = None) -> None:
         self.model = model_name
+        self.disk_problem = disk_problem  # why a --kv-disk directory could not be used (None: fine or not asked)
         self.generation_tokens = 0
         self.prompt_tokens = 0
         self.prefix_hit_tokens = 0
@@ -111,6 +146,8 @@ class Metrics:
             lines += single("cortexstream:kv_bytes_per_token", "gauge",
                             "KV arena bytes one token takes (K and V, all layers).", view.stats["bytes_per_token"])
             lines += _storage_info(m, view)
+        if self.disk_problem is not None or (view is not None and "disk_blocks" in view.stats):
+            lines += _disk_lines(m, view, self.disk_problem)
         lines += single("cortexstream:prefix_cache_hit_tokens_total", "counter",
                         "Prompt tokens served from the prefix cache.", self.prefix_hit_tokens)
         lines += single("cortexstream:prompt_tokens_total", "counter", "Prompt tokens of accepted requests.",
