@@ -158,3 +158,21 @@ def test_preempted_sequence_comes_back_from_disk(tiny, tmp_path):
     assert engine.scheduler.num_preemptions > 0
     assert engine.stats()["disk_restored_blocks"] > 0
     engine.close()
+
+
+def test_snapshot_and_tui_show_which_blocks_are_on_disk(tiny, tmp_path):
+    from cortexstream.tui.messages import FLAG_ON_DISK
+    from cortexstream.tui.widgets.block_map import _cell
+
+    model, tokenizer = tiny
+    engine = _engine(model, tokenizer, tmp_path)
+    prompt = _prompt(7, 40)
+    _greedy(engine, prompt)
+    assert engine.disk.flush(10.0)
+    view = engine.snapshot()
+    assert view.disk_blocks and set(view.disk_blocks) <= set(view.prefix_cached_blocks)
+    assert len(view.disk_blocks) == engine.stats()["disk_blocks"]
+    glyph, style = _cell(3, FLAG_ON_DISK)
+    assert "underline" in style and "underline" not in _cell(3, 0)[1]
+    engine.close()
+    assert Engine(model, tokenizer, kv_tokens=256, block_size=BS).snapshot().disk_blocks == ()

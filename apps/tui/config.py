@@ -16,6 +16,8 @@ class TuiConfig:
     block_size: int = 16
     kv_dtype: str | None = None  # arena storage: "int8", "int4", "k=int8,v=int4", ... (None: the model's float type)
     kv_group_size: int | None = None  # group size of int8/int4 sides (32 or 64; None: 64)
+    kv_disk: str | None = None  # the prefix cache's disk tier directory (None: RAM only)
+    kv_disk_size: str = "20GiB"
     max_num_seqs: int = 16
     max_tokens: int = 512
     temperature: float = 0.0
@@ -42,6 +44,8 @@ class TuiConfig:
             block_size=opt("block_size", cls.block_size),
             kv_dtype=getattr(args, "kv_dtype", None),
             kv_group_size=getattr(args, "kv_group_size", None),
+            kv_disk=getattr(args, "kv_disk", None),
+            kv_disk_size=opt("kv_disk_size", cls.kv_disk_size),
             max_tokens=opt("max_tokens", cls.max_tokens),
             temperature=opt("temp", cls.temperature),
             repetition_penalty=getattr(args, "repetition_penalty", None),

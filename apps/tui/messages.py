@@ -23,6 +23,7 @@ OTHER = -3  # in use, but not by a conversation of this UI (anonymous or unknown
 # Per-block flag bits in `EngineSnapshot.flags`.
 FLAG_CACHED = 1  # held only by the prefix cache: a finished turn's KV, reusable by the conversation's next turn
 FLAG_TRIMMED = 2  # its sequence holds fewer KV tokens than it has seen (its policy evicted or compressed some)
+FLAG_ON_DISK = 4  # the disk tier holds a copy of its KV (`--kv-disk`): it survives a restart or leaving the arena
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import numpy as np
 from cortexstream.engine.snapshot import EngineView
 from cortexstream.tui.messages import (
     FLAG_CACHED,
+    FLAG_ON_DISK,
     FLAG_TRIMMED,
     FREE,
     OTHER,
@@ -106,6 +107,8 @@ class SnapshotBuilder:
         owners[users > 1] = SHARED
         cached = (users == 0) & (bmap != FREE)
         flags[cached] |= FLAG_CACHED
+        if view.disk_blocks:
+            flags[np.asarray(view.disk_blocks, dtype=np.int64)] |= FLAG_ON_DISK
         for owner in np.unique(bmap[cached & (bmap >= 0)]).tolist():
             owners[cached & (bmap == owner)] = self.conv_of_owner.get(int(owner), OTHER)
         owners[cached & (bmap == SHARED)] = SHARED

@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     tui.add_argument("--kv-tokens", type=int, default=8192, help="arena size in tokens")
     tui.add_argument("--block-size", type=int, default=16)
     add_kv_storage_args(tui)
+    tui.add_argument("--kv-disk", default=None, metavar="DIR",
+                     help="keep prefix-cache KV blocks on disk in DIR too (they survive restarts)")
+    tui.add_argument("--kv-disk-size", default="20GiB", metavar="SIZE", help="most bytes kept in DIR (LRU)")
     tui.add_argument("--max-tokens", "-m", type=int, default=512)
     tui.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
     tui.add_argument("--repetition-penalty", type=float, default=None)

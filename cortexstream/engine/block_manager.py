@@ -65,6 +65,12 @@ class BlockManager:
         """The blocks the prefix cache holds a reference to, least recently used first."""
         return list(self._lru)
 
+    def blocks_on_disk(self) -> list[int]:
+        """The cached blocks whose KV the disk tier holds too (written, or queued to be)."""
+        if self.disk is None:
+            return []
+        return [block for block, key in self._lru.items() if self.disk.store.contains(key)]
+
     def num_reclaimable(self) -> int:
         return sum(1 for block in self._lru if self.allocator.ref_count(block) == 1)
 

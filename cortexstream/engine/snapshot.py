@@ -58,6 +58,8 @@ class EngineView:
     block_ref_counts: np.ndarray | None = None
     block_owners: np.ndarray | None = None
     prefix_cached_blocks: tuple[int, ...] | None = None
+    # Arena blocks whose KV the disk tier holds too (with blocks, and a disk tier; else empty)
+    disk_blocks: tuple[int, ...] = ()
 
     @property
     def sequences(self) -> tuple[SequenceView, ...]:
@@ -108,10 +110,12 @@ def take_snapshot(engine: Any, blocks: bool = True) -> EngineView:
     module must not import engine.py, which imports it)."""
     scheduler, allocator = engine.scheduler, engine.arena.allocator
     ref_counts = owners = cached = None
+    on_disk: tuple[int, ...] = ()
     if blocks:
         counts, holders = _block_state(allocator)
         ref_counts, owners = _read_only(counts), _read_only(holders)
         cached = tuple(engine.block_manager.cached_block_ids())
+        on_disk = tuple(engine.block_manager.blocks_on_disk())
     return EngineView(
         running=tuple(_sequence_view(s) for s in scheduler.running),
         waiting=tuple(_sequence_view(s) for s in scheduler.waiting),
@@ -129,6 +133,7 @@ def take_snapshot(engine: Any, blocks: bool = True) -> EngineView:
         block_ref_counts=ref_counts,
         block_owners=owners,
         prefix_cached_blocks=cached,
+        disk_blocks=on_disk,
     )
 
 

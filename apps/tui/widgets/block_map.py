@@ -17,7 +17,7 @@ from textual.color import Color
 from textual.widget import Widget
 from textual.widgets import Static
 
-from cortexstream.tui.messages import FLAG_CACHED, FLAG_TRIMMED, FREE, OTHER, SHARED, EngineSnapshot
+from cortexstream.tui.messages import FLAG_CACHED, FLAG_ON_DISK, FLAG_TRIMMED, FREE, OTHER, SHARED, EngineSnapshot
 
 PALETTE = ("#4ea1ff", "#ff9f43", "#2ed573", "#ff6b81", "#b388ff", "#00d2d3", "#feca57", "#ff7f50")
 FREE_STYLE = "#5c5c5c"
@@ -45,7 +45,12 @@ def scale(num_blocks: int, width: int, height: int) -> int:
 
 
 def _cell(owner: int, flags: int) -> tuple[str, str]:
-    """Glyph and style of a single block."""
+    """Glyph and style of a single block; underlined when the disk tier holds a copy of it."""
+    glyph, style = _cell_state(owner, flags)
+    return glyph, f"{style} underline" if flags & FLAG_ON_DISK and owner != FREE else style
+
+
+def _cell_state(owner: int, flags: int) -> tuple[str, str]:
     if owner == FREE:
         return GLYPH["free"], FREE_STYLE
     if owner == SHARED:
@@ -143,7 +148,8 @@ class BlockLegend(Static):
         rows = (
             ((GLYPH["used"], "#d0d0d0", "live"), (GLYPH["cached"], "#808080", "cached prefix"),
              (GLYPH["shared"], SHARED_STYLE, "shared"), (GLYPH["free"], FREE_STYLE, "free")),
-            ((GLYPH["trimmed"], "#d0d0d0", "live, some KV evicted/compressed"),),
+            ((GLYPH["trimmed"], "#d0d0d0", "live, some KV evicted/compressed"),
+             (GLYPH["cached"], "#808080 underline", "on disk")),
         )
         for row in rows:
             text.append("\n")
