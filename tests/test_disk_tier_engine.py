@@ -176,3 +176,17 @@ def test_snapshot_and_tui_show_which_blocks_are_on_disk(tiny, tmp_path):
     assert "underline" in style and "underline" not in _cell(3, 0)[1]
     engine.close()
     assert Engine(model, tokenizer, kv_tokens=256, block_size=BS).snapshot().disk_blocks == ()
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_smollm_round_trip_through_disk_gives_the_recomputed_tokens(smollm, tmp_path, kv_dtype):
+    model, tokenizer = smollm
+    text = ("The lighthouse keeper wrote down the ships that passed each night, and the list grew long. " * 12)
+    prompt = tokenizer.encode(text)
+    options = {"block_size": 16, "kv_dtype": kv_dtype}
+    expected = _without_disk(model, tokenizer, prompt, 16, **options)
+    with _engine(model, tokenizer, tmp_path, **options) as first:
+        assert _greedy(first, prompt, 16) == expected
+    with _engine(model, tokenizer, tmp_path, **options) as second:
+        assert _greedy(second, prompt, 16) == expected
+        assert second.stats()["disk_restored_blocks"] == len(prompt) // 16
