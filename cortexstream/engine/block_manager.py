@@ -179,6 +179,18 @@ class BlockManager:
         keep = self.blocks_for(max(seq.num_tokens, seq.num_physical) + 1)
         return max(0, len(seq.block_table) - keep)
 
+    def trim_surplus(self, seq: Sequence) -> int:
+        """Free the blocks past what `seq` needs now (taken for drafted tokens that were rejected); a sequence
+        holding a reserved run keeps it (given back on demand). Returns blocks freed."""
+        if seq.owner in self._holders or not seq.uses_arena:
+            return 0
+        surplus = self._surplus(seq)
+        if not surplus:
+            return 0
+        tail = seq.block_table[len(seq.block_table) - surplus:]
+        del seq.block_table[len(seq.block_table) - surplus:]
+        return self.allocator.free(tail)
+
     def num_trimmable(self) -> int:
         return sum(self._surplus(seq) for seq in self._holders.values())
 

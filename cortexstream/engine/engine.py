@@ -26,7 +26,6 @@ import mlx.nn as nn
 
 from cortexstream.backend import ComputeBackend
 from cortexstream.engine.block_manager import BlockManager
-from cortexstream.engine.bound_cache import BoundCache
 from cortexstream.engine import kv_edits
 from cortexstream.engine.disk_tier import open_disk_tier
 from cortexstream.engine.chunk_budget import AdaptivePrefillBudget
@@ -39,11 +38,11 @@ from cortexstream.engine.step_plan import StepPlan, StepResult
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.grammar.compiler import GrammarCompiler
 from cortexstream.engine.single_thread import single_threaded
-from cortexstream.engine.prompt import prompt_to_tokens
 from cortexstream.engine.request_state import RequestOutput, RequestText
-from cortexstream.engine.sampling import SamplingParams, sampling_from_kwargs
+from cortexstream.engine.request_intake import make_sequence, resolve_sampling
+from cortexstream.engine.sampling import SamplingParams
+from cortexstream.engine.speculative_config import parse_speculative
 from cortexstream.kv.arena import KVArena
-from cortexstream.engine.seeded import seeded_sampler
 from cortexstream.engine.sizing import engine_arena
 from cortexstream.policies.parsing import parse_policy
 
@@ -74,6 +73,7 @@ class Engine:
         kv_disk: str | None = None,
         kv_disk_size: int | str = "20GiB",
         kv_disk_required: bool = True,
+        speculative: Any = None,
     ) -> None:
         """`kv_disk`: a directory for the prefix cache's disk tier, `kv_disk_size` at most; if it cannot be used,
         `kv_disk_required` False runs without it (`disk_problem` says why) instead of raising. engine/disk_tier.py."""
@@ -85,6 +85,7 @@ class Engine:
         self.model = model
         # Policy for requests that name none (a KVPolicy or a string such as 'h2o:budget=0.2').
         self.kv_policy = parse_policy(kv_policy)
+        self.speculative = parse_speculative(speculative)  # default for requests that name none ("ngram:k=4")
         self.tokenizer = tokenizer
         self.arena = arena
         self.block_manager = BlockManager(arena.allocator, arena.config.block_size, prefix_caching,
@@ -130,37 +131,18 @@ class Engine:
         request_id: str | None = None,
         prompt_cache: list[Any] | None = None,
         sampler: Any = None,
+        speculative: Any = None,
         **sampling_kwargs: Any,
     ) -> str:
         """Queue a prompt (string, token ids or chat messages); returns its request id.
 
         `prompt_cache`: run this request on the caller's per-layer caches (mlx-lm's `prompt_cache=`, e.g. to
         continue a conversation) instead of arena blocks; `kv_policy` then attaches to that cache and travels
-        with it. `sampler`: a callable logprobs -> token used instead of the sampling parameters' own."""
-        if sampling is None:
-            sampling = sampling_from_kwargs(**sampling_kwargs)
-        elif sampling_kwargs:
-            raise InvalidArgumentError(f"add_request: pass either sampling= or {sorted(sampling_kwargs)}, not both")
-        elif not isinstance(sampling, SamplingParams):
-            raise InvalidArgumentError(f"sampling: expected a SamplingParams, got {type(sampling).__name__}")
-        tokens = prompt_to_tokens(self.tokenizer, prompt)
-        if sampling.grammar is not None:  # refused here, before queueing, if it cannot be enforced
-            self.grammars.constraint(sampling.grammar)
-        policy = self.kv_policy if kv_policy is None else parse_policy(kv_policy)
-        if sampler is not None and not callable(sampler):
-            raise InvalidArgumentError(f"sampler: expected a callable logprobs -> token, got {type(sampler).__name__}")
-        if request_id is not None and request_id in self._states:
-            raise InvalidArgumentError(f"request_id: '{request_id}' is already in use")
-        ids = {} if request_id is None else {"request_id": request_id}
-        if sampler is None and sampling.seed is not None and not sampling.greedy:  # repeatable whatever else runs
-            sampler = seeded_sampler(sampling, sampling.seed)
-        if prompt_cache is not None:
-            bound = BoundCache.bind(prompt_cache, self.model, None if kv_policy is None else policy,
-                                    len(tokens) + sampling.max_tokens, prompt_tokens=len(tokens))
-            seq = Sequence(tokens, sampling, tenant=tenant, bound_cache=bound, kv_from_tokens=False,
-                           sampler=sampler, **ids)
-        else:
-            seq = Sequence(tokens, sampling, tenant=tenant, kv_policy=policy, sampler=sampler, **ids)
+        with it. `sampler`: a callable logprobs -> token used instead of the sampling parameters' own.
+        `speculative`: "ngram:k=4,n=3" (prompt lookup), "off", or None for the engine's default."""
+        seq = make_sequence(self, prompt, resolve_sampling(sampling, sampling_kwargs), kv_policy=kv_policy,
+                            tenant=tenant, request_id=request_id, prompt_cache=prompt_cache, sampler=sampler,
+                            speculative=speculative, in_use=self._states.__contains__)
         self._states[seq.request_id] = RequestText(seq, self.tokenizer, self._eos_ids)
         self.scheduler.add(seq)
         return seq.request_id
@@ -305,6 +287,7 @@ class Engine:
 
     def _apply(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Record what the runner did: failures, physical lengths, prompt blocks, tokens read and in flight."""
+        plan_drafts = {item.request_id: item.draft for item in plan.decode if item.draft}
         for request_id, reason in result.errors.items():
             state = self._states.get(request_id)
             if state is not None and not state.seq.is_finished:
@@ -324,7 +307,10 @@ class Engine:
         for sampled in result.sampled:
             state = self._states.get(sampled.request_id)
             if sampled.ready and state is not None and not state.seq.is_finished:
-                outputs.append(self._emit(state.seq, int(sampled.token.item()), sampled.logprobs))
+                if sampled.request_id in result.accepted:  # a verified draft: its kept tokens, then one more
+                    self.scheduler.accept_drafts(state.seq, len(plan_drafts[sampled.request_id]),
+                                                 result.accepted[sampled.request_id])
+                outputs.extend(self._emit_tokens(state.seq, sampled))
         previous, self._inflight = self._inflight, {}
         outputs.extend(self._resolve(previous))
         for sampled in result.sampled:
@@ -357,6 +343,17 @@ class Engine:
             if seq.is_finished or seq.request_id not in self._states:
                 continue
             outputs.append(self._emit(seq, int(token.item()), logprobs))
+        return outputs
+
+    def _emit_tokens(self, seq: Sequence, sampled: Any) -> list[RequestOutput]:
+        """Emit a read sample's tokens in order (several for a verified draft) until one ends the request."""
+        outputs = []
+        tokens = sampled.token.reshape(-1).tolist()
+        for i, token_id in enumerate(tokens):
+            logprobs = sampled.logprobs[i] if sampled.logprobs.ndim == 2 else sampled.logprobs
+            outputs.append(self._emit(seq, token_id, logprobs))
+            if seq.is_finished:
+                break
         return outputs
 
     def _fail(self, seq: Sequence, reason: str) -> None:

@@ -18,6 +18,9 @@ attention, through the layer's `attention_hook` (see `attention_hook.dispatch_sd
 
 Used only for sequences on the arena without an evicting policy or a sequence hook, on the mlx-lm model families
 whose attention goes through the hook (`runner.head_of` knows them); everything else keeps its own passes.
+
+Speculative decoding verifies drafted tokens as chunks (the last token and the drafts, logits at every row) in the
+same pass; when every decoding sequence drafts, the batch has chunks only (`decode` None).
 """
 
 from __future__ import annotations
@@ -36,45 +39,60 @@ from cortexstream.kv.sequence_kv import SequenceKV
 class MixedBatch:
     """Addressing for one packed decode + prefill forward; `commit()` advances every sequence's counters."""
 
-    def __init__(self, decode: DecodeBatch, chunks: list[tuple[SequenceKV, list[int]]]) -> None:
-        if not chunks or any(not ids for _, ids in chunks) or not decode.sequences:
-            raise ValueError("MixedBatch needs at least one decoding sequence and one non-empty prompt chunk")
-        arena = decode.arena
+    def __init__(self, decode: DecodeBatch | None, chunks: list[tuple[SequenceKV, list[int]]],
+                 arena: Any = None) -> None:
+        if not chunks or any(not ids for _, ids in chunks) or (decode is not None and not decode.sequences):
+            raise ValueError("MixedBatch needs non-empty chunks and, when given, a decode batch with sequences")
+        if decode is None and arena is None:
+            raise ValueError("MixedBatch without a decode batch needs the arena")
+        arena = decode.arena if decode is not None else arena
         self.decode = decode
         self.arena = arena
         self.chunks = [kv for kv, _ in chunks]
         self.chunk_lengths = [len(ids) for _, ids in chunks]
-        self.num_decode = len(decode.sequences)
+        self.num_decode = 0 if decode is None else len(decode.sequences)
         self.histories = [kv.num_tokens for kv in self.chunks]
         # rows [start, end) of each chunk in the packed batch
         ends = self.num_decode + np.cumsum(self.chunk_lengths)
         self.row_ranges = [(int(e - n), int(e)) for e, n in zip(ends, self.chunk_lengths)]
         self.chunk_tokens = mx.array(np.concatenate([np.asarray(ids, dtype=np.uint32) for _, ids in chunks]))
         chunk_offsets = np.concatenate([kv.offsets[0] + np.arange(n) for kv, n in zip(self.chunks, self.chunk_lengths)])
-        self.offsets = mx.concatenate([decode.offsets, mx.array(chunk_offsets.astype(np.int32))])
+        chunk_offsets_array = mx.array(chunk_offsets.astype(np.int32))
+        self.offsets = chunk_offsets_array if decode is None else mx.concatenate([decode.offsets, chunk_offsets_array])
         chunk_slots = np.concatenate([arena.slot_indices(kv.blocks, h, h + n)
                                       for kv, h, n in zip(self.chunks, self.histories, self.chunk_lengths)])
-        self.slots = mx.concatenate([decode.slots, mx.array(chunk_slots.astype(np.int32))])
+        chunk_slots_array = mx.array(chunk_slots.astype(np.int32))
+        self.slots = chunk_slots_array if decode is None else mx.concatenate([decode.slots, chunk_slots_array])
         self.firsts = [kv.contiguous_first() for kv in self.chunks]
 
     @property
     def num_rows(self) -> int:
         return self.num_decode + sum(self.chunk_lengths)
 
-    def tokens(self, decode_tokens: mx.array) -> mx.array:
+    def tokens(self, decode_tokens: mx.array | None) -> mx.array:
         """The packed input `[T, 1]`: the decode tokens (`[D, 1]`, possibly lazy) then the chunks' tokens."""
+        if decode_tokens is None:
+            return self.chunk_tokens.reshape(-1, 1)
         return mx.concatenate([decode_tokens.astype(mx.uint32).reshape(-1), self.chunk_tokens]).reshape(-1, 1)
 
-    def logit_rows(self, done: list[bool]) -> list[int]:
-        """Rows whose logits the step needs: every decode row, and the last row of each chunk that ends its prompt."""
-        return list(range(self.num_decode)) + [end - 1 for (_, end), last in zip(self.row_ranges, done) if last]
+    def logit_rows(self, done: list[bool], every: list[bool] | None = None) -> list[int]:
+        """Rows whose logits the step needs: every decode row, the last row of each chunk that ends its prompt,
+        and every row of a chunk marked in `every` (drafted tokens being verified)."""
+        rows = list(range(self.num_decode))
+        for i, ((start, end), last) in enumerate(zip(self.row_ranges, done)):
+            if every is not None and every[i]:
+                rows += list(range(start, end))
+            elif last:
+                rows.append(end - 1)
+        return rows
 
     def caches(self) -> list["MixedLayerCache"]:
         return [MixedLayerCache(self, layer) for layer in range(self.arena.config.num_layers)]
 
     def commit(self) -> None:
         """Advance the counters once the forward pass has been built."""
-        self.decode.commit()
+        if self.decode is not None:
+            self.decode.commit()
         for kv, n in zip(self.chunks, self.chunk_lengths):
             kv.advance(n)
 
@@ -83,7 +101,7 @@ class MixedLayerCache:
     def __init__(self, batch: MixedBatch, layer: int) -> None:
         self.batch = batch
         self.layer = layer
-        self._decode = BatchLayerCache(batch.decode, layer)
+        self._decode = BatchLayerCache(batch.decode, layer) if batch.decode is not None else None
         self._decode_kv: tuple[mx.array, mx.array] | None = None
         self._chunk_kv: list[tuple[mx.array, mx.array]] = []
 
@@ -94,7 +112,7 @@ class MixedLayerCache:
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
         if n != 1 or window_size is not None:
             raise ValueError("MixedBatch caches take one token per row and no sliding window")
-        return self.batch.decode.step_mask
+        return None if self.batch.decode is None else self.batch.decode.step_mask
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         batch, arena = self.batch, self.batch.arena
@@ -103,7 +121,9 @@ class MixedLayerCache:
         arena.write_slots(self.layer, batch.slots, keys.reshape(rows, heads, -1).swapaxes(0, 1),
                           values.reshape(rows, heads, -1).swapaxes(0, 1))
         decode = batch.decode
-        if decode.strategy == STRIDED:
+        if decode is None:
+            pass
+        elif decode.strategy == STRIDED:
             width = int(decode.lengths_after.max())
             keys_buf, values_buf = arena.keys[self.layer], arena.values[self.layer]
             self._decode_kv = (strided_view(keys_buf, batch.num_decode, decode.strided, width),

@@ -19,7 +19,7 @@ copies and page faults are spread over steps instead of stalling one.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -33,6 +33,7 @@ from cortexstream.engine.mixed_batch import MixedBatch
 from cortexstream.engine.policy_runtime import PolicyState, batch_attention_hook, needs_batch_hook, policy_caches
 from cortexstream.engine.prefill_batch import PrefillBatch
 from cortexstream.engine.request_sampler import ConstraintFactory, RequestSampler, SamplingFailed
+from cortexstream.engine.draft_verify import verify_draft
 from cortexstream.engine.step_plan import NewRequest, SampledToken, StepPlan, StepResult, WorkItem
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_cache import ArenaKVCache
@@ -142,10 +143,13 @@ class ModelRunner:
         tic = time.perf_counter()
         self._prefill(separate, out)
         out.prefill_seconds = time.perf_counter() - tic
-        if decode:
-            self._decode(decode, mixed, out)
+        if decode and any(item.draft for item in decode) and head_of(self.model) is not None:
+            self._verify(decode, mixed, out)
+        elif decode:
+            self._decode([replace(item, draft=()) for item in decode], mixed, out)  # no draft verified: none kept
+            out.accepted.update({item.request_id: 0 for item in decode if item.draft})
         return StepResult(tuple(out.sampled), out.physical, out.errors, sum(i.num_tokens for i in separate),
-                          out.prefill_seconds, sum(i.num_tokens for i in mixed))
+                          out.prefill_seconds, sum(i.num_tokens for i in mixed), accepted=out.accepted)
 
     def _mixable(self, decode: list[WorkItem], items: tuple[WorkItem, ...]) -> list[WorkItem]:
         """The prefill items that may ride in the decode forward: none unless every decode row can (on the arena,
@@ -218,17 +222,21 @@ class ModelRunner:
         mx.eval(logits if any(done) else [], self.arena.arrays())  # as in `_prefill_one`
         return [logits[i : i + 1] if finished else None for i, finished in enumerate(done)]
 
-    def _decode(self, items: list[WorkItem], chunks: list[WorkItem], out: "_Outcome") -> None:
-        """One forward for every decode item (with `chunks` of prompts packed in), sampled and launched."""
+    def _decode_tokens(self, items: list[WorkItem]) -> mx.array:
+        """The decode items' input tokens `[B, 1]` (a pipelined item's is the runner's last, possibly lazy, sample)."""
         requests = [self._requests[item.request_id] for item in items]
         if any(not item.token_ids for item in items):
-            tokens = mx.concatenate([
+            return mx.concatenate([
                 request.last.astype(mx.uint32).reshape(1) if not item.token_ids
                 else mx.array(item.token_ids, dtype=mx.uint32)
                 for request, item in zip(requests, items)
             ]).reshape(-1, 1)
-        else:
-            tokens = mx.array(np.array([item.token_ids for item in items], dtype=np.uint32))
+        return mx.array(np.array([item.token_ids for item in items], dtype=np.uint32))
+
+    def _decode(self, items: list[WorkItem], chunks: list[WorkItem], out: "_Outcome") -> None:
+        """One forward for every decode item (with `chunks` of prompts packed in), sampled and launched."""
+        requests = [self._requests[item.request_id] for item in items]
+        tokens = self._decode_tokens(items)
         self.backend.before_forward(len(items) + sum(item.num_tokens for item in chunks))
         firsts: list[tuple[WorkItem, mx.array]] = []
         if chunks:
@@ -247,6 +255,49 @@ class ModelRunner:
         # needs the pass's real time.
         (mx.eval if chunks else mx.async_eval)([token for _, token, _ in drawn])
         out.sampled += [SampledToken(rid, token, logprobs, ready=False) for rid, token, logprobs in drawn]
+
+    def _verify(self, items: list[WorkItem], chunks: list[WorkItem], out: "_Outcome") -> None:
+        """Speculative decoding: one packed forward (engine/mixed_batch.py) for the plain decode items, each drafted
+        item's token and drafts as a chunk with logits at every row, and `chunks` of prompts; every drafted item
+        keeps the drafts its logits agree with plus one token (engine/speculative_sampling.py). Read now: the next
+        step drafts from these tokens."""
+        plain, drafted = [i for i in items if not i.draft], [i for i in items if i.draft]
+        self.arena.grow_ahead()
+        self.backend.before_forward(sum(item.num_tokens for item in items + chunks))
+        decode = None
+        if plain:
+            decode = DecodeBatch(self.arena, [self._kv(self._requests[i.request_id], i) for i in plain],
+                                 backend=self.backend)
+        packed = [(item, list(item.token_ids) + list(item.draft)) for item in drafted]
+        packed += [(item, list(item.token_ids)) for item in chunks]
+        batch = MixedBatch(decode, [(self._kv(self._requests[item.request_id], item), ids) for item, ids in packed],
+                           arena=self.arena)
+        hidden = self.model.model(batch.tokens(self._decode_tokens(plain) if plain else None), cache=batch.caches())
+        batch.commit()
+        rows = batch.logit_rows([True] * len(drafted) + [item.sample for item in chunks],
+                                every=[True] * len(drafted) + [False] * len(chunks))
+        logits = head_of(self.model)(hidden[mx.array(np.asarray(rows, dtype=np.int32))])[:, 0, :]
+        mx.eval(logits)
+        drawn = [self._draw(item, logits[i : i + 1], out) for i, item in enumerate(plain)]
+        row = len(plain)
+        for item in drafted:
+            request, n = self._requests[item.request_id], len(item.draft) + 1
+            try:
+                tokens, logprobs = verify_draft(request.sampler, logits[row : row + n], item.draft)
+            except SamplingFailed as exc:
+                out.errors[item.request_id] = str(exc)
+            else:
+                request.last = tokens[-1:]
+                out.accepted[item.request_id] = tokens.size - 1
+                out.sampled.append(SampledToken(item.request_id, tokens, logprobs, ready=True))
+            row += n
+        for item in chunks:
+            if item.sample:
+                drawn.append(self._draw(item, logits[row : row + 1], out))
+                row += 1
+        drawn = [d for d in drawn if d is not None]
+        mx.eval([token for _, token, _ in drawn])
+        out.sampled += [SampledToken(rid, token, logprobs, ready=True) for rid, token, logprobs in drawn]
 
     def _decode_arena(self, items: list[WorkItem], tokens: mx.array, out: "_Outcome") -> mx.array:
         """One batched decode forward over arena requests; logits `[B, V]`."""
@@ -338,4 +389,5 @@ class _Outcome:
         self.sampled: list[SampledToken] = []
         self.physical: dict[str, int] = {}
         self.errors: dict[str, str] = {}
+        self.accepted: dict[str, int] = {}
         self.prefill_seconds = 0.0

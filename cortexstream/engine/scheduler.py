@@ -172,8 +172,8 @@ class Scheduler:
     def may_pipeline(self) -> bool:
         """True when the next step can only decode: nothing to admit or prefill, and blocks enough for every
         running sequence to grow (and copy on write) without preempting anyone."""
-        if self.waiting or any(s.num_pending > 1 for s in self.running):
-            return False
+        if self.waiting or any(s.num_pending > 1 or s.speculation is not None for s in self.running):
+            return False  # speculation needs its last token read to draft from it
         # A sequence with room reserved for its next two tokens needs no block, unless it writes a shared one.
         allocator, bs = self.blocks.allocator, self.blocks.block_size
         need = 2
@@ -207,11 +207,15 @@ class Scheduler:
                 budget -= chunk
         prefilling = {id(s) for s, _ in prefill}
         decode: list[Sequence] = []
+        drafts: dict[int, tuple[int, ...]] = {}
         for seq in list(self.running):
             if id(seq) in prefilling or seq.num_pending != 1 or seq not in self.running:
                 continue
             if seq.num_inflight and len(seq.output_ids) + 1 >= seq.sampling.max_tokens:
                 continue  # its unread token is its last by length: no step after it
+            draft = self._draft(seq)
+            if draft and self.blocks.reserve(seq, 1 + len(draft)):
+                drafts[id(seq)] = draft
             while not self.blocks.reserve(seq, 1):
                 victim = self._newest_other_than(seq, prefilling)
                 if victim is None and not seq.kv_from_tokens:
@@ -227,10 +231,27 @@ class Scheduler:
                 decode = [s for s in decode if s is not victim]
             else:
                 decode.append(seq)
-        return self._plan(prefill, decode, restores), ended
+        return self._plan(prefill, decode, restores, drafts), ended
+
+    @staticmethod
+    def _draft(seq: Sequence) -> tuple[int, ...]:
+        """Tokens to verify after the sequence's next one (speculative decoding), within its limits."""
+        if seq.speculation is None or seq.num_inflight or not seq.uses_arena or seq.kv_policy.evicts:
+            return ()
+        room = min(seq.sampling.max_tokens - len(seq.output_ids) - 1, seq.max_total_tokens - seq.num_tokens)
+        return seq.speculation.propose(seq.all_ids, room) if room > 0 else ()
+
+    def accept_drafts(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        """The runner kept `accepted` of the `proposed` drafted tokens: their KV is the sequence's now (the rest
+        is past its length, overwritten later), and blocks taken only for rejected ones go back at once."""
+        seq.num_computed += accepted
+        seq.num_physical += accepted
+        seq.speculation.record(proposed, accepted)
+        self.blocks.trim_surplus(seq)
 
     def _plan(self, prefill: list[tuple[Sequence, int]], decode: list[Sequence],
-              restores: tuple[tuple[int, bytes], ...] = ()) -> StepPlan:
+              restores: tuple[tuple[int, bytes], ...] = (), drafts: dict[int, tuple[int, ...]] | None = None
+              ) -> StepPlan:
         """The plan of the chosen work; every counter advances as if it were done (the runner does it next)."""
         dropped, self._dropped = tuple(self._dropped), []
         new = [self._announce(seq) for seq, _ in prefill if seq.request_id not in self._announced]
@@ -251,7 +272,7 @@ class Scheduler:
             tokens = () if seq.num_inflight else (seq.token_at(start),)
             decode_items.append(WorkItem(seq.request_id, WorkKind.DECODE, tokens, start, seq.num_physical,
                                          tuple(seq.block_table), sample=True, alone=not seq.uses_arena,
-                                         mixable=False))
+                                         mixable=False, draft=(drafts or {}).get(id(seq), ())))
             seq.num_computed += 1
             seq.num_physical += 1
         return StepPlan(tuple(new), dropped, copies, tuple(prefill_items), tuple(decode_items),

@@ -93,6 +93,8 @@ class Sequence:
     bound_cache: Any = None
     # The caller's own sampler (logprobs -> token) instead of the one `sampling` describes.
     sampler: Any = None
+    # Speculative decoding state (`engine.speculation.SpeculationState`: drafter and adaptive length), or None.
+    speculation: Any = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -56,10 +56,13 @@ class WorkItem:
     sample: bool  # the last token's logits are sampled (a decode, or the prompt's last chunk)
     alone: bool = False  # needs forward passes of its own (an evicting policy or a caller's cache)
     mixable: bool = True  # a prefill chunk that may ride in the decode forward (on the arena, no hook pending)
+    # Speculative decoding: tokens proposed after `token_ids` (a decode of one known token). The runner computes
+    # them in the same pass, keeps the longest prefix the model agrees with and samples one more token.
+    draft: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids) or 1
+        return (len(self.token_ids) or 1) + len(self.draft)
 
 
 @dataclass(frozen=True)
@@ -81,11 +84,12 @@ class StepPlan:
 @dataclass(frozen=True)
 class SampledToken:
     """A token the runner sampled. `ready`: evaluated now (a prompt finished in a pass of its own); otherwise
-    still being computed (a decode launched asynchronously), read by the next step."""
+    still being computed (a decode launched asynchronously), read by the next step. A verified draft gives
+    several: `token` `[n]` and `logprobs` `[n, V]` (the accepted drafted tokens, then the one sampled after them)."""
 
     request_id: str
-    token: Any  # mx.array [1] of an integer dtype
-    logprobs: Any  # mx.array [V]
+    token: Any  # mx.array [1] (or [n], a verified draft) of an integer dtype
+    logprobs: Any  # mx.array [V] (or [n, V])
     ready: bool
 
 
@@ -102,3 +106,5 @@ class StepResult:
     prefill_seconds: float = 0.0
     mixed_tokens: int = 0
     decode_seconds: float | None = None
+    # request id -> how many of its drafted tokens were accepted (every request that had a draft this step)
+    accepted: Mapping[str, int] = field(default_factory=dict)

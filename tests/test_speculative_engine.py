@@ -1,0 +1,129 @@
+"""Speculative decoding (prompt lookup) inside the engine: greedy output identical to plain decoding, alone and
+batched, with the prefix cache, n > 1 and preemption; rejected drafts leave no blocks behind."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cortexstream.engine.engine import Engine
+from cortexstream.errors import InvalidArgumentError
+from tests.test_engine import run_all
+
+BS = 4
+
+
+def _looping_prompt(seed: int, period: int = 7, repeats: int = 6) -> list[int]:
+    """A prompt that repeats a random phrase: prompt lookup finds its continuation (a tiny random model's greedy
+    output also tends to loop, so drafts get accepted)."""
+    phrase = [int(x) for x in np.random.default_rng(seed).integers(3, 250, size=period)]
+    return phrase * repeats
+
+
+def _run(model, tokenizer, prompts, max_tokens=24, speculative=None, **options):
+    options.setdefault("kv_tokens", 2048)
+    options.setdefault("block_size", BS)
+    engine = Engine(model, tokenizer, speculative=speculative, **options)
+    ids = [engine.add_request(p, max_tokens=max_tokens) for p in prompts]
+    results = run_all(engine)
+    return [results[i]["tokens"] for i in ids], engine
+
+
+def test_greedy_prompt_lookup_equals_plain_decoding(tiny):
+    model, tokenizer = tiny
+    prompts = [_looping_prompt(1), _looping_prompt(2, period=5), list(range(5, 40))]
+    plain = [_run(model, tokenizer, [p])[0][0] for p in prompts]
+    for p, expected in zip(prompts, plain):
+        got, engine = _run(model, tokenizer, [p], speculative="ngram:k=4,n=3")
+        assert got == [expected]
+    got, engine = _run(model, tokenizer, prompts, speculative="ngram:k=4,n=3")
+    assert got == plain  # batched speculative == each alone, plain
+    stats = [engine.scheduler.num_preemptions]
+    assert stats == [0]
+    assert engine.arena.allocator.num_used_blocks == engine.block_manager.num_cached_blocks  # nothing leaked
+
+
+def test_drafts_are_proposed_and_accepted(tiny):
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, kv_tokens=2048, block_size=BS)
+    rid = engine.add_request(_looping_prompt(3), max_tokens=40, speculative="ngram:k=4,n=2,adaptive=0")
+    seq = engine.lookup(rid)
+    state = seq.speculation
+    run_all(engine)
+    assert state.verify_steps > 0 and state.proposed > 0
+    assert state.accepted > 0, "a looping greedy continuation should accept some drafts"
+    # Fewer decode passes than tokens: accepted drafts are tokens that needed no step of their own.
+    assert state.verify_steps < 40
+
+
+def test_speculation_with_prefix_cache_hit_forks_and_preemption(tiny):
+    from cortexstream.engine.sampling import SamplingParams
+
+    model, tokenizer = tiny
+    prompt = _looping_prompt(4)
+    expected = _run(model, tokenizer, [prompt], max_tokens=30)[0][0]
+    engine = Engine(model, tokenizer, kv_tokens=2048, block_size=BS, speculative="ngram")
+    first = engine.add_request(prompt, max_tokens=30)
+    assert run_all(engine)[first]["tokens"] == expected
+    again = engine.add_request(prompt, max_tokens=30)  # a prefix-cache hit
+    assert run_all(engine)[again]["tokens"] == expected
+    assert engine.block_manager.num_prefix_hits > 0
+    ids = ["fork-a", "fork-b"]
+    engine.fork(list(prompt), SamplingParams(max_tokens=30), ids)
+    results = run_all(engine)
+    assert [results[i]["tokens"] for i in ids] == [expected, expected]
+    # A small arena: sequences are preempted and recomputed, drafts included, with the same output.
+    prompts = [_looping_prompt(10 + i) for i in range(4)]
+    plain = [_run(model, tokenizer, [p], max_tokens=40)[0][0] for p in prompts]
+    got, small = _run(model, tokenizer, prompts, max_tokens=40, speculative="ngram", kv_tokens=40 * BS)
+    assert got == plain
+    assert small.scheduler.num_preemptions > 0
+
+
+def test_requests_that_cannot_be_verified_decode_plainly(tiny):
+    model, tokenizer = tiny
+    prompt = _looping_prompt(5)
+    engine = Engine(model, tokenizer, kv_tokens=2048, block_size=BS, speculative="ngram")
+    penalised = engine.add_request(prompt, max_tokens=8, repetition_penalty=1.3)
+    evicting = engine.add_request(prompt, max_tokens=8, kv_policy="h2o:budget=32")
+    assert engine.lookup(penalised).speculation is None and engine.lookup(evicting).speculation is None
+    run_all(engine)
+    off = engine.add_request(prompt, max_tokens=8, speculative="off")
+    assert engine.lookup(off).speculation is None
+    with pytest.raises(InvalidArgumentError, match="speculative"):
+        engine.add_request(prompt, max_tokens=8, speculative="ngram:k=0")
+
+
+def test_random_drafts_are_rolled_back_and_output_stays_plain(tiny, monkeypatch):
+    """A drafter proposing random tokens: nearly every draft is rejected, the rejected tokens' KV is rolled back
+    (the next step overwrites it, blocks taken for it are freed), and the output is plain greedy's."""
+    from cortexstream.engine.ngram_proposer import NgramIndex
+
+    model, tokenizer = tiny
+    rng = np.random.default_rng(0)
+    monkeypatch.setattr(NgramIndex, "propose",
+                        lambda self, k, n: [int(x) for x in rng.integers(3, 250, size=k)])
+    prompts = [list(range(5, 40)), _looping_prompt(6), list(range(100, 117))]
+    plain = [_run(model, tokenizer, [p], max_tokens=30)[0][0] for p in prompts]
+    assert len({tuple(p) for p in plain}) == 3
+    got, engine = _run(model, tokenizer, prompts, max_tokens=30, speculative="ngram:k=6,adaptive=0")
+    assert got == plain
+    assert engine.arena.allocator.num_used_blocks == engine.block_manager.num_cached_blocks
+
+
+def test_rollback_frees_the_blocks_taken_for_rejected_drafts(tiny, monkeypatch):
+    from cortexstream.engine.ngram_proposer import NgramIndex
+
+    model, tokenizer = tiny
+    monkeypatch.setattr(NgramIndex, "propose", lambda self, k, n: [3] * k)  # almost surely rejected
+    engine = Engine(model, tokenizer, kv_tokens=2048, block_size=BS, speculative="ngram:k=12,adaptive=0")
+    engine.block_manager.reserve_ahead = False  # blocks are taken exactly as needed: what is left is visible
+    rid = engine.add_request(list(range(5, 12)), max_tokens=20)
+    seq = engine.lookup(rid)
+    while engine.has_unfinished:
+        engine.step()
+        if seq.is_finished:
+            break
+        # After every step the table holds only what the sequence's tokens need (plus its next one).
+        assert len(seq.block_table) <= -(-(seq.num_tokens + 1) // BS)
+    assert seq.speculation.proposed > 0 and seq.speculation.accepted < seq.speculation.proposed
