@@ -127,3 +127,19 @@ def test_rollback_frees_the_blocks_taken_for_rejected_drafts(tiny, monkeypatch):
         # After every step the table holds only what the sequence's tokens need (plus its next one).
         assert len(seq.block_table) <= -(-(seq.num_tokens + 1) // BS)
     assert seq.speculation.proposed > 0 and seq.speculation.accepted < seq.speculation.proposed
+
+
+def test_public_calls_take_speculative(tiny):
+    import cortexstream
+
+    model, tokenizer = tiny
+    prompt = _looping_prompt(7)
+    plain = cortexstream.generate(model, tokenizer, prompt, max_tokens=20)
+    assert cortexstream.generate(model, tokenizer, prompt, max_tokens=20, speculative="ngram:k=3") == plain
+    prompts = [prompt, list(range(5, 30))]
+    expected = cortexstream.batch_generate(model, tokenizer, prompts, max_tokens=20).texts
+    assert cortexstream.batch_generate(model, tokenizer, prompts, max_tokens=20, speculative="ngram").texts == expected
+    with pytest.raises(InvalidArgumentError, match="speculative"):
+        cortexstream.generate(model, tokenizer, prompt, max_tokens=4, speculative="lookup")
+    sampled = cortexstream.generate(model, tokenizer, prompt, max_tokens=20, temperature=0.8, speculative="ngram")
+    assert isinstance(sampled, str)

@@ -201,6 +201,7 @@ class Engine:
             raise InvalidArgumentError(f"request_id: '{child_id}' is already in use")
         child = Sequence(list(parent.prompt_ids), sampling, request_id=child_id, tenant=parent.tenant,
                          kv_policy=parent.kv_policy, arrival_time=parent.arrival_time)
+        child.speculation = None if parent.speculation is None else parent.speculation.fresh()
         self._states[child_id] = RequestText(child, self.tokenizer, self._eos_ids)
         self.scheduler.fork(parent, child)
         return child

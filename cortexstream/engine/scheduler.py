@@ -154,6 +154,7 @@ class Scheduler:
             raise InvalidArgumentError(f"request '{seq.request_id}' has started: its sampler is set before its "
                                        "first step")
         seq.sampler = sampler
+        seq.speculation = None  # drafts are verified against the engine's own sampler only
 
     def make_writable(self, seq: Sequence, start: int, end: int) -> tuple[tuple[int, int], ...]:
         """Prepare KV slots [start, end) of a running sequence for a write from outside the model (C2C fusion):

@@ -31,6 +31,10 @@ class SpeculationState:
         self.accepted = 0
         self.verify_steps = 0
 
+    def fresh(self) -> "SpeculationState":
+        """A new state with the same settings (a forked sequence drafts on its own)."""
+        return SpeculationState(self.config)
+
     def propose(self, tokens: Sequence[int], room: int) -> tuple[int, ...]:
         """Up to `room` drafted tokens to follow `tokens` (the sequence's prompt and output so far)."""
         if len(tokens) > self.indexed:

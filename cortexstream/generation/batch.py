@@ -50,11 +50,13 @@ def batch_generate(
     context_overflow: str = "warn",
     kv_dtype: str | None = None,
     kv_group_size: int | None = None,
+    speculative: Any = None,
     **sampling_kwargs: Any,
 ) -> BatchResponse:
     """Generate for every prompt concurrently; texts come back in prompt order.
 
     `kv_policy`: one policy (object or string) for every prompt, or a list with one per prompt (None: full cache).
+    `speculative`: "ngram:k=4,n=3" for every prompt (prompt lookup, verified in the batched decode pass), or None.
     `kv_dtype` / `kv_group_size`: how the private engine's arena stores K/V (as in `stream_generate`; with an
     `engine` they must match its arena or be left out).
     Each request's max_tokens is cut to the model's context; a prompt longer than the context is warned about
@@ -73,6 +75,9 @@ def batch_generate(
                                    "(wrap a single prompt in a list)")
     if not prompts:
         raise InvalidArgumentError("prompts: empty list")
+    from cortexstream.engine.speculative_config import parse_speculative
+
+    parse_speculative(speculative)  # a bad setting fails before any work ("off" stays "off" for the engine)
     limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
     if len(limits) != len(prompts):
         raise InvalidArgumentError(f"max_tokens: {len(limits)} values for {len(prompts)} prompts")
@@ -111,7 +116,8 @@ def batch_generate(
         )
     mx.reset_peak_memory()
     start = time.perf_counter()
-    ids = [engine.add_request(t, s, kv_policy=k) for t, s, k in zip(prompt_ids, samplings, policies)]
+    ids = [engine.add_request(t, s, kv_policy=k, speculative=speculative)
+           for t, s, k in zip(prompt_ids, samplings, policies)]
     index = {rid: i for i, rid in enumerate(ids)}
     texts = [""] * len(ids)
     tokens: list[list[int]] = [[] for _ in ids]

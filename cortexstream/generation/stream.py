@@ -49,6 +49,7 @@ def stream_generate(
     context_overflow: str = "warn",
     kv_dtype: str | None = None,
     kv_group_size: int | None = None,
+    speculative: Any = None,
     **sampling_kwargs: Any,
 ) -> Iterator[GenerationResponse]:
     """Yield a `GenerationResponse` per generated token; the last one carries `finish_reason`
@@ -65,7 +66,13 @@ def stream_generate(
 
     `kv_dtype` ("float16", "int8", "int4", "k=int8,v=int4", ...; `kv_group_size` 32 or 64) is how the private
     engine's arena stores K/V; with an `engine` or a `prompt_cache` it must match what they store (or be left out).
+
+    `speculative`: "ngram:k=4,n=3" drafts tokens by prompt lookup and verifies them in one pass (greedy output is
+    unchanged; see docs/speculative.md); None: the engine's default (off for a private engine).
     """
+    from cortexstream.engine.speculative_config import parse_speculative
+
+    parse_speculative(speculative)  # a bad setting fails before any work ("off" stays "off" for the engine)
     if sampling is None:
         sampling = sampling_from_kwargs(max_tokens, **sampling_kwargs)
     if not isinstance(prefill_step_size, int) or prefill_step_size < 1:
@@ -75,13 +82,13 @@ def stream_generate(
         mx.random.seed(sampling.seed)
     storage = (kv_dtype, kv_group_size)
     yield from _engine_generate(model, tokenizer, tokens, sampling, kv_policy, engine, prefill_step_size,
-                                context_overflow, prompt_cache, sampler, storage)
+                                context_overflow, prompt_cache, sampler, storage, speculative)
 
 
 def _engine_generate(
     model: nn.Module, tokenizer: Any, tokens: list[int], sampling: SamplingParams, kv_policy: Any, engine: Any,
     prefill_step_size: int, context_overflow: str, prompt_cache: list[Any] | None, sampler: Any,
-    storage: tuple[str | None, int | None],
+    storage: tuple[str | None, int | None], speculative: Any = None,
 ) -> Iterator[GenerationResponse]:
     from cortexstream.kv.arena_config import check_arena_storage
 
@@ -112,7 +119,7 @@ def _engine_generate(
         return
     start = time.perf_counter()
     request_id = engine.add_request(tokens, sampling, kv_policy=kv_policy, prompt_cache=prompt_cache,
-                                    sampler=sampler)
+                                    sampler=sampler, speculative=speculative)
     first_token_at = None
     try:
         while True:
