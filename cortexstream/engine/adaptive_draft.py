@@ -1,0 +1,109 @@
+"""How many tokens one sequence drafts next: k chosen from its acceptance rate, down to 0 when drafting does not pay.
+
+Cost model. A decode step is bound by reading the weights, so verifying k drafted tokens in one forward costs about
+`1 + c*k` plain decode steps (`c` = `cost_per_draft`, small: the extra tokens add compute and KV reads, not weight
+reads; 0.1 by default). If each drafted token is accepted with probability `a`, independently, given that the ones
+before it were, a verify step emits the accepted prefix plus one token of the target's own, on average
+`E(k) = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)` tokens. Plain decoding emits 1 token per unit of cost, so k is
+the one in 1..k_max that maximises `E(k) / (1 + c*k)`, or 0 (plain decoding) when none exceeds 1; with k=1 that
+needs `a > c`.
+
+The rate `a` is estimated per drafted token as a trial: a step that proposed p tokens and had j accepted made
+j successes and, when j < p, one failure (the tokens after the first rejection were never tested). The estimate is
+an exponential moving average: successes and trials both decay by `decay` per recorded step, and `a` is their
+ratio, starting from `initial_rate` worth `prior_trials` trials. A proposal that came back empty (the proposer
+had nothing) cost nothing and tested nothing, so it leaves the estimate alone.
+
+At k = 0 a sequence would never learn that drafting started to pay (a prompt-lookup proposer starts hitting when
+the output begins quoting the prompt), so every `probe_every` steps it drafts one token again; the probe stays
+pending until a non-empty proposal has been recorded. Deterministic: no randomness.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from cortexstream.errors import InvalidArgumentError
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """Tokens one verify step with k drafts emits on average when each draft is accepted with probability rate."""
+    if rate >= 1.0:
+        return float(k + 1)
+    return (1.0 - rate ** (k + 1)) / (1.0 - rate)
+
+
+def _check(name: str, value: Any, ok: bool, rule: str) -> None:
+    if isinstance(value, bool) or not ok:
+        raise InvalidArgumentError(f"{name}: {value!r} is invalid, {rule}")
+
+
+class AdaptiveDraftLength:
+    """The draft length of one sequence: `next_k()` before a step, `record(proposed, accepted)` after it."""
+
+    def __init__(self, k_max: int, adaptive: bool = True, *, cost_per_draft: float = 0.1, decay: float = 0.9,
+                 initial_rate: float = 0.8, prior_trials: float = 4.0, probe_every: int = 16) -> None:
+        _check("k_max", k_max, isinstance(k_max, int) and k_max >= 1, "must be an integer >= 1")
+        if not isinstance(adaptive, bool):
+            raise InvalidArgumentError(f"adaptive: {adaptive!r} must be a bool")
+        _check("cost_per_draft", cost_per_draft, isinstance(cost_per_draft, (int, float))
+               and math.isfinite(cost_per_draft) and cost_per_draft >= 0, "must be a finite number >= 0")
+        _check("decay", decay, isinstance(decay, (int, float)) and 0 < decay < 1, "must be in (0, 1)")
+        _check("initial_rate", initial_rate, isinstance(initial_rate, (int, float)) and 0 <= initial_rate <= 1,
+               "must be in [0, 1]")
+        _check("prior_trials", prior_trials, isinstance(prior_trials, (int, float)) and math.isfinite(prior_trials)
+               and prior_trials > 0, "must be a finite number > 0")
+        _check("probe_every", probe_every, isinstance(probe_every, int) and probe_every >= 1,
+               "must be an integer >= 1")
+        self.k_max = k_max
+        self.adaptive = adaptive
+        self.cost_per_draft = float(cost_per_draft)
+        self.decay = float(decay)
+        self.probe_every = probe_every
+        self._successes = float(initial_rate) * prior_trials
+        self._trials = float(prior_trials)
+        self._k = self._best_k()
+        self._idle_steps = 0  # steps at k = 0 since the last probe was recorded
+
+    @property
+    def acceptance_rate(self) -> float:
+        """The current estimate of the probability that one drafted token is accepted."""
+        return self._successes / self._trials
+
+    @property
+    def k(self) -> int:
+        """The draft length the estimate chooses now (0: plain decoding), without the probe."""
+        return self._k
+
+    def _best_k(self) -> int:
+        if not self.adaptive:
+            return self.k_max
+        rate = self.acceptance_rate
+        best_k, best_gain = 0, 1.0  # plain decoding: one token per unit of cost
+        for k in range(1, self.k_max + 1):
+            gain = expected_tokens(rate, k) / (1.0 + self.cost_per_draft * k)
+            if gain > best_gain:
+                best_k, best_gain = k, gain
+        return best_k
+
+    def next_k(self) -> int:
+        """How many tokens to draft this step (call once per step): the chosen k, or 1 when probing from 0."""
+        if self._k > 0:
+            return self._k
+        self._idle_steps += 1
+        return 1 if self._idle_steps >= self.probe_every else 0
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """The outcome of a step: `proposed` tokens drafted (0: the proposer had nothing, which changes nothing),
+        `accepted` of them accepted by the target."""
+        _check("proposed", proposed, isinstance(proposed, int) and proposed >= 0, "must be an integer >= 0")
+        _check("accepted", accepted, isinstance(accepted, int) and 0 <= accepted <= proposed,
+               f"must be an integer in 0..proposed ({proposed})")
+        if proposed == 0:
+            return
+        trials = accepted + (1 if accepted < proposed else 0)
+        self._successes = self.decay * self._successes + accepted
+        self._trials = self.decay * self._trials + trials
+        self._idle_steps = 0
+        self._k = self._best_k()
