@@ -143,3 +143,18 @@ def test_public_calls_take_speculative(tiny):
         cortexstream.generate(model, tokenizer, prompt, max_tokens=4, speculative="lookup")
     sampled = cortexstream.generate(model, tokenizer, prompt, max_tokens=20, temperature=0.8, speculative="ngram")
     assert isinstance(sampled, str)
+
+
+def test_cli_generate_and_tui_take_speculative(tiny_gguf):
+    from tests.test_cli import assert_one_line_error, run_cli
+
+    result = run_cli("generate", "--model", tiny_gguf, "--prompt", "a b a b a b", "--max-tokens", "8",
+                     "--speculative", "ngram:k=3,n=2")
+    assert result.returncode == 0, result.stderr
+    assert_one_line_error(run_cli("generate", "--model", "/nonexistent.gguf", "--prompt", "x", "--speculative",
+                                  "ngram:q=1"), "speculative", "q")
+    import argparse
+
+    from cortexstream.tui.config import TuiConfig
+
+    assert TuiConfig.from_args(argparse.Namespace(speculative="ngram:k=2")).speculative == "ngram:k=2"

@@ -24,6 +24,7 @@ class TuiConfig:
     repetition_penalty: float | None = None
     system: str = ""  # default system prompt of new conversations ("" = the chat template's own)
     kv_policy: str = "full"  # default KV policy of new conversations
+    speculative: str | None = None  # speculative decoding of every reply ("ngram:k=4,n=3"; None: off)
     # One prefix-cache tenant for all conversations (identical system prompts then share blocks) instead of
     # one tenant per conversation (the default: conversations never share KV, like users of a server).
     share_prefix: bool = False
@@ -51,6 +52,7 @@ class TuiConfig:
             repetition_penalty=getattr(args, "repetition_penalty", None),
             system=opt("system", cls.system),
             kv_policy=opt("kv_policy", cls.kv_policy),
+            speculative=getattr(args, "speculative", None),
             share_prefix=bool(getattr(args, "share_prefix", False)),
         )
 

@@ -217,7 +217,7 @@ def launch(config: Any, post: Post, model: Any = None, tokenizer: Any = None, en
                 engine = Engine(model, tokenizer, kv_tokens=config.kv_tokens, block_size=config.block_size,
                                 max_num_seqs=config.max_num_seqs, kv_dtype=config.kv_dtype,
                                 kv_group_size=config.kv_group_size, kv_disk=config.kv_disk,
-                                kv_disk_size=config.kv_disk_size)
+                                kv_disk_size=config.kv_disk_size, speculative=config.speculative)
             link = EngineLink(engine, post).start()
             if not post(EngineReady(link, model_label(engine.model), backend_label())):
                 link.stop()  # the app closed while we were loading

@@ -91,9 +91,12 @@ def run_generate(args: argparse.Namespace) -> int:
     from cortexstream.cli.kv_storage import check_for_model, kv_storage_options
     from cortexstream.generation.stream import stream_generate
 
+    from cortexstream.engine.speculative_config import parse_speculative
+
     sampling = _sampling(args)
     policy = _kv_policy(args)
     kv_dtype, kv_group_size = kv_storage_options(args)
+    parse_speculative(args.speculative)  # before the model loads
     model, tokenizer = _load(args)
     check_for_model(model, kv_dtype, kv_group_size)
     if args.no_chat_template or not getattr(tokenizer, "has_chat_template", False):
@@ -103,7 +106,7 @@ def run_generate(args: argparse.Namespace) -> int:
     last = None
     for response in stream_generate(model, tokenizer, prompt, sampling=sampling, kv_policy=policy,
                                     context_overflow=args.context_overflow, kv_dtype=kv_dtype,
-                                    kv_group_size=kv_group_size):
+                                    kv_group_size=kv_group_size, speculative=args.speculative):
         sys.stdout.write(response.text)
         sys.stdout.flush()
         last = response

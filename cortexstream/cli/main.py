@@ -42,6 +42,15 @@ def _add_kv_policy_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_speculative_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative", default=None, metavar="SPEC",
+        help="speculative decoding: 'ngram:k=4,n=3' drafts up to k tokens by prompt lookup (the continuation of "
+             "the latest earlier match of the last n tokens) and verifies them in one pass; greedy output is "
+             "unchanged. 'off' (default) decodes one token per pass",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cortexstream", description="MLX-native LLM inference engine")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -60,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     _add_kv_policy_arg(gen)
     add_kv_storage_args(gen)
+    _add_speculative_arg(gen)
 
     chat = commands.add_parser("chat", help="plain terminal chat REPL")
     chat.add_argument("--system", default=None)
@@ -81,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     tui.add_argument("--repetition-penalty", type=float, default=None)
     tui.add_argument("--system", default="", help="system prompt of new conversations (default: the template's)")
     tui.add_argument("--kv-policy", default="full", help="KV policy of new conversations, e.g. 'h2o:budget=0.2'")
+    _add_speculative_arg(tui)
     tui.add_argument("--share-prefix", action="store_true",
                      help="one prefix-cache tenant for all conversations (identical system prompts share blocks)")
 

@@ -68,6 +68,9 @@ def check_tui_options(args: argparse.Namespace) -> None:
     kv_dtype, kv_group_size = kv_storage_options(args)
     with flag_errors():
         check_kv_tokens(args.kv_tokens, args.model, kv_dtype=kv_dtype, kv_group_size=kv_group_size)
+    from cortexstream.engine.speculative_config import parse_speculative
+
+    parse_speculative(getattr(args, "speculative", None))
     if getattr(args, "kv_disk_size", None) is not None:
         from cortexstream.kv.disk import parse_size
 
