@@ -39,6 +39,7 @@ def add_forking_request(
     tenant: str | None = None,
     skip_child: Callable[[str], bool] = lambda _rid: False,
     on_child: ChildCallback | None = None,
+    speculative: Any = None,
 ) -> Sequence | None:
     """Queue `len(request_ids)` completions of one prompt; the first id is the parent. Engine thread only
     (`Engine.fork` calls this).
@@ -47,7 +48,8 @@ def add_forking_request(
     `skip_child(id)` is asked at fork time, so a child whose client left before the fork is never created.
     """
     parent_id, *child_ids = request_ids
-    engine.add_request(prompt_tokens, sampling, kv_policy=kv_policy, tenant=tenant, request_id=parent_id)
+    engine.add_request(prompt_tokens, sampling, kv_policy=kv_policy, tenant=tenant, request_id=parent_id,
+                       speculative=speculative)
     parent = engine.lookup(parent_id)
     if parent is None or not child_ids:
         return parent

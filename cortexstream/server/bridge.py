@@ -180,7 +180,7 @@ class EventLoopBridge:
         if job.fork:
             parent = engine.fork(
                 job.prompt_tokens, job.sampling, job.request_ids, kv_policy=job.kv_policy,
-                tenant=job.tenant, skip_child=self._skip_child,
+                tenant=job.tenant, skip_child=self._skip_child, speculative=job.speculative,
                 on_child=lambda rid, seq: self._adopt_child(rid, seq),
             )
             track(job.request_ids[0], 0, parent)
@@ -191,7 +191,7 @@ class EventLoopBridge:
         for index, rid in enumerate(job.request_ids):
             sampling = child_sampling(job.sampling, index)
             engine.add_request(job.prompt_tokens, sampling, kv_policy=job.kv_policy, tenant=job.tenant,
-                               request_id=rid)
+                               request_id=rid, speculative=job.speculative)
             track(rid, index, engine.lookup(rid))
 
     def _adopt_child(self, rid: str, seq: Sequence) -> None:

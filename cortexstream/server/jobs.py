@@ -38,6 +38,7 @@ class EngineJob:
     tenant: str | None = None
     top_logprobs: int | None = None  # None: no log-probabilities; 0: the sampled token's only
     fork: bool = True  # False: n independent requests (evicting policies keep their blocks private)
+    speculative: Any = None  # the request's speculative decoding setting (None: the server's default)
 
 
 @dataclass

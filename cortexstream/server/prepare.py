@@ -136,12 +136,24 @@ def _fit(prompt_len: int, requested: int | None, default: int, n: int, policy: A
     return requested
 
 
+def _speculative(spec: str | None) -> str | None:
+    """The request's `speculative` field checked now (a bad one is a 400 naming it); None: the server's default."""
+    from cortexstream.engine.speculative_config import parse_speculative
+
+    try:
+        parse_speculative(spec)
+    except CortexStreamError as exc:
+        raise APIError(400, str(exc), param="speculative") from exc
+    return spec
+
+
 def _job(prefix: str, tokens: list[int], sampling: SamplingParams, n: int, policy: Any, tenant: str | None,
-         top_logprobs: int | None) -> PreparedRequest:
+         top_logprobs: int | None, speculative: str | None = None) -> PreparedRequest:
     base = f"{prefix}-{uuid.uuid4().hex}"
     ids = [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
     fork = not policy.evicts
-    job = EngineJob(ids, tokens, sampling, kv_policy=policy, tenant=tenant, top_logprobs=top_logprobs, fork=fork)
+    job = EngineJob(ids, tokens, sampling, kv_policy=policy, tenant=tenant, top_logprobs=top_logprobs, fork=fork,
+                    speculative=_speculative(speculative))
     return PreparedRequest(job, base, len(tokens))
 
 
@@ -156,7 +168,7 @@ def prepare_chat(request: ChatCompletionRequest, tokenizer: Any, arena: ArenaLim
     max_tokens = _fit(len(turn.tokens), requested, default_max_tokens, request.n, policy, arena)
     sampling = _sampling(request, max_tokens, turn.grammar)
     top = (request.top_logprobs or 0) if request.logprobs else None
-    prepared = _job("chatcmpl", turn.tokens, sampling, request.n, policy, tenant, top)
+    prepared = _job("chatcmpl", turn.tokens, sampling, request.n, policy, tenant, top, request.speculative)
     prepared.tool_names = turn.tool_names
     return prepared
 
@@ -192,4 +204,4 @@ def prepare_completion(request: CompletionRequest, tokenizer: Any, arena: ArenaL
     policy = _policy(request.kv_policy, default_policy)
     max_tokens = _fit(len(tokens), request.max_tokens, default_max_tokens, request.n, policy, arena)
     sampling = _sampling(request, max_tokens)
-    return _job("cmpl", tokens, sampling, request.n, policy, tenant, request.logprobs)
+    return _job("cmpl", tokens, sampling, request.n, policy, tenant, request.logprobs, request.speculative)

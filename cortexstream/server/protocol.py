@@ -83,6 +83,7 @@ class SamplingFields(OpenModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     kv_policy: StrictStr | None = None
+    speculative: StrictStr | None = None  # "ngram:k=4,n=3" or "off" (None: the server's default)
     user: StrictStr | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
