@@ -158,3 +158,15 @@ def test_cli_generate_and_tui_take_speculative(tiny_gguf):
     from cortexstream.tui.config import TuiConfig
 
     assert TuiConfig.from_args(argparse.Namespace(speculative="ngram:k=2")).speculative == "ngram:k=2"
+
+
+def test_engine_stats_count_drafts(tiny):
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, kv_tokens=2048, block_size=BS, speculative="ngram:k=4,n=2,adaptive=0")
+    engine.add_request(_looping_prompt(8), max_tokens=30)
+    run_all(engine)
+    stats = engine.stats()
+    assert stats["spec_verify_steps"] > 0
+    assert 0 < stats["spec_accepted_tokens"] <= stats["spec_drafted_tokens"] <= 4 * stats["spec_verify_steps"]
+    # Every generated token is the verified one of a pass or an accepted draft (the first comes from the prompt).
+    assert stats["generated_tokens"] <= 1 + stats["spec_verify_steps"] + stats["spec_accepted_tokens"] + 30

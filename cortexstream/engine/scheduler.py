@@ -61,6 +61,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._finished: list[Sequence] = []
         self.num_preemptions = 0
+        # Speculative decoding: verify passes run, tokens drafted, drafted tokens accepted (all sequences).
+        self.num_verified = self.num_drafted = self.num_accepted = 0
         self._announced: set[str] = set()  # requests the runner holds state for
         self._dropped: list[str] = []  # ... that it must forget with the next plan
 
@@ -247,6 +249,9 @@ class Scheduler:
         is past its length, overwritten later), and blocks taken only for rejected ones go back at once."""
         seq.num_computed += accepted
         seq.num_physical += accepted
+        self.num_verified += 1
+        self.num_drafted += proposed
+        self.num_accepted += accepted
         seq.speculation.record(proposed, accepted)
         self.blocks.trim_surplus(seq)
 

@@ -148,6 +148,9 @@ def engine_stats(engine: Any) -> dict[str, Any]:
         prefix_cached_blocks=engine.block_manager.num_cached_blocks,
         prefix_hit_blocks=engine.block_manager.num_prefix_hits,
         generated_tokens=engine.num_generated_tokens,
+        spec_verify_steps=engine.scheduler.num_verified,
+        spec_drafted_tokens=engine.scheduler.num_drafted,
+        spec_accepted_tokens=engine.scheduler.num_accepted,
     )
     if engine.disk is not None:
         stats.update(engine.disk.stats())
