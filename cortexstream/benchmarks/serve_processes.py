@@ -57,7 +57,8 @@ class Launch:
     rapid-mlx: `--enable-auto-tool-choice --tool-call-parser NAME`; cortexstream and mlx_lm.server pick theirs
     from the chat template); `env`: extra environment variables for the server (a peer's own switches), shown in
     its label; `fresh_home`: HOME is a new empty folder, so nothing a peer keeps on disk between runs (vllm-mlx
-    saves its prefix cache under ~/.cache at exit and loads it at start) carries into this one."""
+    saves its prefix cache under ~/.cache at exit and loads it at start) carries into this one; `kv_disk`:
+    cortexstream's prefix-cache disk tier directory (`serve --kv-disk DIR`)."""
 
     system: str
     kv_tokens: int | None
@@ -69,6 +70,7 @@ class Launch:
     tool_parser: str | None = None
     env: tuple[tuple[str, str], ...] = ()
     fresh_home: bool = False
+    kv_disk: str | None = None
 
     def __post_init__(self) -> None:
         peers = [p.value for p in Peer]
@@ -78,6 +80,8 @@ class Launch:
             raise ValueError(f"kv_tokens: {self.kv_tokens!r} must be an integer >= 1 for cortexstream")
         if (self.kv_dtype is not None or self.kv_group_size is not None) and self.system != "cortexstream":
             raise ValueError(f"kv_dtype / kv_group_size: only cortexstream takes them, not {self.system}")
+        if self.kv_disk is not None and (self.system != "cortexstream" or not str(self.kv_disk).strip()):
+            raise ValueError(f"kv_disk: {self.kv_disk!r} must be a directory, and only cortexstream takes one")
         if self.system in peers:
             if self.python is None:
                 raise ValueError(f"python: {self.system} runs from its own venv; give its python")
@@ -92,7 +96,7 @@ class Launch:
     def label(self) -> str:
         """How the report names this server."""
         if self.system == "cortexstream":
-            return f"cortexstream {self.kv_dtype or 'auto'}"
+            return f"cortexstream {self.kv_dtype or 'auto'}" + (" kv-disk" if self.kv_disk is not None else "")
         extra = "".join(f" {key}={value}" for key, value in self.env)
         if self.system == "mlx_lm":
             return "mlx_lm.server" + extra
@@ -134,6 +138,7 @@ def command(launch: Launch, model_dir: str, port: int) -> list[str]:
                "--kv-tokens", str(launch.kv_tokens), "--max-num-seqs", str(launch.max_num_seqs), "--model-name",
                "default_model"]
         cmd += ["--kv-dtype", launch.kv_dtype] if launch.kv_dtype is not None else []
+        cmd += ["--kv-disk", launch.kv_disk] if launch.kv_disk is not None else []
         return cmd + (["--kv-group-size", str(launch.kv_group_size)] if launch.kv_group_size is not None else [])
     if launch.system == "mlx_lm":
         return [sys.executable, "-m", "mlx_lm.server", "--model", model_dir, "--host", "127.0.0.1", "--port",
