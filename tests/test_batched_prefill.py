@@ -12,33 +12,36 @@ from test_engine import alone, collect, random_prompts, run_all
 from test_mixed_batch import record_logits
 
 
-def record_groups(engine: Engine) -> list[list[int]]:
-    """Chunk sizes of every prefill forward pass the runner makes."""
-    groups: list[list[int]] = []
-    original = engine.runner._groups
+def record_groups(engine: Engine, monkeypatch) -> list[list[int]]:
+    """Chunk sizes of every prefill forward pass the runner makes (`engine` is the one whose passes count: every
+    runner groups its chunks with `prefill_batch.group_chunks`)."""
+    import cortexstream.engine.runner as runner_module
 
-    def spy(items):
-        passes = original(items)
+    groups: list[list[int]] = []
+    original = runner_module.group_chunks
+
+    def spy(items, batch_prefill=True, max_padding=1.25):
+        passes = original(items, batch_prefill, max_padding)
         groups.extend([len(item.token_ids) for item in group] for group in passes)
         return passes
 
-    engine.runner._groups = spy
+    monkeypatch.setattr(runner_module, "group_chunks", spy)
     return groups
 
 
-def test_equal_prompts_prefill_in_one_forward_and_match_alone(tiny):
+def test_equal_prompts_prefill_in_one_forward_and_match_alone(tiny, monkeypatch):
     model, tokenizer = tiny
     prompts = random_prompts(4, seed=11, low=20, high=21)
     expected = [alone(model, tokenizer, p, 8) for p in prompts]
     engine = Engine(model, tokenizer, kv_tokens=1024, block_size=4, prefix_caching=False)
-    groups = record_groups(engine)
+    groups = record_groups(engine, monkeypatch)
     ids = [engine.add_request(p, max_tokens=8) for p in prompts]
     results = run_all(engine)
     assert [results[i]["tokens"] for i in ids] == expected
     assert groups == [[20, 20, 20, 20]]
 
 
-def test_ragged_prompts_with_history_match_alone(tiny):
+def test_ragged_prompts_with_history_match_alone(tiny, monkeypatch):
     """Chunks of different lengths (padded), continuing earlier chunks (history gathered from the arena)."""
     model, tokenizer = tiny
     prompts = random_prompts(6, seed=12, low=5, high=70)
@@ -46,14 +49,14 @@ def test_ragged_prompts_with_history_match_alone(tiny):
     # Separate passes only: with mixed_prefill, later chunks ride in the decode pass instead (tested below).
     engine = Engine(model, tokenizer, kv_tokens=2048, block_size=4, prefill_step_size=48, prefix_caching=False,
                     mixed_prefill=False)
-    groups = record_groups(engine)
+    groups = record_groups(engine, monkeypatch)
     ids = [engine.add_request(p, max_tokens=10) for p in prompts]
     results = run_all(engine)
     assert [results[i]["tokens"] for i in ids] == expected
     assert any(len(g) > 1 and len(set(g)) > 1 for g in groups), groups  # some forward padded ragged chunks
 
 
-def test_batched_prefill_logits_match_one_at_a_time(tiny):
+def test_batched_prefill_logits_match_one_at_a_time(tiny, monkeypatch):
     model, tokenizer = tiny
     prompts = random_prompts(3, seed=13, low=9, high=40)
     logits = {}
@@ -61,7 +64,7 @@ def test_batched_prefill_logits_match_one_at_a_time(tiny):
         engine = Engine(model, tokenizer, kv_tokens=1024, block_size=4, prefix_caching=False,
                         batch_prefill=batched)
         ids = [engine.add_request(p, max_tokens=1, request_id=f"r{i}") for i, p in enumerate(prompts)]
-        groups = record_groups(engine)
+        groups = record_groups(engine, monkeypatch)
         drawn = record_logits(engine)
         plan, _ = engine.scheduler.schedule()
         assert [item.request_id for item in plan.prefill] == ids
@@ -102,7 +105,7 @@ def test_prefill_and_decode_in_the_same_step_match_alone(tiny):
     assert mixed > 0 and budget_ok
 
 
-def test_prompts_with_a_kv_policy_batch_beside_plain_ones(tiny):
+def test_prompts_with_a_kv_policy_batch_beside_plain_ones(tiny, monkeypatch):
     model, tokenizer = tiny
     prompts = random_prompts(4, seed=16, low=40, high=44)
     policy = "streaming:window=24,sinks=4"
@@ -112,7 +115,7 @@ def test_prompts_with_a_kv_policy_batch_beside_plain_ones(tiny):
         rid = engine_alone.add_request(p, max_tokens=10, kv_policy=policy if i % 2 else None)
         expected.append(run_all(engine_alone)[rid]["tokens"])
     engine = Engine(model, tokenizer, kv_tokens=2048, block_size=4, prefill_step_size=256)
-    groups = record_groups(engine)
+    groups = record_groups(engine, monkeypatch)
     ids = [engine.add_request(p, max_tokens=10, kv_policy=policy if i % 2 else None) for i, p in enumerate(prompts)]
     results = run_all(engine)
     assert [results[i]["tokens"] for i in ids] == expected

@@ -52,6 +52,7 @@ class BlockManager:
         self._holders: dict[int, Sequence] = {}
         self.reserve_ahead = True
         self._copies: list[tuple[int, int]] = []  # copy-on-write pairs planned, not yet handed to the runner
+        self._step_need: dict[int, int] = {}  # owner -> KV slots reserved for this step (never trimmed before it)
 
     # --- sizes ------------------------------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -176,12 +177,11 @@ class BlockManager:
     # --- blocks reserved ahead (runs, so tables stay contiguous; given back on demand) ------------------------
     def _surplus(self, seq: Sequence) -> int:
         """Blocks at the end of the table that no token, pending or next, needs yet."""
-        keep = self.blocks_for(max(seq.num_tokens, seq.num_physical) + 1)
+        keep = self.blocks_for(max(seq.num_tokens, seq.num_physical, self._step_need.get(seq.owner, 0)) + 1)
         return max(0, len(seq.block_table) - keep)
 
     def trim_surplus(self, seq: Sequence) -> int:
-        """Free the blocks past what `seq` needs now (taken for drafted tokens that were rejected); a sequence
-        holding a reserved run keeps it (given back on demand). Returns blocks freed."""
+        """Free the blocks past what `seq` needs (taken for rejected drafts); a reserved run is kept."""
         if seq.owner in self._holders or not seq.uses_arena:
             return 0
         surplus = self._surplus(seq)
@@ -304,6 +304,8 @@ class BlockManager:
         False, with nothing changed, when the blocks cannot be had."""
         if not seq.uses_arena:
             return True
+        need = seq.num_physical + num_new_tokens
+        self._step_need[seq.owner] = max(need, self._step_need.get(seq.owner, 0))
         bs = self.block_size
         first = 0 if seq.kv_policy.evicts else seq.num_physical // bs
         last = (seq.num_physical + num_new_tokens - 1) // bs
@@ -347,6 +349,7 @@ class BlockManager:
     def take_copies(self) -> tuple[tuple[int, int], ...]:
         """The copy-on-write pairs planned since the last call, in order."""
         copies, self._copies = tuple(self._copies), []
+        self._step_need.clear()  # the step is planned: its reservations are in the tables
         return copies
 
     def set_physical(self, seq: Sequence, num_physical: int) -> int:

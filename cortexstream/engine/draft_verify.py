@@ -18,10 +18,12 @@ from cortexstream.engine.request_sampler import RequestSampler, SamplingFailed
 from cortexstream.engine.speculative_sampling import target_logprobs, verify_greedy, verify_sampled
 
 
-def verify_draft(sampler: RequestSampler, logits: mx.array, draft: Sequence[int]) -> tuple[mx.array, mx.array]:
+def verify_draft(sampler: RequestSampler, logits: mx.array, draft: Sequence[int],
+                 draft_logprobs: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """`logits` `[k+1, V]`: the target's logits after the request's last token and after each of the k drafted
-    tokens. Returns the kept drafts followed by one sampled token (`[m+1]` uint32, evaluated) and their
-    log-probabilities `[m+1, V]`. Raises SamplingFailed for a request this cannot verify."""
+    tokens; `draft_logprobs` `[k, V]`: the draft model's distributions the drafts were drawn from (None: a
+    deterministic proposer, prompt lookup). Returns the kept drafts followed by one sampled token (`[m+1]` uint32,
+    evaluated) and their log-probabilities `[m+1, V]`. Raises SamplingFailed for a request this cannot verify."""
     if sampler.custom or sampler.processors or sampler.sampling.grammar is not None:
         raise SamplingFailed("sampling failed: drafted tokens reached a request with its own sampler, logits "
                              "processors or a grammar (internal: such requests are never given drafts)")
@@ -29,7 +31,7 @@ def verify_draft(sampler: RequestSampler, logits: mx.array, draft: Sequence[int]
     if sampler.sampling.greedy:
         tokens = verify_greedy(logits, list(draft))
     else:
-        tokens = verify_sampled(target_logprobs(logprobs, sampler.sampling), list(draft), None)
+        tokens = verify_sampled(target_logprobs(logprobs, sampler.sampling), list(draft), draft_logprobs)
     out = mx.array(tokens, dtype=mx.uint32)
     mx.eval(out)
     return out, logprobs[: len(tokens)]

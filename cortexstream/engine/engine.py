@@ -28,6 +28,7 @@ from cortexstream.backend import ComputeBackend
 from cortexstream.engine.block_manager import BlockManager
 from cortexstream.engine import kv_edits
 from cortexstream.engine.disk_tier import open_disk_tier
+from cortexstream.engine.draft_runner import load_drafter
 from cortexstream.engine.chunk_budget import AdaptivePrefillBudget
 from cortexstream.engine.finish_reason import FinishReason
 from cortexstream.engine.runner import ModelRunner
@@ -105,7 +106,8 @@ class Engine:
         self._eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
         self.grammars = GrammarCompiler(tokenizer, self._eos_ids)  # response_format / grammar -> token masks
         self.runner = ModelRunner(model, arena, self.backend, batch_prefill=batch_prefill,
-                                  mixed_prefill=mixed_prefill, constraints=self.grammars.constraint)
+                                  mixed_prefill=mixed_prefill, constraints=self.grammars.constraint,
+                                  drafter=load_drafter(self.speculative, model, tokenizer, arena))
         self._states: dict[str, RequestText] = {}
         self.num_generated_tokens = 0
         self.num_prompt_tokens_computed = 0
@@ -288,7 +290,7 @@ class Engine:
 
     def _apply(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Record what the runner did: failures, physical lengths, prompt blocks, tokens read and in flight."""
-        plan_drafts = {item.request_id: item.draft for item in plan.decode if item.draft}
+        proposed = {item.request_id: item.num_tokens - 1 for item in plan.decode if item.draft or item.model_draft}
         for request_id, reason in result.errors.items():
             state = self._states.get(request_id)
             if state is not None and not state.seq.is_finished:
@@ -309,7 +311,7 @@ class Engine:
             state = self._states.get(sampled.request_id)
             if sampled.ready and state is not None and not state.seq.is_finished:
                 if sampled.request_id in result.accepted:  # a verified draft: its kept tokens, then one more
-                    self.scheduler.accept_drafts(state.seq, len(plan_drafts[sampled.request_id]),
+                    self.scheduler.accept_drafts(state.seq, proposed[sampled.request_id],
                                                  result.accepted[sampled.request_id])
                 outputs.extend(self._emit_tokens(state.seq, sampled))
         previous, self._inflight = self._inflight, {}

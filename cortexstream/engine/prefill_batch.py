@@ -130,3 +130,21 @@ class PrefillLayerCache:
         keys, values = self.batch.arena.gather_slots(self.layer, slots.reshape(-1))  # [H, B * hist_max, D]
         return tuple(as_dtype(x.reshape(x.shape[0], batch, width, -1).transpose(1, 0, 2, 3), dtype)
                      for x in (keys, values))  # type: ignore[return-value]
+
+
+def group_chunks(items: list[Any], batch_prefill: bool = True, max_padding: float = 1.25) -> list[list[Any]]:
+    """Prefill chunks (`WorkItem`s) grouped into batched passes: chunks of similar length together (a group's
+    padded size stays within `max_padding` x its real tokens); an item that must be alone (`alone`), and every
+    item without `batch_prefill`, in a pass of its own."""
+    if not batch_prefill:
+        return [[item] for item in items]
+    groups: list[list[Any]] = [[item] for item in items if item.alone]
+    batched: list[list[Any]] = []
+    for item in sorted((i for i in items if not i.alone), key=lambda i: -i.num_tokens):
+        group = batched[-1] if batched else None
+        if group is not None and (len(group) + 1) * group[0].num_tokens <= max_padding * (
+                sum(i.num_tokens for i in group) + item.num_tokens):
+            group.append(item)
+        else:
+            batched.append([item])
+    return groups + batched

@@ -16,7 +16,7 @@ from cortexstream.engine.sampling import SamplingParams, sampling_from_kwargs
 from cortexstream.engine.seeded import seeded_sampler
 from cortexstream.engine.sequence import Sequence
 from cortexstream.engine.speculation import SpeculationState
-from cortexstream.engine.speculative_config import parse_speculative
+from cortexstream.engine.speculative_config import SpeculativeMethod, parse_speculative
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.policies.parsing import parse_policy
 
@@ -45,6 +45,13 @@ def make_sequence(engine: Any, prompt: Any, sampling: SamplingParams, *, kv_poli
     if request_id is not None and in_use(request_id):
         raise InvalidArgumentError(f"request_id: '{request_id}' is already in use")
     config = engine.speculative if speculative is None else parse_speculative(speculative)
+    if config is not None and config.method is SpeculativeMethod.DRAFT:
+        drafter = engine.runner.drafter
+        if drafter is None or drafter.source != str(config.model):
+            loaded = "none" if drafter is None else drafter.source
+            raise InvalidArgumentError(f"speculative: {config.text!r} names a draft model this engine has not "
+                                       f"loaded (loaded: {loaded}); start the engine or server with it as its "
+                                       "default speculation")
     ids = {} if request_id is None else {"request_id": request_id}
     if sampler is None and sampling.seed is not None and not sampling.greedy:  # repeatable whatever else runs
         sampler = seeded_sampler(sampling, sampling.seed)

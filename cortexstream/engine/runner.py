@@ -31,7 +31,7 @@ from cortexstream.engine.batch_cache import DecodeBatch
 from cortexstream.engine.forward import head_of, last_token_logits
 from cortexstream.engine.mixed_batch import MixedBatch
 from cortexstream.engine.policy_runtime import PolicyState, batch_attention_hook, needs_batch_hook, policy_caches
-from cortexstream.engine.prefill_batch import PrefillBatch
+from cortexstream.engine.prefill_batch import PrefillBatch, group_chunks
 from cortexstream.engine.request_sampler import ConstraintFactory, RequestSampler, SamplingFailed
 from cortexstream.engine.draft_verify import verify_draft
 from cortexstream.engine.step_plan import NewRequest, SampledToken, StepPlan, StepResult, WorkItem
@@ -55,8 +55,9 @@ class _Request:
 class ModelRunner:
     def __init__(self, model: nn.Module, arena: KVArena, backend: ComputeBackend | None = None, *,
                  batch_prefill: bool = True, mixed_prefill: bool = True,
-                 constraints: ConstraintFactory | None = None) -> None:
+                 constraints: ConstraintFactory | None = None, drafter: Any = None) -> None:
         self.model = model
+        self.drafter = drafter  # a DraftRunner (engine/draft_runner.py) for draft-model speculation, or None
         self.constraints = constraints  # grammar -> a fresh TokenConstraint (the engine's GrammarCompiler)
         self.arena = arena
         # The compute backend (attention strategies, per-pass settings); None: the one for this device.
@@ -132,6 +133,8 @@ class ModelRunner:
         for spec in plan.new_requests:
             self._open(spec)
         self.arena.ensure_blocks(plan.num_blocks_used)
+        if self.drafter is not None:
+            self.drafter.mirror(plan.num_blocks_used, plan.copies)
         if plan.restores:
             import_blocks(self.arena, [block for block, _ in plan.restores], [data for _, data in plan.restores])
         self.copy_blocks(plan.copies)
@@ -143,11 +146,12 @@ class ModelRunner:
         tic = time.perf_counter()
         self._prefill(separate, out)
         out.prefill_seconds = time.perf_counter() - tic
-        if decode and any(item.draft for item in decode) and head_of(self.model) is not None:
+        drafting = [item for item in decode if item.draft or item.model_draft]
+        if drafting and head_of(self.model) is not None:
             self._verify(decode, mixed, out)
-        elif decode:
-            self._decode([replace(item, draft=()) for item in decode], mixed, out)  # no draft verified: none kept
-            out.accepted.update({item.request_id: 0 for item in decode if item.draft})
+        elif decode:  # no draft verified: none kept (draft models are refused for such models at load)
+            self._decode([replace(item, draft=(), model_draft=None) for item in decode], mixed, out)
+            out.accepted.update({item.request_id: 0 for item in drafting})
         return StepResult(tuple(out.sampled), out.physical, out.errors, sum(i.num_tokens for i in separate),
                           out.prefill_seconds, sum(i.num_tokens for i in mixed), accepted=out.accepted)
 
@@ -159,26 +163,10 @@ class ModelRunner:
             return []
         return [item for item in items if item.mixable]
 
-    def _groups(self, items: list[WorkItem], max_padding: float = 1.25) -> list[list[WorkItem]]:
-        """Prefill chunks grouped into batched passes: chunks of similar length together (a group's padded size
-        stays within `max_padding` x its real tokens); an item that must be alone in a pass of its own."""
-        if not self.batch_prefill:
-            return [[item] for item in items]
-        groups: list[list[WorkItem]] = [[item] for item in items if item.alone]
-        batched: list[list[WorkItem]] = []
-        for item in sorted((i for i in items if not i.alone), key=lambda i: -i.num_tokens):
-            group = batched[-1] if batched else None
-            if group is not None and (len(group) + 1) * group[0].num_tokens <= max_padding * (
-                    sum(i.num_tokens for i in group) + item.num_tokens):
-                group.append(item)
-            else:
-                batched.append([item])
-        return groups + batched
-
     def _prefill(self, items: list[WorkItem], out: "_Outcome") -> None:
         """Prefill chunks in passes of their own; the first tokens of finished prompts are sampled and read."""
         drawn = []
-        for group in self._groups(items):
+        for group in group_chunks(items, self.batch_prefill):
             self.backend.before_forward(sum(item.num_tokens for item in group))
             logits = self._prefill_group(group) if len(group) > 1 else [self._prefill_one(group[0], out)]
             drawn += [self._draw(item, row, out) for item, row in zip(group, logits) if row is not None]
@@ -261,7 +249,12 @@ class ModelRunner:
         item's token and drafts as a chunk with logits at every row, and `chunks` of prompts; every drafted item
         keeps the drafts its logits agree with plus one token (engine/speculative_sampling.py). Read now: the next
         step drafts from these tokens."""
-        plain, drafted = [i for i in items if not i.draft], [i for i in items if i.draft]
+        plain = [i for i in items if not (i.draft or i.model_draft)]
+        drafted = [i for i in items if i.draft or i.model_draft]
+        by_model = [i for i in drafted if i.model_draft]
+        proposals = self.drafter.propose(by_model, {i.request_id: self._requests[i.request_id].spec.sampling
+                                                    for i in by_model}) if by_model else {}
+        drafted = [replace(i, draft=proposals[i.request_id].tokens) if i.model_draft else i for i in drafted]
         self.arena.grow_ahead()
         self.backend.before_forward(sum(item.num_tokens for item in items + chunks))
         decode = None
@@ -283,7 +276,9 @@ class ModelRunner:
         for item in drafted:
             request, n = self._requests[item.request_id], len(item.draft) + 1
             try:
-                tokens, logprobs = verify_draft(request.sampler, logits[row : row + n], item.draft)
+                proposal = proposals.get(item.request_id)
+                tokens, logprobs = verify_draft(request.sampler, logits[row : row + n], item.draft,
+                                                None if proposal is None else proposal.logprobs)
             except SamplingFailed as exc:
                 out.errors[item.request_id] = str(exc)
             else:

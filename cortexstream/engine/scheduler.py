@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from cortexstream.engine.block_manager import BlockManager
 from cortexstream.engine.finish_reason import FinishReason
 from cortexstream.engine.sequence import Sequence, SequenceHook, SequenceStatus
-from cortexstream.engine.step_plan import NewRequest, StepPlan, WorkItem, WorkKind
+from cortexstream.engine.step_plan import ModelDraft, NewRequest, StepPlan, WorkItem, WorkKind
 from cortexstream.errors import InvalidArgumentError
 
 
@@ -216,9 +216,10 @@ class Scheduler:
                 continue
             if seq.num_inflight and len(seq.output_ids) + 1 >= seq.sampling.max_tokens:
                 continue  # its unread token is its last by length: no step after it
-            draft = self._draft(seq)
-            if draft and self.blocks.reserve(seq, 1 + len(draft)):
-                drafts[id(seq)] = draft
+            draft, by_model = self._draft(seq)
+            extra = len(draft) + (by_model.k if by_model else 0)
+            if extra and self.blocks.reserve(seq, 1 + extra):
+                drafts[id(seq)] = (draft, by_model)
             while not self.blocks.reserve(seq, 1):
                 victim = self._newest_other_than(seq, prefilling)
                 if victim is None and not seq.kv_from_tokens:
@@ -237,12 +238,13 @@ class Scheduler:
         return self._plan(prefill, decode, restores, drafts), ended
 
     @staticmethod
-    def _draft(seq: Sequence) -> tuple[int, ...]:
-        """Tokens to verify after the sequence's next one (speculative decoding), within its limits."""
+    def _draft(seq: Sequence) -> tuple[tuple[int, ...], ModelDraft | None]:
+        """Tokens to verify after the sequence's next one (speculative decoding), within its limits: proposed
+        here (prompt lookup) or by the runner's draft model."""
         if seq.speculation is None or seq.num_inflight or not seq.uses_arena or seq.kv_policy.evicts:
-            return ()
+            return (), None
         room = min(seq.sampling.max_tokens - len(seq.output_ids) - 1, seq.max_total_tokens - seq.num_tokens)
-        return seq.speculation.propose(seq.all_ids, room) if room > 0 else ()
+        return seq.speculation.plan(seq.all_ids, room) if room > 0 else ((), None)
 
     def accept_drafts(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """The runner kept `accepted` of the `proposed` drafted tokens: their KV is the sequence's now (the rest
@@ -256,8 +258,8 @@ class Scheduler:
         self.blocks.trim_surplus(seq)
 
     def _plan(self, prefill: list[tuple[Sequence, int]], decode: list[Sequence],
-              restores: tuple[tuple[int, bytes], ...] = (), drafts: dict[int, tuple[int, ...]] | None = None
-              ) -> StepPlan:
+              restores: tuple[tuple[int, bytes], ...] = (),
+              drafts: dict[int, tuple[tuple[int, ...], ModelDraft | None]] | None = None) -> StepPlan:
         """The plan of the chosen work; every counter advances as if it were done (the runner does it next)."""
         dropped, self._dropped = tuple(self._dropped), []
         new = [self._announce(seq) for seq, _ in prefill if seq.request_id not in self._announced]
@@ -276,9 +278,10 @@ class Scheduler:
         for seq in decode:
             start = seq.num_computed
             tokens = () if seq.num_inflight else (seq.token_at(start),)
+            draft, by_model = (drafts or {}).get(id(seq), ((), None))
             decode_items.append(WorkItem(seq.request_id, WorkKind.DECODE, tokens, start, seq.num_physical,
                                          tuple(seq.block_table), sample=True, alone=not seq.uses_arena,
-                                         mixable=False, draft=(drafts or {}).get(id(seq), ())))
+                                         mixable=False, draft=draft, model_draft=by_model))
             seq.num_computed += 1
             seq.num_physical += 1
         return StepPlan(tuple(new), dropped, copies, tuple(prefill_items), tuple(decode_items),
@@ -360,6 +363,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
+        if seq.speculation is not None:
+            seq.speculation.restart()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -1,8 +1,12 @@
-"""A sequence's speculative decoding state: its drafter and how many tokens to draft next. Pure Python.
+"""A sequence's speculative decoding state: what it drafts next and how many tokens. Pure Python.
 
 Prompt lookup (`ngram`): the drafter is an index of the sequence's own tokens (prompt and output so far); each step
-it proposes the continuation of the latest earlier occurrence of the last n tokens (engine/ngram_proposer.py). The
-draft length adapts to the sequence's acceptance rate (engine/adaptive_draft.py), down to no draft at all when
+it proposes the continuation of the latest earlier occurrence of the last n tokens (engine/ngram_proposer.py).
+Draft model (`draft:model=...`): the runner's draft model proposes (engine/draft_runner.py); this state tracks how
+many of the sequence's tokens the draft model's KV holds (`draft_len`, a function of the plans alone: a fresh,
+re-admitted or forked sequence starts at 0), so each plan tells the runner what to feed it first.
+
+The draft length adapts to the sequence's acceptance rate (engine/adaptive_draft.py), down to no draft at all when
 drafting does not pay; the scheduler asks for a draft only when the sequence's last token has been read.
 """
 
@@ -13,20 +17,20 @@ from typing import Sequence
 from cortexstream.engine.adaptive_draft import AdaptiveDraftLength
 from cortexstream.engine.ngram_proposer import NgramIndex
 from cortexstream.engine.speculative_config import SpeculativeConfig, SpeculativeMethod
-from cortexstream.errors import InvalidArgumentError
+from cortexstream.engine.step_plan import ModelDraft
 
 
 class SpeculationState:
     """See the module docstring. One per sequence (`Sequence.speculation`)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
-        if config.method is not SpeculativeMethod.NGRAM:
-            raise InvalidArgumentError(f"speculative: {config.text!r}: draft models are not supported yet; use "
-                                       "prompt lookup ('ngram:k=4,n=3')")
         self.config = config
-        self.index = NgramIndex(config.n)
+        self.by_model = config.method is SpeculativeMethod.DRAFT
+        self.index = None if self.by_model else NgramIndex(config.n)
         self.length = AdaptiveDraftLength(config.k, adaptive=config.adaptive)
         self.indexed = 0  # tokens of the sequence in the index
+        self.draft_len = 0  # tokens whose KV the draft model holds (draft models)
+        self._planned: tuple[int, int] | None = None  # (tokens known, k) of the model draft in flight
         self.proposed = 0
         self.accepted = 0
         self.verify_steps = 0
@@ -35,18 +39,27 @@ class SpeculationState:
         """A new state with the same settings (a forked sequence drafts on its own)."""
         return SpeculationState(self.config)
 
-    def propose(self, tokens: Sequence[int], room: int) -> tuple[int, ...]:
-        """Up to `room` drafted tokens to follow `tokens` (the sequence's prompt and output so far)."""
+    def restart(self) -> None:
+        """The sequence lost its blocks (preempted): the draft model's KV is gone with them."""
+        self.draft_len = 0
+        self._planned = None
+
+    def plan(self, tokens: Sequence[int], room: int) -> tuple[tuple[int, ...], ModelDraft | None]:
+        """What to draft after `tokens` (the sequence's prompt and output so far), at most `room` tokens:
+        (proposed tokens, None) for prompt lookup, ((), ModelDraft) for a draft model, ((), None) for none."""
+        k = min(self.length.next_k(), room)
+        if k <= 0:
+            return (), None
+        if self.by_model:
+            self._planned = (len(tokens), k)
+            return (), ModelDraft(k, self.draft_len, tuple(tokens[self.draft_len:]))
         if len(tokens) > self.indexed:
             self.index.extend(list(tokens[self.indexed:]))
             self.indexed = len(tokens)
-        k = min(self.length.next_k(), room)
-        if k <= 0:
-            return ()
         draft = tuple(self.index.propose(k, self.config.n))
         if not draft:
             self.length.record(0, 0)  # nothing matched: costs nothing, says nothing about acceptance
-        return draft
+        return draft, None
 
     def record(self, proposed: int, accepted: int) -> None:
         """A verified draft: `accepted` of its `proposed` tokens were kept."""
@@ -54,6 +67,10 @@ class SpeculationState:
         self.proposed += proposed
         self.accepted += accepted
         self.verify_steps += 1
+        if self._planned is not None:  # the draft model was fed the known tokens and every kept draft but the last
+            known, k = self._planned
+            self.draft_len = known + min(accepted, k - 1)
+            self._planned = None
 
 
 __all__ = ["SpeculationState"]

@@ -44,6 +44,16 @@ class NewRequest:
 
 
 @dataclass(frozen=True)
+class ModelDraft:
+    """Draft-model speculation for one decode item: the runner's draft model first sees `context` (the request's
+    tokens from `start`, where its draft KV stops being valid, through the item's token), then drafts `k` tokens."""
+
+    k: int
+    start: int
+    context: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class WorkItem:
     """What one request computes this step."""
 
@@ -59,10 +69,11 @@ class WorkItem:
     # Speculative decoding: tokens proposed after `token_ids` (a decode of one known token). The runner computes
     # them in the same pass, keeps the longest prefix the model agrees with and samples one more token.
     draft: tuple[int, ...] = ()
+    model_draft: ModelDraft | None = None  # tokens the runner's draft model proposes instead (engine/draft_runner.py)
 
     @property
     def num_tokens(self) -> int:
-        return (len(self.token_ids) or 1) + len(self.draft)
+        return (len(self.token_ids) or 1) + len(self.draft) + (self.model_draft.k if self.model_draft else 0)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,106 @@
+"""Draft-model speculative decoding (engine/draft_runner.py): a draft model with the target's vocabulary proposes,
+the target verifies; greedy output equals plain decoding alone, batched, with preemption and a prefix-cache hit;
+the draft model identical to the target accepts every draft; mismatched vocabularies are refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cortexstream.engine.engine import Engine
+from cortexstream.errors import InvalidArgumentError
+from tests.test_engine import run_all
+from tests.tiny_models import TINY_CONFIG, tiny_model, write_tiny_gguf
+
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory) -> str:
+    """A different random model with the tiny tokenizer: a draft that is often wrong."""
+    path = str(tmp_path_factory.mktemp("draft") / "draft.gguf")
+    write_tiny_gguf(path, tiny_model(seed=11, num_hidden_layers=1), {**TINY_CONFIG, "num_hidden_layers": 1})
+    return path
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(x) for x in rng.integers(3, 250, size=int(n))] for n in rng.integers(5, 40, size=count)]
+
+
+def _plain(model, tokenizer, prompts, max_tokens=20):
+    engine = Engine(model, tokenizer, kv_tokens=4096, block_size=BS)
+    ids = [engine.add_request(p, max_tokens=max_tokens) for p in prompts]
+    results = run_all(engine)
+    return [results[i]["tokens"] for i in ids]
+
+
+def _speculative(model, tokenizer, prompts, draft, max_tokens=20, **options):
+    options.setdefault("kv_tokens", 4096)
+    engine = Engine(model, tokenizer, block_size=BS, speculative=f"draft:model={draft},k=4", **options)
+    ids = [engine.add_request(p, max_tokens=max_tokens) for p in prompts]
+    results = run_all(engine)
+    return [results[i]["tokens"] for i in ids], engine
+
+
+def test_draft_equal_to_target_accepts_everything(tiny, tiny_gguf):
+    model, tokenizer = tiny
+    prompts = _prompts(3, seed=1)
+    expected = _plain(model, tokenizer, prompts)
+    got, engine = _speculative(model, tokenizer, prompts, tiny_gguf)
+    assert got == expected
+    stats = engine.stats()
+    assert stats["spec_drafted_tokens"] > 0
+    assert stats["spec_accepted_tokens"] == stats["spec_drafted_tokens"]
+
+
+def test_a_different_draft_gives_plain_greedy_output(tiny, other_draft):
+    model, tokenizer = tiny
+    prompts = _prompts(5, seed=2)
+    expected = _plain(model, tokenizer, prompts)
+    for group in ([prompts[0]], prompts):  # alone and batched
+        got, engine = _speculative(model, tokenizer, group, other_draft)
+        assert got == expected[: len(group)]
+    stats = engine.stats()
+    assert stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"]
+    assert engine.arena.allocator.num_used_blocks == engine.block_manager.num_cached_blocks
+
+
+def test_preemption_prefix_hits_and_forks_with_a_draft_model(tiny, other_draft, tiny_gguf):
+    from cortexstream.engine.sampling import SamplingParams
+
+    model, tokenizer = tiny
+    prompts = _prompts(4, seed=3)
+    expected = _plain(model, tokenizer, prompts, max_tokens=40)
+    got, engine = _speculative(model, tokenizer, prompts, other_draft, max_tokens=40, kv_tokens=36 * BS)
+    assert got == expected
+    assert engine.scheduler.num_preemptions > 0
+    engine = Engine(model, tokenizer, kv_tokens=4096, block_size=BS, speculative=f"draft:model={tiny_gguf}")
+    for _ in range(2):  # the second run hits the prefix cache: the draft model catches up from position 0
+        rid = engine.add_request(prompts[0], max_tokens=40)
+        assert run_all(engine)[rid]["tokens"] == expected[0]
+    engine.fork(list(prompts[1]), SamplingParams(max_tokens=40), ["a", "b"])
+    results = run_all(engine)
+    assert results["a"]["tokens"] == results["b"]["tokens"] == expected[1]
+    assert engine.stats()["spec_accepted_tokens"] == engine.stats()["spec_drafted_tokens"]
+
+
+def test_sampled_requests_run_with_a_draft_model(tiny, other_draft):
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, kv_tokens=4096, block_size=BS, speculative=f"draft:model={other_draft}")
+    ids = [engine.add_request(p, max_tokens=20, temperature=0.9, top_p=0.9) for p in _prompts(3, seed=4)]
+    results = run_all(engine)
+    assert all(len(results[i]["tokens"]) == 20 or results[i]["reason"] == "stop" for i in ids)
+    assert engine.stats()["spec_verify_steps"] > 0
+
+
+def test_bad_draft_models_are_refused(tiny, tiny_gguf, tmp_path):
+    model, tokenizer = tiny
+    wrong = str(tmp_path / "wrong_vocab.gguf")
+    write_tiny_gguf(wrong, tiny_model(seed=3, vocab_size=TINY_CONFIG["vocab_size"] + 8),
+                    {**TINY_CONFIG, "vocab_size": TINY_CONFIG["vocab_size"] + 8}, tokenizer=False)
+    with pytest.raises(Exception, match="vocabulary|tokeniz"):
+        Engine(model, tokenizer, kv_tokens=1024, block_size=BS, speculative=f"draft:model={wrong}")
+    plain = Engine(model, tokenizer, kv_tokens=1024, block_size=BS)
+    with pytest.raises(InvalidArgumentError, match="has not loaded"):
+        plain.add_request([5, 6, 7], max_tokens=4, speculative=f"draft:model={tiny_gguf}")
