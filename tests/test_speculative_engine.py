@@ -171,3 +171,28 @@ def test_engine_stats_count_drafts(tiny):
     # Each verify pass emits its accepted drafts plus one token; the first token came from the prompt's pass.
     assert stats["generated_tokens"] == 30
     assert stats["spec_verify_steps"] + stats["spec_accepted_tokens"] <= 29
+
+
+def test_smollm_prompt_lookup_on_int8_kv_and_beside_structured_output(smollm):
+    """On a real model: greedy prompt lookup equals plain decoding on float and int8 KV blocks, accepts drafts
+    on an input-grounded prompt, and a JSON-schema request in the same batch (which decodes plainly) stays valid."""
+    import json
+
+    from cortexstream.engine.sampling import sampling_from_kwargs
+
+    model, tokenizer = smollm
+    text = ("Copy this list exactly: apples, pears, plums, cherries, apricots, peaches, grapes, lemons. "
+            "Copy: apples, pears, plums, cherries, apricots, peaches, grapes, lemons. Copy:")
+    prompt = tokenizer.encode(text)
+    schema = {"type": "object", "properties": {"fruit": {"type": "string"}}, "required": ["fruit"]}
+    for kv_dtype in (None, "int8"):
+        plain, _ = _run(model, tokenizer, [prompt], max_tokens=24, kv_dtype=kv_dtype, block_size=16)
+        engine = Engine(model, tokenizer, kv_tokens=2048, block_size=16, kv_dtype=kv_dtype, speculative="ngram")
+        rid = engine.add_request(prompt, max_tokens=24)
+        structured = engine.add_request("Name a fruit as JSON.", sampling_from_kwargs(
+            max_tokens=40, response_format={"type": "json_schema", "json_schema": {"name": "f", "schema": schema}}))
+        assert engine.lookup(structured).speculation is None
+        results = run_all(engine)
+        assert results[rid]["tokens"] == plain[0]
+        assert json.loads(results[structured]["text"])["fruit"]
+        assert engine.stats()["spec_accepted_tokens"] > 0
