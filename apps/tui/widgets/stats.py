@@ -104,6 +104,9 @@ class StatsPanel(Static):
         grid.add_row("evicted", f"{stats['evicted_tokens']} tok   compressed {stats['compressed_tokens']} tok")
         grid.add_row("prefix", f"{stats.get('prefix_cached_blocks', 0)} cached blocks, "
                                f"{stats.get('prefix_hit_blocks', 0)} hits")
+        if stats.get("spec_verify_steps"):
+            grid.add_row("drafts", f"{stats['spec_accepted_tokens']}/{stats['spec_drafted_tokens']} kept in "
+                                   f"{stats['spec_verify_steps']} verify passes")
         if "disk_blocks" in stats:
             grid.add_row("disk", f"{stats['disk_blocks']} blocks, {stats['disk_bytes_on_disk'] / MIB:,.1f} MiB, "
                                  f"{stats['disk_restored_tokens']} tok restored")
