@@ -1,8 +1,11 @@
 """Read a GGUF file into (tensors, metadata) in the form `mx.load(path, return_metadata=True)` gives.
 
 `mx.load` reads F32/F16/Q4_0/Q4_1/Q8_0 natively (the quantised ones as MLX (weight, scales, biases) triplets with
-group size 32). Anything else (K-quants, Q5_x, IQ*) makes it fail for the whole file, so we fall back to the
-`gguf` package, which dequantises every tensor to float32 on the host.
+group size 32). Other types make it fail for the whole file (Q5_x, IQ*) or, worse, load wrong values: mlx 0.32's
+reader accepts Q4_K and Q6_K, and its Q4_K weights differ from the reference dequantisation by up to 1.9 (a
+Qwen2.5-Coder-1.5B Q4_K_M then writes garbage). So `mx.load` is used only when every tensor is one of the five
+types it reads correctly; any other file goes to the `gguf` package, which dequantises every tensor to float32 on
+the host.
 """
 
 from __future__ import annotations
@@ -27,11 +30,13 @@ def check_gguf_file(path: str) -> None:
 def read_gguf(path: str) -> tuple[dict[str, mx.array], dict[str, Any], str]:
     """Return (tensors, metadata, reader) where reader is "mlx" or "gguf-py" (the dequantising fallback)."""
     check_gguf_file(path)
-    try:
-        tensors, metadata = mx.load(path, return_metadata=True)
-        return tensors, metadata, "mlx"
-    except Exception as native_error:  # mlx raises RuntimeError/ValueError with terse messages
-        native_message = str(native_error)
+    native_message = "not tried: the file has tensor types mx.load does not read correctly"
+    if _native_types_only(path):
+        try:
+            tensors, metadata = mx.load(path, return_metadata=True)
+            return tensors, metadata, "mlx"
+        except Exception as native_error:  # mlx raises RuntimeError/ValueError with terse messages
+            native_message = str(native_error)
     try:
         tensors, metadata = _read_with_gguf_py(path)
     except UnsupportedModelError:
@@ -42,6 +47,19 @@ def read_gguf(path: str) -> tuple[dict[str, mx.array], dict[str, Any], str]:
             f"gguf said '{fallback_error}'"
         ) from fallback_error
     return tensors, metadata, "gguf-py"
+
+
+# The GGML types `mx.load` decodes to the reference values (checked against gguf-py's dequantisation).
+_NATIVE_TYPES = frozenset({"F32", "F16", "Q4_0", "Q4_1", "Q8_0"})
+
+
+def _native_types_only(path: str) -> bool:
+    """Whether every tensor of the file is of a type `mx.load` reads correctly (the header only, memory-mapped)."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:  # without gguf-py there is no other reader: let mx.load try
+        return True
+    return all(t.tensor_type.name in _NATIVE_TYPES for t in GGUFReader(path, "r").tensors)
 
 
 def _read_with_gguf_py(path: str) -> tuple[dict[str, mx.array], dict[str, Any]]:
