@@ -29,6 +29,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
               "tool calls and enforced JSON schemas over HTTP, beside mlx_lm.server and the peers"),
     "retrieval": ("cortexstream.benchmarks.retrieval",
                   "passkey / needle / multi-key / multi-query retrieval from a compressed KV cache"),
+    "speculative": ("cortexstream.benchmarks.speculative",
+                    "prompt lookup (speculative decoding) vs plain decoding and mlx-lm on edit/summary/quote/chat"),
     "prefix-tier": ("cortexstream.benchmarks.prefix_tier",
                     "KV disk tier: TTFT after a restart, agent sessions vs mlx_lm.server (serve --kv-disk)"),
 }
