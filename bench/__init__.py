@@ -20,6 +20,7 @@ DIAGNOSTICS: dict[str, str] = {
     "kernels": "each custom kernel vs its pure-MLX reference on this device",
     "kv_quant_attention": "decode attention over int8/int4 K/V: dequantize first vs quantized matmul (issue #32)",
     "kv_quant_layout": "quantized decode attention in the arena's layout: one strided call vs one call per KV head",
+    "memory_budget": "serve --max-memory: peak RSS vs the budget under a workload needing twice its arena (#35)",
     "serve_handoff": "server: handing tokens to the event loop once per step vs once per token",
     "single_stream": "one request's prefill and decode tok/s vs mlx_lm.generate_step",
     "small_gemm": "the CPU small-batch matmul kernel vs MLX's BLAS matmul on a decode step's Linear layers",

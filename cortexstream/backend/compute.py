@@ -2,7 +2,8 @@
 
 An engine asks its backend four things and nothing else about the platform: hold what a step needs
 (`begin_step` / `end_step`), prepare a forward pass of some rows (`before_forward`), which decode-attention strategy
-a batch runs (`decode_attention`), and a line saying what it chose (`describe`). `close` releases what it holds.
+a batch runs (`decode_attention`), and a line saying what it chose (`describe`). `close` releases what it holds;
+`limit_memory` bounds MLX's allocations and buffer cache for a server under a memory budget.
 All state is on the instance; what is genuinely one per process (the small-batch interposer's row limit and its
 count of holders) lives in the preloaded C library (kernels/small_gemm.c), not in Python.
 
@@ -91,6 +92,14 @@ class ComputeBackend:
 
     def close(self) -> None:
         """Release whatever the backend holds now; idempotent. A later step takes what it needs again."""
+
+    def limit_memory(self, memory_bytes: int, cache_bytes: int) -> tuple[int, int]:
+        """Bound what MLX allocates (`memory_bytes`, a guideline evaluation waits on) and the freed buffers it
+        keeps for reuse (`cache_bytes`), for a process under a memory budget (engine/memory_budget.py). Applies to
+        the whole process, after `for_engine` raised the cache for speed. Returns the previous limits."""
+        from cortexstream.backend.device import limit_buffer_memory
+
+        return limit_buffer_memory(memory_bytes, cache_bytes)
 
 
 class CpuBackend(ComputeBackend):

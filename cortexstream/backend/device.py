@@ -47,3 +47,17 @@ def ensure_buffer_cache(min_bytes: int = 1 << 30) -> None:
     current = mx.set_cache_limit(target)  # returns the previous limit
     if current > target:
         mx.set_cache_limit(current)
+
+
+def limit_buffer_memory(memory_bytes: int, cache_bytes: int) -> tuple[int, int]:
+    """Set MLX's memory limit (a guideline: evaluation waits for work in flight to finish rather than allocate
+    past it) and its buffer-cache limit (freed buffers kept for reuse; past it they go back to the OS). Both are
+    process-wide. Returns the previous (memory, cache) limits."""
+    import mlx.core as mx
+
+    for name, value in (("memory_bytes", memory_bytes), ("cache_bytes", cache_bytes)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name}: {value!r} must be an integer >= 0")
+    previous_memory = mx.set_memory_limit(memory_bytes)
+    previous_cache = mx.set_cache_limit(cache_bytes)
+    return previous_memory, previous_cache

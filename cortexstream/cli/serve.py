@@ -20,6 +20,10 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     size = serve.add_mutually_exclusive_group()
     size.add_argument("--kv-tokens", type=int, default=None, help="KV arena size in tokens (default 16384)")
     size.add_argument("--kv-memory", type=float, default=None, help="KV arena as a fraction of device memory")
+    size.add_argument("--max-memory", default=None, metavar="SIZE|FRACTION",
+                      help="one memory budget for the whole process (e.g. 6GiB, or 0.5 of physical memory): weights, "
+                           "the process itself and the largest step's activations are taken from it and the KV arena "
+                           "gets the rest; requests wait for blocks (429 only when --max-queue is full)")
     serve.add_argument("--block-size", type=int, default=16)
     add_kv_storage_args(serve)  # one arena, one storage type: fixed for every request
     serve.add_argument("--kv-disk", default=None, metavar="DIR",
@@ -61,8 +65,8 @@ def run_serve(args: argparse.Namespace) -> int:
     with flag_errors():
         config = ServerConfig(
             model_name=args.model_name or model_name_for(args.model), kv_tokens=args.kv_tokens,
-            kv_memory=args.kv_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-            max_queue=args.max_queue, kv_policy=args.kv_policy, api_keys=api_keys,
+            kv_memory=args.kv_memory, max_memory=args.max_memory, block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs, max_queue=args.max_queue, kv_policy=args.kv_policy, api_keys=api_keys,
             shutdown_timeout=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,
             kv_dtype=args.kv_dtype, kv_group_size=args.kv_group_size, kv_disk=args.kv_disk,
             kv_disk_size=args.kv_disk_size,
@@ -84,9 +88,11 @@ def run_serve(args: argparse.Namespace) -> int:
                        f"{disk['disk_bytes_on_disk'] / 2**20:.0f} MiB of {args.kv_disk_size}")
     elif engine.disk_problem is not None:
         arena_text += f"; disk tier OFF ({engine.disk_problem})"
+    plan = app.state.server.memory_plan
+    memory_line = f"\n  memory:  {plan.summary()}" if plan is not None else ""
     print(banner(f"http://{args.host}:{args.port}", config.model_name,
                  f"{'Metal GPU' if backend.metal else 'CPU backend'}, BLAS {backend.blas}, mlx {backend.mlx_version}", arena_text,
-                 tenants), flush=True)
+                 tenants) + memory_line, flush=True)
     # uvicorn's own header limit sits well above ours, so the middleware answers oversized headers with 413.
     code = serve_app(app, args.host, args.port, args.shutdown_timeout, 4 * config.max_header_bytes, args.log_level)
     print("cortexstream serve: stopped", file=sys.stderr, flush=True)

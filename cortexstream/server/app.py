@@ -9,6 +9,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI
 
+from cortexstream.engine.memory_budget import MemoryBudget, MemoryPlan, plan_memory
 from cortexstream.server.agent_prepare import ToolSupport
 from cortexstream.server.agent_routes import agent_router
 from cortexstream.server.anthropic_events import anthropic_error_body
@@ -39,31 +40,67 @@ class ServerState:
     started: int
     tools: ToolSupport
     response_store: ResponseStore
+    memory_plan: MemoryPlan | None = None  # how --max-memory was split (None: no budget given)
     draining: bool = False
 
 
-def build_engine(model: Any, tokenizer: Any, config: ServerConfig) -> Any:
+# The engine's default, given to the engine and to the memory plan alike, so that the plan sizes the step the
+# scheduler really runs.
+PREFILL_STEP_SIZE = 512
+
+
+def memory_plan(model: Any, config: ServerConfig) -> MemoryPlan | None:
+    """How `config.max_memory` is split for `model` (None when no budget is given). Measured now: call it with
+    the model loaded and before the engine is built."""
+    if config.max_memory is None:
+        return None
+    from cortexstream.kv.disk import DiskTierConfig, parse_size
+
+    # The disk tier's writer may hold this many bytes of blocks queued (kept even if the directory turns out
+    # unusable: it is not known until the engine opens it).
+    queue = (DiskTierConfig(config.kv_disk, parse_size(config.kv_disk_size, "kv_disk_size")).writer_queue_bytes
+             if config.kv_disk is not None else 0)
+    what = "max_memory (--max-memory)"
+    return plan_memory(model, MemoryBudget.parse(config.max_memory, what), block_size=config.block_size,
+                       max_num_seqs=config.max_num_seqs, prefill_step_size=PREFILL_STEP_SIZE,
+                       kv_dtype=config.kv_dtype, kv_group_size=config.kv_group_size, disk_queue_bytes=queue,
+                       what=what)
+
+
+def build_engine(model: Any, tokenizer: Any, config: ServerConfig, plan: MemoryPlan | None = None) -> Any:
+    """The server's engine. With `config.max_memory`, its arena is the plan's (`plan`, else planned now) and MLX's
+    allocations and buffer cache are bounded by it."""
     from cortexstream.engine.engine import Engine
     from cortexstream.kv.arena import KVArena
     from cortexstream.kv.arena_config import ArenaConfig
 
     storage = {"block_size": config.block_size, "kv_dtype": config.kv_dtype, "kv_group_size": config.kv_group_size}
-    if config.kv_memory is not None:
+    if plan is None:
+        plan = memory_plan(model, config)
+    if plan is not None:
+        arena = KVArena(plan.arena)
+    elif config.kv_memory is not None:
         arena = KVArena(ArenaConfig.for_model(model, memory_fraction=config.kv_memory, **storage))
     else:
         arena = KVArena(ArenaConfig.for_model(model, num_tokens=config.kv_tokens or 16384, **storage))
     # An unusable --kv-disk directory (or one another process owns) does not stop the server: it serves the
     # prefix cache from RAM and says why in its log and in /metrics (`Engine.disk_problem`).
-    return Engine(model, tokenizer, arena=arena, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-                  kv_policy=config.kv_policy, kv_disk=config.kv_disk, kv_disk_size=config.kv_disk_size,
-                  kv_disk_required=False)
+    engine = Engine(model, tokenizer, arena=arena, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+                    prefill_step_size=PREFILL_STEP_SIZE, kv_policy=config.kv_policy, kv_disk=config.kv_disk,
+                    kv_disk_size=config.kv_disk_size, kv_disk_required=False)
+    if plan is not None:  # after the engine: building its backend raises the buffer cache for speed
+        engine.backend.limit_memory(plan.mlx_bytes, plan.cache_bytes)
+    return engine
 
 
 def create_app(model: Any, tokenizer: Any, config: ServerConfig | None = None, engine: Any = None) -> FastAPI:
     """The ASGI app. The engine thread starts with the app's lifespan and stops with it."""
     config = config or ServerConfig()
-    engine = engine if engine is not None else build_engine(model, tokenizer, config)
-    metrics = Metrics(config.model_name, getattr(engine, "disk_problem", None))  # a test's engine may have none
+    if engine is not None and config.max_memory is not None:
+        raise ValueError("max_memory: sizes the engine create_app builds; an engine passed in is already sized")
+    plan = memory_plan(model, config) if engine is None else None
+    engine = engine if engine is not None else build_engine(model, tokenizer, config, plan)
+    metrics = Metrics(config.model_name, getattr(engine, "disk_problem", None), plan)  # a test's engine may have none
     view = engine.snapshot(blocks=False)  # the engine thread has not started: read it here
     bridge = EventLoopBridge(engine, handoff=config.handoff, on_events=metrics.on_event)
     from cortexstream.policies import parse_policy
@@ -74,7 +111,7 @@ def create_app(model: Any, tokenizer: Any, config: ServerConfig | None = None, e
         arena_limits=ArenaLimits(view.num_blocks, view.block_size),
         default_policy=parse_policy(config.kv_policy) if config.kv_policy else None,
         token_text=token_text_for(tokenizer), started=int(time.time()),
-        tools=ToolSupport.for_tokenizer(tokenizer), response_store=ResponseStore(),
+        tools=ToolSupport.for_tokenizer(tokenizer), response_store=ResponseStore(), memory_plan=plan,
     )
 
     @contextlib.asynccontextmanager

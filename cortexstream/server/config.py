@@ -24,6 +24,9 @@ class ServerConfig:
     model_name: str = "default"
     kv_tokens: int | None = None  # arena size in tokens; None with kv_memory None: 16384
     kv_memory: float | None = None  # fraction of device memory for the arena
+    # One memory budget for the whole process ("6GiB", or "0.5" of physical memory): the arena gets what weights,
+    # the process's baseline and the largest step's activations leave (engine/memory_budget.py).
+    max_memory: str | None = None
     block_size: int = 16
     # How the arena stores K/V ("int8", "int4", "k=int8,v=int4", "float16", ...; None: the model's float type) and
     # the group size of quantized sides (32 or 64; None: 64). One arena, one storage type: requests cannot pick.
@@ -48,6 +51,13 @@ class ServerConfig:
             raise ValueError(f"model_name: {self.model_name!r} must be a non-empty string")
         if self.kv_tokens is not None and self.kv_memory is not None:
             raise ValueError("kv_tokens / kv_memory: give one of them, not both")
+        if self.max_memory is not None:
+            if self.kv_tokens is not None or self.kv_memory is not None:
+                raise ValueError("max_memory / kv_tokens / kv_memory: give one of them: max_memory sizes the arena "
+                                 "from the process's whole budget, the others size it directly")
+            from cortexstream.engine.memory_budget import MemoryBudget
+
+            MemoryBudget.parse(self.max_memory, "max_memory")  # the spelling now, the split once the model loads
         if self.kv_tokens is not None and (not isinstance(self.kv_tokens, int) or self.kv_tokens < 1):
             raise ValueError(f"kv_tokens: {self.kv_tokens!r} must be an integer >= 1")
         if self.kv_memory is not None and not 0.0 < self.kv_memory <= 0.9:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 
 from cortexstream.engine.finish_reason import FinishReason
+from cortexstream.engine.memory_budget import MemoryPlan
 from cortexstream.engine.snapshot import EngineView
 from cortexstream.server.jobs import RequestHandle, TokenEvent
 
@@ -89,10 +90,22 @@ def _disk_lines(labels: str, view: EngineView | None, problem: str | None) -> li
     return lines
 
 
+def _memory_lines(labels: str, plan: MemoryPlan) -> list[str]:
+    """The --max-memory budget and how it was split at start-up (engine/memory_budget.py)."""
+    budget, parts = "cortexstream:memory_budget_bytes", "cortexstream:memory_plan_bytes"
+    lines = [f"# HELP {budget} The process's memory budget (--max-memory).", f"# TYPE {budget} gauge",
+             f"{budget}{{{labels}}} {plan.budget.total_bytes}",
+             f"# HELP {parts} The budget's split at start-up (part: weights, baseline, activations, disk_queue, "
+             "arena, slack); the parts add up to the budget.", f"# TYPE {parts} gauge"]
+    lines += [f'{parts}{{{labels},part="{part}"}} {value}' for part, value in plan.parts().items()]
+    return lines
+
+
 class Metrics:
-    def __init__(self, model_name: str, disk_problem: str | None = None) -> None:
+    def __init__(self, model_name: str, disk_problem: str | None = None, memory_plan: MemoryPlan | None = None) -> None:
         self.model = model_name
         self.disk_problem = disk_problem  # why a --kv-disk directory could not be used (None: fine or not asked)
+        self.memory_plan = memory_plan  # how --max-memory was split (None: no budget given)
         self.generation_tokens = 0
         self.prompt_tokens = 0
         self.prefix_hit_tokens = 0
@@ -148,6 +161,8 @@ class Metrics:
             lines += _storage_info(m, view)
         if self.disk_problem is not None or (view is not None and "disk_blocks" in view.stats):
             lines += _disk_lines(m, view, self.disk_problem)
+        if self.memory_plan is not None:
+            lines += _memory_lines(m, self.memory_plan)
         lines += single("cortexstream:prefix_cache_hit_tokens_total", "counter",
                         "Prompt tokens served from the prefix cache.", self.prefix_hit_tokens)
         lines += single("cortexstream:prompt_tokens_total", "counter", "Prompt tokens of accepted requests.",
