@@ -45,3 +45,19 @@ def test_speculative_field_same_greedy_answers(tiny):
         with pytest.raises(openai.BadRequestError) as err:
             ask(speculative="ngram:k=99")
         assert err.value.body["param"] == "speculative" and "k=99" in err.value.body["message"]
+
+
+def test_server_default_speculation_and_request_off(tiny):
+    from cortexstream.server import ServerConfig
+
+    with pytest.raises(Exception, match="speculative"):
+        ServerConfig(speculative="ngram:k=0")
+    model, tokenizer = tiny
+    with LiveServer(model, tokenizer, speculative="ngram:k=4,n=2") as server:
+        client = server.client()
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
+        drafted = server.engine.stats()["spec_drafted_tokens"]
+        assert drafted > 0
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0,
+                                  extra_body={"speculative": "off"})
+        assert server.engine.stats()["spec_drafted_tokens"] == drafted

@@ -34,6 +34,10 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-num-seqs", type=int, default=32)
     serve.add_argument("--max-queue", type=int, default=256, help="requests queued beyond max-num-seqs before 429")
     serve.add_argument("--kv-policy", default=None, help="default KV policy (anything parse_policy accepts)")
+    serve.add_argument("--speculative", default=None, metavar="SPEC",
+                       help="default speculative decoding: 'ngram:k=4,n=3' (prompt lookup) or "
+                            "'draft:model=PATH,k=4' (a draft model with the same vocabulary, loaded at start); "
+                            "requests may set their own 'speculative' field (docs/speculative.md)")
     keys = serve.add_mutually_exclusive_group()
     keys.add_argument("--api-key", action="append", default=None, help="accepted API key (repeatable)")
     keys.add_argument("--api-keys", default=None, help="file with one API key per line")
@@ -69,7 +73,7 @@ def run_serve(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, max_queue=args.max_queue, kv_policy=args.kv_policy, api_keys=api_keys,
             shutdown_timeout=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,
             kv_dtype=args.kv_dtype, kv_group_size=args.kv_group_size, kv_disk=args.kv_disk,
-            kv_disk_size=args.kv_disk_size,
+            kv_disk_size=args.kv_disk_size, speculative=args.speculative,
         )  # validated before the model loads, so a bad option fails in a second
     model, tokenizer = load(args.model, dtype=args.dtype)
     with flag_errors():  # what depends on the model, e.g. a group size that does not divide its head dim

@@ -87,7 +87,7 @@ def build_engine(model: Any, tokenizer: Any, config: ServerConfig, plan: MemoryP
     # prefix cache from RAM and says why in its log and in /metrics (`Engine.disk_problem`).
     engine = Engine(model, tokenizer, arena=arena, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                     prefill_step_size=PREFILL_STEP_SIZE, kv_policy=config.kv_policy, kv_disk=config.kv_disk,
-                    kv_disk_size=config.kv_disk_size, kv_disk_required=False)
+                    kv_disk_size=config.kv_disk_size, kv_disk_required=False, speculative=config.speculative)
     if plan is not None:  # after the engine: building its backend raises the buffer cache for speed
         engine.backend.limit_memory(plan.mlx_bytes, plan.cache_bytes)
     return engine

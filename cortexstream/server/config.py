@@ -38,6 +38,8 @@ class ServerConfig:
     max_num_seqs: int = 32
     max_queue: int = 256  # requests waiting beyond max_num_seqs before 429
     kv_policy: str | None = None  # default policy for requests that name none
+    # Default speculative decoding ("ngram:k=4,n=3", "draft:model=PATH,k=4"; None: off); requests may override.
+    speculative: str | None = None
     api_keys: tuple[str, ...] = ()  # empty: no auth, one prefix-cache tenant
     max_body_bytes: int = 4 * 1024 * 1024
     max_header_bytes: int = 16 * 1024
@@ -88,6 +90,10 @@ class ServerConfig:
 
         if parse_size(self.kv_disk_size, "kv_disk_size") < 1:
             raise ValueError(f"kv_disk_size: {self.kv_disk_size!r} must be more than 0 bytes")
+        if self.speculative is not None:
+            from cortexstream.engine.speculative_config import parse_speculative
+
+            parse_speculative(self.speculative)  # a typo fails at start-up, before the model loads
         if self.kv_policy is not None:
             from cortexstream.policies import parse_policy
 

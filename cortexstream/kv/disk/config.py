@@ -54,12 +54,14 @@ class DiskTierConfig:
     `max_bytes` caps the bytes of all segment files in `directory` (every model's that shares it); past it the
     least recently used segments are deleted. `segment_bytes` is the size at which a segment file is closed and a
     new one started (0: an eighth of `max_bytes`, between 1 MiB and 64 MiB, and never above `max_bytes`).
-    `writer_queue_bytes` caps the payload bytes waiting for the background writer; a put past it is dropped."""
+    `writer_queue_bytes` caps the payload bytes waiting for the background writer; a put past it is dropped (and
+    counted). 64 MiB holds several 512-token prefill chunks of a small float32 model's blocks while the writer, at
+    disk speed, drains far faster than a CPU prefills; it is memory a server's budget must reserve."""
 
     directory: str
     max_bytes: int
     segment_bytes: int = 0
-    writer_queue_bytes: int = 256 * MIB
+    writer_queue_bytes: int = 64 * MIB
 
     def __post_init__(self) -> None:
         if not isinstance(self.directory, str) or not self.directory.strip():
