@@ -80,7 +80,8 @@ def test_too_little_text_or_too_many_inputs_is_said():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--speculative", "draft:model=small.gguf"], "--speculative: 'draft:model=small.gguf': draft models are not"),
+    (["--speculative", "draft:model=small.gguf"], "--speculative: 'draft:model=small.gguf': --speculative takes "
+                                                  "prompt-lookup settings"),
     (["--speculative", "off"], "--speculative: 'off' turns speculation off"),
     (["--speculative", "ngram:k=99"], "--speculative: speculative: k=99 must be an integer in 1..16"),
     (["--speculative", "ngram:k=4;ngram:k=4,n=3"], "--speculative: 'ngram:k=4,n=3' is given twice"),

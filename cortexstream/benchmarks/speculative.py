@@ -10,8 +10,8 @@ accepted tokens per verify pass from `Engine.stats()`; greedy texts are checked 
 
 Cells are written to `<out>/speculative.json` (`speculative_quick.json` with --quick) as soon as they are measured
 (`--resume` keeps those measured with the same settings); the report (`speculative_report`) gives medians, ratios
-to plain decoding and mlx-lm, and the issue's targets with their measured status. Draft models are not built in
-the engine yet, so they are not measured here.
+to plain decoding and mlx-lm, and the issue's targets with their measured status. A draft model is measured by
+`--pair TARGET:DRAFT` (`speculative_pair`: its own settings, cells and `speculative_pair.{json,md}`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from typing import Any, Callable
 from cortexstream.benchmarks.common import show_report, write_report
 from cortexstream.benchmarks.result_store import ResultStore
 from cortexstream.benchmarks.speculative_measure import measure_cell, warm_up
+from cortexstream.benchmarks.speculative_models import load_model
+from cortexstream.benchmarks.speculative_pair_settings import DEFAULT_PAIR, PairSettings
 from cortexstream.benchmarks.speculative_report import markdown, targets
 from cortexstream.benchmarks.speculative_settings import Mode, SpeculativeSettings, from_args
-from cortexstream.benchmarks.speculative_settings import add_arguments as add_size_arguments
-from cortexstream.benchmarks.speculative_tasks import Task, build_prompts, local_wiki_text, prompt_tokens
+from cortexstream.benchmarks.speculative_tasks import MAX_INPUTS, Task, build_prompts, local_wiki_text, prompt_tokens
 
 NAME = "speculative"
 PARTS = ("cells", "skipped", "runs")
@@ -37,23 +38,6 @@ PARTS = ("cells", "skipped", "runs")
 
 def result_name(quick: bool) -> str:
     return f"{NAME}_quick" if quick else NAME
-
-
-def load_model(source: str) -> tuple[Any, Any, dict[str, Any]]:
-    """The model and tokenizer (a `model_assets.BenchAsset` name: its verified file, an AssetError saying how to
-    fetch it when absent) and its record for the results (no local paths)."""
-    from cortexstream.benchmarks.machine import model_record
-    from cortexstream.benchmarks.model_assets import BenchAsset, qwen_coder_15b_gguf
-    from cortexstream.models.loader import load
-    from cortexstream.training.c2c.sharer_asset import qwen_coder_gguf
-
-    path = source
-    if source == BenchAsset.QWEN25_CODER_05B.value:
-        path = qwen_coder_gguf()
-    elif source == BenchAsset.QWEN25_CODER_15B.value:
-        path = qwen_coder_15b_gguf()
-    model, tokenizer = load(path)
-    return model, tokenizer, model_record(model)
 
 
 def key(s: SpeculativeSettings, model: str, task: Task, mode: Mode, concurrency: int) -> dict[str, Any]:
@@ -172,17 +156,68 @@ def command_line(s: SpeculativeSettings, quick: bool = False) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `cortexstream bench speculative` (and `python -m cortexstream.benchmarks.speculative`)."""
-    add_size_arguments(parser)
+    """The options of `cortexstream bench speculative` (and `python -m cortexstream.benchmarks.speculative`). The
+    sizes' defaults are None (not given), so that a `--pair` run takes its own (`PairSettings`) and a prompt-lookup
+    run `SpeculativeSettings`'."""
+    d, p = SpeculativeSettings(), PairSettings()
+    parser.add_argument("--models", default=None,
+                        help="comma-separated models: smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b (verified "
+                             "benchmark assets, skipped with a note when absent), or a GGUF file / model directory "
+                             f"(default: {','.join(d.models)})")
+    parser.add_argument("--tasks", default=None,
+                        help=f"comma-separated among {', '.join(t.value for t in Task)} (default: "
+                             f"{','.join(t.value for t in d.tasks)}; with --pair: "
+                             f"{','.join(t.value for t in p.tasks)})")
+    parser.add_argument("--modes", default=None,
+                        help="comma-separated among greedy, sampled (temperature --temperature, no seed: a "
+                             "seeded request decodes plainly) (default: "
+                             f"{','.join(m.value for m in d.modes)}; with --pair: "
+                             f"{','.join(m.value for m in p.modes)})")
+    parser.add_argument("--concurrency", default=None,
+                        help=f"comma-separated requests per call, each in 1..{MAX_INPUTS} (1: stream_generate, "
+                             f"more: batch_generate) (default: {','.join(map(str, d.concurrency))}; with --pair: "
+                             f"{','.join(map(str, p.concurrency))})")
+    parser.add_argument("--speculative", default=None,
+                        help="semicolon-separated prompt-lookup settings measured beside plain decoding, e.g. "
+                             f"'ngram:k=4,n=3;ngram:k=8,n=3' (default: {';'.join(d.speculative)})")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help=f"new tokens per request, at most (default: {d.max_tokens}; with --pair: "
+                             f"{p.max_tokens})")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds per cell, the systems' order rotating each round; medians are reported "
+                             f"(default: {d.rounds}; with --pair: {p.rounds})")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help=f"temperature of the sampled mode (default: {d.temperature:g})")
+    parser.add_argument("--pair", default=None, metavar="TARGET:DRAFT",
+                        help="measure draft-model speculative decoding instead of prompt lookup: TARGET decoded "
+                             "plainly, drafted by DRAFT (same vocabulary) in CortexStream and in mlx-lm; "
+                             f"e.g. {DEFAULT_PAIR} (the verified assets) or two GGUF files / model directories. "
+                             "Results in speculative_pair.*")
+    parser.add_argument("--draft-k", type=int, default=None,
+                        help=f"with --pair: tokens drafted per verify pass, at most (default: {p.k}; "
+                             "CortexStream adapts it per sequence, mlx-lm always drafts it)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: edit and chat, concurrency 1 and 2, 32 tokens, 1 round "
+                             "(speculative_quick.*); with --pair: edit, concurrency 1, 32 tokens, 1 round "
+                             "(speculative_pair_quick.*)")
+    parser.add_argument("--max-minutes", type=float, default=None,
+                        help="start no new cell after this many minutes (skipped cells are listed as missing)")
+    parser.add_argument("--resume", action="store_true", help="keep cells already in the JSON, run the rest")
+    parser.add_argument("--out", default="bench/results", help="output folder")
     parser.epilog = ("--models qwen2.5-coder-0.5b / qwen2.5-coder-1.5b: the verified benchmark assets (fetched from "
-                     "a checkout with `python -m bench.assets --asset NAME`); draft models are not built in the "
-                     "engine yet")
+                     "a checkout with `python -m bench.assets --asset NAME`). --pair TARGET:DRAFT measures a draft "
+                     "model instead of prompt lookup, with smaller defaults (each option says which)")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """Every option checked before anything loads (each error names its option), then `run`."""
+    """Every option checked before anything loads (each error names its option), then `run` (`--pair`:
+    `speculative_pair.run_pair`)."""
     from cortexstream.backend import enable_linux_cpu_tuning
 
+    if args.pair is not None:
+        from cortexstream.benchmarks.speculative_pair import run_pair_from_args
+
+        return run_pair_from_args(args)
     settings = from_args(args)
     enable_linux_cpu_tuning()
     run(settings, args.out, quick=args.quick, resume=args.resume, max_minutes=args.max_minutes)

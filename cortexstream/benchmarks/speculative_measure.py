@@ -37,8 +37,10 @@ class Outcome:
     spec: dict[str, int] | None = None
 
 
-def private_engine(model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int) -> Any:
-    """The engine `stream_generate` (one prompt) or `batch_generate` (several) would build for this job."""
+def private_engine(model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int,
+                   speculative: str | None = None) -> Any:
+    """The engine `stream_generate` (one prompt) or `batch_generate` (several) would build for this job, with
+    `speculative` as its default (a draft setting loads the draft model here)."""
     from cortexstream.engine.engine import Engine
     from cortexstream.engine.sizing import fit_to_context, private_arena
     from cortexstream.policies.parsing import parse_policy
@@ -47,12 +49,12 @@ def private_engine(model: Any, tokenizer: Any, prompts: list[list[int]], max_tok
     arena = private_arena(model, jobs, block_size=BLOCK_SIZE, prefill_step_size=PREFILL_STEP)
     if len(prompts) == 1:
         return Engine(model, tokenizer, max_num_seqs=1, prefill_step_size=PREFILL_STEP, prefix_caching=False,
-                      arena=arena)
+                      arena=arena, speculative=speculative)
     return Engine(model, tokenizer, arena=arena, max_num_seqs=len(prompts), prefill_step_size=PREFILL_STEP,
-                  prefill_tokens_while_decoding=None)
+                  prefill_tokens_while_decoding=None, speculative=speculative)
 
 
-def _timed_stream(responses: Iterable[Any]) -> tuple[str, int, float]:
+def timed_stream(responses: Iterable[Any]) -> tuple[str, int, float]:
     """(text, generated tokens, decode tokens/s) of one streamed request: tokens after the first over the time
     from the first response to the last."""
     pieces, first, last, generated = [], None, None, 0
@@ -65,7 +67,7 @@ def _timed_stream(responses: Iterable[Any]) -> tuple[str, int, float]:
     return "".join(pieces), generated, (generated - 1) / elapsed if generated > 1 and elapsed > 0 else 0.0
 
 
-def _spec_counters(engine: Any) -> dict[str, int]:
+def spec_counters(engine: Any) -> dict[str, int]:
     stats = engine.stats()
     return {"verify_steps": int(stats["spec_verify_steps"]), "drafted": int(stats["spec_drafted_tokens"]),
             "accepted": int(stats["spec_accepted_tokens"])}
@@ -81,14 +83,14 @@ def cortex_call(model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens
         engine = None if speculative is None else private_engine(model, tokenizer, prompts, max_tokens)
         try:
             if len(prompts) == 1:
-                text, generated, tps = _timed_stream(cortexstream.stream_generate(
+                text, generated, tps = timed_stream(cortexstream.stream_generate(
                     model, tokenizer, prompts[0], max_tokens, engine=engine, speculative=speculative, **sampling))
                 texts = (text,)
             else:
                 done = cortexstream.batch_generate(model, tokenizer, prompts, max_tokens, engine=engine,
                                                    speculative=speculative, **sampling)
                 texts, generated, tps = tuple(done.texts), done.stats.generation_tokens, done.stats.generation_tps
-            return Outcome(texts, generated, tps, None if engine is None else _spec_counters(engine))
+            return Outcome(texts, generated, tps, None if engine is None else spec_counters(engine))
         finally:
             if engine is not None:
                 engine.close()
@@ -103,7 +105,7 @@ def mlx_lm_call(model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens
 
     def call() -> Outcome:
         if len(prompts) == 1:
-            text, generated, tps = _timed_stream(mlx_lm.stream_generate(model, tokenizer, prompts[0], max_tokens,
+            text, generated, tps = timed_stream(mlx_lm.stream_generate(model, tokenizer, prompts[0], max_tokens,
                                                                         sampler=sampler))
             return Outcome((text,), generated, tps)
         done = mlx_lm.batch_generate(model, tokenizer, prompts, max_tokens=max_tokens, sampler=sampler)
@@ -140,13 +142,13 @@ def measure_cell(model: Any, tokenizer: Any, prompts: list[list[int]], max_token
     cell: dict[str, Any] = {"systems": systems, "prompt_tokens": [len(p) for p in prompts]}
     if mode is Mode.GREEDY:
         plain = [m.result.texts for m in runs[PLAIN]]
-        cell["differing_texts"] = {s: max(_differing(a.result.texts, b) for a, b in zip(runs[s], plain))
+        cell["differing_texts"] = {s: max(differing(a.result.texts, b) for a, b in zip(runs[s], plain))
                                    for s in speculative}
-        cell["differing_texts_mlx_lm"] = max(_differing(a.result.texts, b) for a, b in zip(runs[MLX_LM], plain))
+        cell["differing_texts_mlx_lm"] = max(differing(a.result.texts, b) for a, b in zip(runs[MLX_LM], plain))
     return cell
 
 
-def _differing(texts: tuple[str, ...], reference: tuple[str, ...]) -> int:
+def differing(texts: tuple[str, ...], reference: tuple[str, ...]) -> int:
     return sum(a != b for a, b in zip(texts, reference)) + abs(len(texts) - len(reference))
 
 
@@ -157,5 +159,5 @@ def warm_up(model: Any, tokenizer: Any, prompts: list[list[int]], speculative: t
             call()
 
 
-__all__ = ["MLX_LM", "Outcome", "PLAIN", "cortex_call", "measure_cell", "mlx_lm_call", "private_engine",
-           "system_calls", "warm_up"]
+__all__ = ["MLX_LM", "Outcome", "PLAIN", "cortex_call", "differing", "measure_cell", "mlx_lm_call",
+           "private_engine", "spec_counters", "system_calls", "timed_stream", "warm_up"]

@@ -1,6 +1,8 @@
 """What one `bench speculative` run measures: models, task families, decoding modes, concurrency levels, the
 prompt-lookup settings beside plain decoding, output length and rounds; checked before anything loads (each error
-names the command-line option), and the `--quick` sizes."""
+names the command-line option), and the `--quick` sizes. The options themselves are `speculative.add_arguments`';
+a `--pair` run (a target and its draft model) takes the same sizes with its own defaults
+(`speculative_pair_settings`)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import argparse
 import math
 from dataclasses import dataclass, replace
 from enum import Enum
+from typing import Any
 
 from cortexstream.benchmarks.speculative_tasks import MAX_INPUTS, Task
 from cortexstream.errors import InvalidArgumentError
@@ -62,8 +65,8 @@ class SpeculativeSettings:
 
 
 def speculative_forms(values: tuple[str, ...]) -> tuple[str, ...]:
-    """Each prompt-lookup setting in its canonical form; plain decoding is always measured, draft models are not
-    built in the engine yet."""
+    """Each prompt-lookup setting in its canonical form; plain decoding is always measured, and a draft model is
+    measured by `--pair TARGET:DRAFT` (its own run, since it needs two models)."""
     from cortexstream.engine.speculative_config import SpeculativeMethod, parse_speculative
 
     forms: list[str] = []
@@ -76,8 +79,8 @@ def speculative_forms(values: tuple[str, ...]) -> tuple[str, ...]:
             raise InvalidArgumentError(f"--speculative: {value!r} turns speculation off; plain decoding is "
                                        "always measured, give ngram settings only")
         if config.method is not SpeculativeMethod.NGRAM:
-            raise InvalidArgumentError(f"--speculative: {value!r}: draft models are not implemented in the engine "
-                                       "yet; give ngram settings (e.g. ngram:k=4,n=3)")
+            raise InvalidArgumentError(f"--speculative: {value!r}: --speculative takes prompt-lookup settings "
+                                       "(e.g. ngram:k=4,n=3); measure a draft model with --pair TARGET:DRAFT")
         if config.text in forms:
             raise InvalidArgumentError(f"--speculative: {config.text!r} is given twice")
         forms.append(config.text)
@@ -101,49 +104,39 @@ def _members(values: tuple, kind: type[Enum], option: str) -> tuple:
     return tuple(members)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The sizes as options (defaults: `SpeculativeSettings`), and the run options."""
-    d = SpeculativeSettings()
-    parser.add_argument("--models", default=",".join(d.models),
-                        help="comma-separated models: smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b (verified "
-                             "benchmark assets, skipped with a note when absent), or a GGUF file / model directory")
-    parser.add_argument("--tasks", default=",".join(t.value for t in d.tasks),
-                        help=f"comma-separated among {', '.join(t.value for t in Task)}")
-    parser.add_argument("--modes", default=",".join(m.value for m in d.modes),
-                        help="comma-separated among greedy, sampled (temperature --temperature, no seed: a "
-                             "seeded request decodes plainly)")
-    parser.add_argument("--concurrency", default=",".join(map(str, d.concurrency)),
-                        help=f"comma-separated requests per call, each in 1..{MAX_INPUTS} (1: stream_generate, "
-                             "more: batch_generate)")
-    parser.add_argument("--speculative", default=";".join(d.speculative),
-                        help="semicolon-separated prompt-lookup settings measured beside plain decoding, e.g. "
-                             "'ngram:k=4,n=3;ngram:k=8,n=3'")
-    parser.add_argument("--max-tokens", type=int, default=d.max_tokens, help="new tokens per request (at most)")
-    parser.add_argument("--rounds", type=int, default=d.rounds, help="rounds per cell, the systems' order "
-                        "rotating each round; medians are reported")
-    parser.add_argument("--temperature", type=float, default=d.temperature, help="temperature of the sampled mode")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: edit and chat, concurrency 1 and 2, 32 tokens, 1 round "
-                             "(speculative_quick.*)")
-    parser.add_argument("--max-minutes", type=float, default=None,
-                        help="start no new cell after this many minutes (skipped cells are listed as missing)")
-    parser.add_argument("--resume", action="store_true", help="keep cells already in the JSON, run the rest")
-    parser.add_argument("--out", default="bench/results", help="output folder")
-
-
-def from_args(args: argparse.Namespace) -> SpeculativeSettings:
-    """The settings the options ask for (`--quick`: its smoke-run sizes, the models, modes and settings given)."""
+def given_sizes(args: argparse.Namespace) -> dict[str, Any]:
+    """The size options given on the command line, as settings fields (the ones left out take the defaults)."""
     from cortexstream.cli.number_lists import int_list, name_list
 
     if args.max_minutes is not None and not args.max_minutes > 0:
         raise InvalidArgumentError(f"--max-minutes: {args.max_minutes!r} must be > 0")
-    settings = SpeculativeSettings(
-        models=name_list(args.models), tasks=name_list(args.tasks), modes=name_list(args.modes),
-        concurrency=int_list(args.concurrency, "--concurrency"),
-        speculative=tuple(s.strip() for s in args.speculative.split(";") if s.strip()),
-        max_tokens=args.max_tokens, rounds=args.rounds, temperature=args.temperature)
+    given: dict[str, Any] = {}
+    for name in ("tasks", "modes"):
+        if getattr(args, name) is not None:
+            given[name] = name_list(getattr(args, name))
+    if args.concurrency is not None:
+        given["concurrency"] = int_list(args.concurrency, "--concurrency")
+    for name in ("max_tokens", "rounds", "temperature"):
+        if getattr(args, name) is not None:
+            given[name] = getattr(args, name)
+    return given
+
+
+def from_args(args: argparse.Namespace) -> SpeculativeSettings:
+    """The settings the options ask for (`--quick`: its smoke-run sizes, the models, modes and settings given).
+    Not for `--pair` runs (`speculative_pair_settings.pair_from_args`)."""
+    from cortexstream.cli.number_lists import name_list
+
+    if args.draft_k is not None:
+        raise InvalidArgumentError("--draft-k: only with --pair TARGET:DRAFT (prompt lookup takes k in "
+                                   "--speculative, e.g. ngram:k=4,n=3)")
+    given = given_sizes(args)
+    if args.models is not None:
+        given["models"] = name_list(args.models)
+    if args.speculative is not None:
+        given["speculative"] = tuple(s.strip() for s in args.speculative.split(";") if s.strip())
+    settings = SpeculativeSettings(**given)
     return settings.quick() if args.quick else settings
 
 
-__all__ = ["DEFAULT_SPECULATIVE", "Mode", "SpeculativeSettings", "add_arguments", "from_args",
-           "speculative_forms"]
+__all__ = ["DEFAULT_SPECULATIVE", "Mode", "SpeculativeSettings", "from_args", "given_sizes", "speculative_forms"]
