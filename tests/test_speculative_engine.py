@@ -196,3 +196,24 @@ def test_smollm_prompt_lookup_on_int8_kv_and_beside_structured_output(smollm):
         assert results[rid]["tokens"] == plain[0]
         assert json.loads(results[structured]["text"])["fruit"]
         assert engine.stats()["spec_accepted_tokens"] > 0
+
+
+def test_a_sequence_whose_drafts_do_not_pay_is_pipelined_and_still_probes(tiny, monkeypatch):
+    """Drafts that are always rejected drive k to 0: the sequence then decodes pipelined like a plain one, and
+    every `probe_every` steps drafts one token again (its last token read first)."""
+    from cortexstream.engine.ngram_proposer import NgramIndex
+
+    model, tokenizer = tiny
+    monkeypatch.setattr(NgramIndex, "propose", lambda self, k, n: [3] * k)
+    engine = Engine(model, tokenizer, kv_tokens=2048, block_size=BS, speculative="ngram:k=4")
+    rid = engine.add_request(list(range(5, 12)), max_tokens=80)
+    state = engine.lookup(rid).speculation
+    pipelined, verified_at_zero = 0, None
+    while engine.has_unfinished:
+        engine.step()
+        pipelined += engine.has_in_flight
+        if verified_at_zero is None and state.length.k == 0:
+            verified_at_zero = state.verify_steps
+    assert state.length.k == 0 and verified_at_zero is not None
+    assert pipelined > 30  # most steps after k reached 0 overlapped the next step's launch
+    assert 3 <= state.verify_steps - verified_at_zero <= 6  # then one probe every 16 steps (about 70 left)

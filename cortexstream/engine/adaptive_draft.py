@@ -87,6 +87,10 @@ class AdaptiveDraftLength:
                 best_k, best_gain = k, gain
         return best_k
 
+    def will_draft(self) -> bool:
+        """Whether the next `next_k()` will be above 0 (a chosen k, or a probe due), without counting a step."""
+        return self._k > 0 or self._idle_steps + 1 >= self.probe_every
+
     def next_k(self) -> int:
         """How many tokens to draft this step (call once per step): the chosen k, or 1 when probing from 0."""
         if self._k > 0:

@@ -175,7 +175,8 @@ class Scheduler:
     def may_pipeline(self) -> bool:
         """True when the next step can only decode: nothing to admit or prefill, and blocks enough for every
         running sequence to grow (and copy on write) without preempting anyone."""
-        if self.waiting or any(s.num_pending > 1 or s.speculation is not None for s in self.running):
+        if self.waiting or any(s.num_pending > 1 or (s.speculation is not None and s.speculation.wants_draft())
+                               for s in self.running):
             return False  # speculation needs its last token read to draft from it
         # A sequence with room reserved for its next two tokens needs no block, unless it writes a shared one.
         allocator, bs = self.blocks.allocator, self.blocks.block_size
@@ -241,6 +242,8 @@ class Scheduler:
     def _draft(seq: Sequence) -> tuple[tuple[int, ...], ModelDraft | None]:
         """Tokens to verify after the sequence's next one (speculative decoding), within its limits: proposed
         here (prompt lookup) or by the runner's draft model."""
+        if seq.speculation is not None and seq.num_inflight:
+            seq.speculation.idle()  # pipelined while drafting does not pay: still counts toward the next probe
         if seq.speculation is None or seq.num_inflight or not seq.uses_arena or seq.kv_policy.evicts:
             return (), None
         room = min(seq.sampling.max_tokens - len(seq.output_ids) - 1, seq.max_total_tokens - seq.num_tokens)

@@ -20,6 +20,13 @@ from cortexstream.engine.speculative_config import SpeculativeConfig, Speculativ
 from cortexstream.engine.step_plan import ModelDraft
 
 
+# What one drafted token adds to a verify pass, in decode steps. A weight-bound step (a Mac, a small batch) pays
+# less; on this CPU at 8 sequences a pass's rows cost compute, and a drafting sequence also loses the pipelined
+# decode (its next draft needs the token just sampled): with 0.1, chat at 8 requests kept drafting at a 17%
+# acceptance rate and ran 0.79x plain (bench/results/speculative.md).
+VERIFY_COST_PER_DRAFT = 0.2
+
+
 class SpeculationState:
     """See the module docstring. One per sequence (`Sequence.speculation`)."""
 
@@ -27,13 +34,22 @@ class SpeculationState:
         self.config = config
         self.by_model = config.method is SpeculativeMethod.DRAFT
         self.index = None if self.by_model else NgramIndex(config.n)
-        self.length = AdaptiveDraftLength(config.k, adaptive=config.adaptive)
+        self.length = AdaptiveDraftLength(config.k, adaptive=config.adaptive, cost_per_draft=VERIFY_COST_PER_DRAFT)
         self.indexed = 0  # tokens of the sequence in the index
         self.draft_len = 0  # tokens whose KV the draft model holds (draft models)
         self._planned: tuple[int, int] | None = None  # (tokens known, k) of the model draft in flight
         self.proposed = 0
         self.accepted = 0
         self.verify_steps = 0
+
+    def wants_draft(self) -> bool:
+        """Whether the next step may draft (then the sequence's last token must be read first: no pipelining)."""
+        return self.length.will_draft()
+
+    def idle(self) -> None:
+        """A pipelined step that could not draft (its last token is in flight): it counts toward the next probe."""
+        if not self.length.will_draft():
+            self.length.next_k()
 
     def fresh(self) -> "SpeculationState":
         """A new state with the same settings (a forked sequence drafts on its own)."""
