@@ -59,7 +59,10 @@ def _native_types_only(path: str) -> bool:
         from gguf import GGUFReader
     except ImportError:  # without gguf-py there is no other reader: let mx.load try
         return True
-    return all(t.tensor_type.name in _NATIVE_TYPES for t in GGUFReader(path, "r").tensors)
+    try:
+        return all(t.tensor_type.name in _NATIVE_TYPES for t in GGUFReader(path, "r").tensors)
+    except Exception:  # noqa: BLE001 - a file gguf-py cannot parse: its reader below reports it, naming the file
+        return False
 
 
 def _read_with_gguf_py(path: str) -> tuple[dict[str, mx.array], dict[str, Any]]:
