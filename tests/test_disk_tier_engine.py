@@ -190,3 +190,20 @@ def test_smollm_round_trip_through_disk_gives_the_recomputed_tokens(smollm, tmp_
     with _engine(model, tokenizer, tmp_path, **options) as second:
         assert _greedy(second, prompt, 16) == expected
         assert second.stats()["disk_restored_blocks"] == len(prompt) // 16
+
+
+def test_a_long_prefix_is_restored_in_batches(tiny, tmp_path):
+    """More blocks than one read batch (`RESTORE_BATCH_BLOCKS`): read batch after batch, same tokens."""
+    from cortexstream.engine.disk_prefix import RESTORE_BATCH_BLOCKS
+
+    model, tokenizer = tiny
+    prompt = _prompt(9, n=(2 * RESTORE_BATCH_BLOCKS + 5) * BS + 2)
+    expected = _without_disk(model, tokenizer, prompt)
+    with _engine(model, tokenizer, tmp_path) as first:
+        assert _greedy(first, prompt) == expected
+    second = _engine(model, tokenizer, tmp_path)
+    computed_before = second.num_prompt_tokens_computed
+    assert _greedy(second, prompt) == expected
+    assert second.stats()["disk_restored_blocks"] == len(prompt) // BS > 2 * RESTORE_BATCH_BLOCKS
+    assert second.num_prompt_tokens_computed - computed_before == len(prompt) - (len(prompt) // BS) * BS
+    second.close()

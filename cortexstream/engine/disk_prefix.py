@@ -9,6 +9,9 @@ decides and keeps count:
   scheduler hands the payloads to the runner in the next plan (`StepPlan.restores`), written before anything else,
   and the sequence's prompt continues after them. A payload that does not come back (evicted or corrupt since the
   match) ends the restore at that block: the rest is recomputed, never loaded wrong.
+* Reads go in batches of at most `RESTORE_BATCH_BLOCKS` blocks, one batch in flight per sequence, so the payload
+  bytes a restore holds at once stay bounded (a 4k-token float32 prefix of a small model is ~190 MB) whatever the
+  length of the prefix; the sequence waits until its last batch is written.
 * Writing: every block that enters the RAM prefix cache and is not on disk yet is queued here; the engine exports
   the queued blocks' KV from the arena and hands the bytes to the store (write-behind).
 """
@@ -21,12 +24,18 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 
+# Blocks one restore reads at a time (see the module docstring).
+RESTORE_BATCH_BLOCKS = 32
+
+
 @dataclass
 class _Restore:
     seq: Any  # the Sequence being restored
     blocks: list[int]
+    entries: list[tuple[int, tuple[int, ...]]]
     future: Future
     started: float
+    done: int = 0  # blocks of this restore already delivered
 
 
 @dataclass(frozen=True)
@@ -65,8 +74,11 @@ class DiskPrefix:
     def start(self, seq: Any, blocks: list[int], entries: list[tuple[int, tuple[int, ...]]]) -> None:
         """Read `entries` from disk in the background, for `blocks` of `seq` (one block per entry)."""
         self.hit_blocks += len(entries)
-        future = self.store.get_async([(key, tokens) for key, tokens in entries])
-        self._restores[seq.owner] = _Restore(seq, list(blocks), future, time.perf_counter())
+        self._restores[seq.owner] = _Restore(seq, list(blocks), list(entries), self._read(entries, 0),
+                                             time.perf_counter())
+
+    def _read(self, entries: list[tuple[int, tuple[int, ...]]], start: int) -> Future:
+        return self.store.get_async(list(entries[start:start + RESTORE_BATCH_BLOCKS]))
 
     def restoring(self, seq: Any) -> bool:
         return seq.owner in self._restores
@@ -80,13 +92,12 @@ class DiskPrefix:
         return len(self._restores)
 
     def finished(self) -> list[Restored]:
-        """Restores whose reads are done, each cut at its first missing payload."""
+        """Batches whose reads are done, each cut at its first missing payload (which ends its restore); a restore
+        with more batches reads the next one."""
         out = []
         for owner, restore in list(self._restores.items()):
             if not restore.future.done():
                 continue
-            del self._restores[owner]
-            self.restore_seconds += time.perf_counter() - restore.started
             try:
                 payloads = list(restore.future.result())
             except Exception:  # noqa: BLE001 - a failed read means recompute, never a failed request
@@ -94,9 +105,17 @@ class DiskPrefix:
             good = 0
             while good < len(payloads) and payloads[good] is not None:
                 good += 1
+            first = restore.done
+            out.append(Restored(restore.seq, tuple(restore.blocks[first:first + good]), tuple(payloads[:good])))
             self.restored_blocks += good
-            self.failed_blocks += len(restore.blocks) - good
-            out.append(Restored(restore.seq, tuple(restore.blocks[:good]), tuple(payloads[:good])))
+            restore.done += good
+            wanted = min(RESTORE_BATCH_BLOCKS, len(restore.blocks) - first)
+            if good == wanted and restore.done < len(restore.blocks):
+                restore.future = self._read(restore.entries, restore.done)
+                continue
+            del self._restores[owner]
+            self.restore_seconds += time.perf_counter() - restore.started
+            self.failed_blocks += len(restore.blocks) - restore.done
         return out
 
     # --- write-behind -----------------------------------------------------------------------------------------

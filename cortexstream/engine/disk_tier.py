@@ -99,6 +99,16 @@ class EngineDiskTier:
             self.store.close()
 
 
+def working_bytes(bytes_per_block: int, block_size: int, prefill_step_size: int) -> int:
+    """Block bytes the tier holds in memory outside its writer queue, at most: one restore batch read back (its
+    payloads, their joined copy and the MLX copy written into the arena) and one step's export (the gathered rows
+    and their per-block bytes), a step computing at most `prefill_step_size` tokens of blocks."""
+    from cortexstream.engine.disk_prefix import RESTORE_BATCH_BLOCKS
+
+    export_blocks = -(-prefill_step_size // block_size) + 1
+    return bytes_per_block * (3 * RESTORE_BATCH_BLOCKS + 2 * export_blocks)
+
+
 def open_disk_tier(model: Any, arena: KVArena, directory: str | None, max_bytes: int | str,
                    required: bool = True) -> tuple[EngineDiskTier | None, str | None]:
     """(tier, None), or (None, None) without a directory. A directory that cannot be used (or that another

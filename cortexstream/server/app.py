@@ -56,10 +56,17 @@ def memory_plan(model: Any, config: ServerConfig) -> MemoryPlan | None:
         return None
     from cortexstream.kv.disk import DiskTierConfig, parse_size
 
-    # The disk tier's writer may hold this many bytes of blocks queued (kept even if the directory turns out
-    # unusable: it is not known until the engine opens it).
-    queue = (DiskTierConfig(config.kv_disk, parse_size(config.kv_disk_size, "kv_disk_size")).writer_queue_bytes
-             if config.kv_disk is not None else 0)
+    # What the disk tier holds in memory (reserved even if the directory turns out unusable: that is not known
+    # until the engine opens it).
+    queue = 0
+    if config.kv_disk is not None:  # its writer queue, and the blocks a restore and an export hold at once
+        from cortexstream.engine.disk_tier import working_bytes
+        from cortexstream.kv.arena_config import ArenaConfig
+
+        per_block = ArenaConfig.for_model(model, num_tokens=config.block_size, block_size=config.block_size,
+                                          kv_dtype=config.kv_dtype, kv_group_size=config.kv_group_size).bytes_per_block
+        queue = (DiskTierConfig(config.kv_disk, parse_size(config.kv_disk_size, "kv_disk_size")).writer_queue_bytes
+                 + working_bytes(per_block, config.block_size, PREFILL_STEP_SIZE))
     what = "max_memory (--max-memory)"
     return plan_memory(model, MemoryBudget.parse(config.max_memory, what), block_size=config.block_size,
                        max_num_seqs=config.max_num_seqs, prefill_step_size=PREFILL_STEP_SIZE,
