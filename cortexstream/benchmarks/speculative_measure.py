@@ -77,25 +77,33 @@ def cortex_call(model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens
                 speculative: str | None) -> Callable[[], Outcome]:
     """The public call: `stream_generate` for one prompt, `batch_generate` for several; with `speculative`, on an
     engine built inside the call (as the private one) whose counters are read before it is closed."""
-    import cortexstream
-
     def call() -> Outcome:
         engine = None if speculative is None else private_engine(model, tokenizer, prompts, max_tokens)
         try:
-            if len(prompts) == 1:
-                text, generated, tps = timed_stream(cortexstream.stream_generate(
-                    model, tokenizer, prompts[0], max_tokens, engine=engine, speculative=speculative, **sampling))
-                texts = (text,)
-            else:
-                done = cortexstream.batch_generate(model, tokenizer, prompts, max_tokens, engine=engine,
-                                                   speculative=speculative, **sampling)
-                texts, generated, tps = tuple(done.texts), done.stats.generation_tokens, done.stats.generation_tps
-            return Outcome(texts, generated, tps, None if engine is None else spec_counters(engine))
+            return public_call(model, tokenizer, prompts, max_tokens, sampling, speculative, engine)
         finally:
             if engine is not None:
                 engine.close()
 
     return call
+
+
+def public_call(model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int, sampling: dict[str, Any],
+                speculative: str | None, engine: Any) -> Outcome:
+    """One timed public call (`stream_generate` for one prompt, `batch_generate` for several) on `engine` (None:
+    the call's private one); with `speculative`, the engine's speculation counters afterwards."""
+    import cortexstream
+
+    if len(prompts) == 1:
+        text, generated, tps = timed_stream(cortexstream.stream_generate(
+            model, tokenizer, prompts[0], max_tokens, engine=engine, speculative=speculative, **sampling))
+        texts = (text,)
+    else:
+        done = cortexstream.batch_generate(model, tokenizer, prompts, max_tokens, engine=engine,
+                                           speculative=speculative, **sampling)
+        texts, generated, tps = tuple(done.texts), done.stats.generation_tokens, done.stats.generation_tps
+    counters = None if speculative is None or engine is None else spec_counters(engine)
+    return Outcome(texts, generated, tps, counters)
 
 
 def mlx_lm_call(model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int,

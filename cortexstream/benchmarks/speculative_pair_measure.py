@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from cortexstream.benchmarks.speculative_measure import (
-    PLAIN, Outcome, differing, mlx_lm_call, private_engine, spec_counters, timed_stream,
+    PLAIN, Outcome, differing, mlx_lm_call, private_engine, public_call, timed_stream,
 )
 from cortexstream.benchmarks.speculative_settings import Mode
 from cortexstream.benchmarks.throughput_measure import measure_call
@@ -58,19 +58,9 @@ def engine_system(model: Any, tokenizer: Any, prompts: list[list[int]], max_toke
                   speculative: str | None) -> PreparedCall:
     """CortexStream's public call on an engine built beforehand as the private one would be, `speculative` its
     default; its speculation counters are read before it is closed."""
-    import cortexstream
-
     def run(engine: Any) -> Outcome:
         try:
-            if len(prompts) == 1:
-                text, generated, tps = timed_stream(cortexstream.stream_generate(
-                    model, tokenizer, prompts[0], max_tokens, engine=engine, speculative=speculative, **sampling))
-                texts = (text,)
-            else:
-                done = cortexstream.batch_generate(model, tokenizer, prompts, max_tokens, engine=engine,
-                                                   speculative=speculative, **sampling)
-                texts, generated, tps = tuple(done.texts), done.stats.generation_tokens, done.stats.generation_tps
-            return Outcome(texts, generated, tps, None if speculative is None else spec_counters(engine))
+            return public_call(model, tokenizer, prompts, max_tokens, sampling, speculative, engine)
         finally:
             engine.close()
 
