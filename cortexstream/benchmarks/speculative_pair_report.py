@@ -15,7 +15,7 @@ from cortexstream.benchmarks.machine import machine_sentence, neutral_source
 from cortexstream.benchmarks.speculative_measure import PLAIN
 from cortexstream.benchmarks.speculative_pair_measure import DRAFT, MLX_LM_BATCH, MLX_LM_SPECULATIVE, mlx_lm_system
 from cortexstream.benchmarks.speculative_pair_settings import PairSettings
-from cortexstream.benchmarks.speculative_report import Status, median, system_summary
+from cortexstream.benchmarks.speculative_report import Status, gap_lines, median, system_summary
 
 VS_MLX_LM = 1.0  # draft model / mlx-lm on the same pair
 VS_PLAIN = 1.3  # draft model / plain decoding of the target
@@ -134,10 +134,7 @@ def pair_markdown(data: dict[str, Any]) -> str:
              "the time after the first token (timed on the stream), above 1 the batch call's own stats. Accept: "
              "drafted tokens kept; acc/verify: kept drafts per verify pass (mlx-lm's rebuilt from its stream's "
              "from_draft flags). Same text: greedy texts equal plain decoding's in every round.", ""]
-    for note in data.get("skipped", []):
-        lines.append(f"- skipped: {note['model']}: {note['reason']}")
-    if data.get("missing"):
-        lines.append(f"- not measured (time budget or interrupted): {', '.join(data['missing'])}")
+    lines += gap_lines(data)
     lines += ["", "## Targets (decode tok/s of the draft model)", "",
               "| mode | task | concurrency | vs mlx-lm (reference) | target | status | vs plain | target | status | "
               "same text as plain |", "|---|---|---|---|---|---|---|---|---|---|"]

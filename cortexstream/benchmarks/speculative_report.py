@@ -27,6 +27,14 @@ class Status(str, Enum):
     NOT_MEASURED = "not measured"
 
 
+def gap_lines(data: dict[str, Any]) -> list[str]:
+    """The report's list of what was skipped (with why) and what was not measured."""
+    lines = [f"- skipped: {note['model']}: {note['reason']}" for note in data.get("skipped", [])]
+    if data.get("missing"):
+        lines.append(f"- not measured (time budget or interrupted): {', '.join(data['missing'])}")
+    return lines
+
+
 def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -147,10 +155,7 @@ def markdown(data: dict[str, Any]) -> str:
               "engine construction included. Accept: drafted tokens accepted; acc/verify: accepted tokens per "
               "verify pass (one sequence's drafts checked in one forward). Same text: greedy texts equal plain "
               "decoding's in every round.", ""]
-    for note in data.get("skipped", []):
-        lines.append(f"- skipped: {note['model']}: {note['reason']}")
-    if data.get("missing"):
-        lines.append(f"- not measured (time budget or interrupted): {', '.join(data['missing'])}")
+    lines += gap_lines(data)
     lines += ["", "## Targets (decode tok/s, prompt lookup / plain)", "",
               "| model | mode | task | concurrency | setting | ratio | target | status |",
               "|---|---|---|---|---|---|---|---|"]
