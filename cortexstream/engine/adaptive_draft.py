@@ -1,9 +1,11 @@
 """How many tokens one sequence drafts next: k chosen from its acceptance rate, down to 0 when drafting does not pay.
 
-Cost model. A decode step is bound by reading the weights, so verifying k drafted tokens in one forward costs about
-`1 + c*k` plain decode steps (`c` = `cost_per_draft`, small: the extra tokens add compute and KV reads, not weight
-reads; 0.1 by default). If each drafted token is accepted with probability `a`, independently, given that the ones
-before it were, a verify step emits the accepted prefix plus one token of the target's own, on average
+Cost model. Verifying k drafted tokens in one forward costs about `1 + c*k` plain decode steps of the sequence
+(`c` = `cost_per_draft`): small when the step is bound by reading the weights (the extra tokens add compute and KV
+reads, not weight reads), near 1 when a batch is compute-bound and every row costs what a decode row does. The
+engine measures it (engine/verify_cost.py) and sets it with `set_cost_per_draft` as the batch changes. If each
+drafted token is accepted with probability `a`, independently, given that the ones before it were, a verify step
+emits the accepted prefix plus one token of the target's own, on average
 `E(k) = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)` tokens. Plain decoding emits 1 token per unit of cost, so k is
 the one in 1..k_max that maximises `E(k) / (1 + c*k)`, or 0 (plain decoding) when none exceeds 1; with k=1 that
 needs `a > c`.
@@ -39,6 +41,11 @@ def _check(name: str, value: Any, ok: bool, rule: str) -> None:
         raise InvalidArgumentError(f"{name}: {value!r} is invalid, {rule}")
 
 
+def _check_cost(value: Any) -> None:
+    _check("cost_per_draft", value, isinstance(value, (int, float)) and math.isfinite(value) and value >= 0,
+           "must be a finite number >= 0")
+
+
 class AdaptiveDraftLength:
     """The draft length of one sequence: `next_k()` before a step, `record(proposed, accepted)` after it."""
 
@@ -47,8 +54,7 @@ class AdaptiveDraftLength:
         _check("k_max", k_max, isinstance(k_max, int) and k_max >= 1, "must be an integer >= 1")
         if not isinstance(adaptive, bool):
             raise InvalidArgumentError(f"adaptive: {adaptive!r} must be a bool")
-        _check("cost_per_draft", cost_per_draft, isinstance(cost_per_draft, (int, float))
-               and math.isfinite(cost_per_draft) and cost_per_draft >= 0, "must be a finite number >= 0")
+        _check_cost(cost_per_draft)
         _check("decay", decay, isinstance(decay, (int, float)) and 0 < decay < 1, "must be in (0, 1)")
         _check("initial_rate", initial_rate, isinstance(initial_rate, (int, float)) and 0 <= initial_rate <= 1,
                "must be in [0, 1]")
@@ -86,6 +92,13 @@ class AdaptiveDraftLength:
             if gain > best_gain:
                 best_k, best_gain = k, gain
         return best_k
+
+    def set_cost_per_draft(self, cost_per_draft: float) -> None:
+        """A new cost of one drafted token (in plain decode steps of this sequence); k is chosen again for it."""
+        _check_cost(cost_per_draft)
+        if float(cost_per_draft) != self.cost_per_draft:
+            self.cost_per_draft = float(cost_per_draft)
+            self._k = self._best_k()
 
     def will_draft(self) -> bool:
         """Whether the next `next_k()` will be above 0 (a chosen k, or a probe due), without counting a step."""

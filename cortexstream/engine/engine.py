@@ -269,8 +269,7 @@ class Engine:
                 raise RuntimeError(f"internal: request '{request_id}' preempted with a token in flight")
         if self.plan_listener is not None:
             self.plan_listener(plan)
-        had_in_flight = bool(self._inflight)
-        tic = time.perf_counter()
+        had_in_flight, tic = bool(self._inflight), time.perf_counter()
         result = self.runner.execute(plan)
         outputs.extend(self._apply(plan, result))
         self.prefill_time += result.prefill_seconds
@@ -325,7 +324,8 @@ class Engine:
         return outputs
 
     def _adapt(self, plan: StepPlan, result: StepResult, decode_seconds: float | None) -> None:
-        """Feed the adaptive prefill budget this step's timings; pass its new budget to the scheduler."""
+        """Feed this step's timings to the verify-cost estimate and the adaptive prefill budget (its new budget too)."""
+        self.scheduler.observe_step(plan, result, decode_seconds)
         if self._adaptive is not None:
             budget = self._adaptive.after_step(result.prefill_tokens, result.prefill_seconds, result.mixed_tokens,
                                                decode_seconds, bool(plan.decode), self.runner.mixed_prefill)

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from cortexstream.engine.block_manager import BlockManager
 from cortexstream.engine.finish_reason import FinishReason
 from cortexstream.engine.sequence import Sequence, SequenceHook, SequenceStatus
-from cortexstream.engine.step_plan import ModelDraft, NewRequest, StepPlan, WorkItem, WorkKind
+from cortexstream.engine.step_plan import ModelDraft, NewRequest, StepPlan, StepResult, WorkItem, WorkKind
+from cortexstream.engine.verify_cost import VerifyCostModel, timed_pass
 from cortexstream.errors import InvalidArgumentError
 
 
@@ -63,6 +64,7 @@ class Scheduler:
         self.num_preemptions = 0
         # Speculative decoding: verify passes run, tokens drafted, drafted tokens accepted (all sequences).
         self.num_verified = self.num_drafted = self.num_accepted = 0
+        self.verify_cost = VerifyCostModel()  # what a drafted row costs this engine, measured (engine/verify_cost.py)
         self._announced: set[str] = set()  # requests the runner holds state for
         self._dropped: list[str] = []  # ... that it must forget with the next plan
 
@@ -259,6 +261,13 @@ class Scheduler:
         self.num_accepted += accepted
         seq.speculation.record(proposed, accepted)
         self.blocks.trim_surplus(seq)
+
+    def observe_step(self, plan: StepPlan, result: StepResult, decode_seconds: float | None) -> None:
+        """Feed a step's timing to the verify-cost estimate (engine/verify_cost.py); every running sequence's draft
+        length is chosen again for the batch's cost per draft."""
+        cost = self.verify_cost.after_step(timed_pass(plan, result, decode_seconds), len(self.running))
+        for seq in (s for s in self.running if s.speculation is not None):
+            seq.speculation.set_cost_per_draft(cost)
 
     def _plan(self, prefill: list[tuple[Sequence, int]], decode: list[Sequence],
               restores: tuple[tuple[int, bytes], ...] = (),

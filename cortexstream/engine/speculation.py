@@ -6,8 +6,9 @@ Draft model (`draft:model=...`): the runner's draft model proposes (engine/draft
 many of the sequence's tokens the draft model's KV holds (`draft_len`, a function of the plans alone: a fresh,
 re-admitted or forked sequence starts at 0), so each plan tells the runner what to feed it first.
 
-The draft length adapts to the sequence's acceptance rate (engine/adaptive_draft.py), down to no draft at all when
-drafting does not pay; the scheduler asks for a draft only when the sequence's last token has been read.
+The draft length adapts to the sequence's acceptance rate and to what a drafted row costs in the current batch
+(engine/adaptive_draft.py, engine/verify_cost.py), down to no draft at all when drafting does not pay; the
+scheduler asks for a draft only when the sequence's last token has been read.
 """
 
 from __future__ import annotations
@@ -18,13 +19,7 @@ from cortexstream.engine.adaptive_draft import AdaptiveDraftLength
 from cortexstream.engine.ngram_proposer import NgramIndex
 from cortexstream.engine.speculative_config import SpeculativeConfig, SpeculativeMethod
 from cortexstream.engine.step_plan import ModelDraft
-
-
-# What one drafted token adds to a verify pass, in decode steps. A weight-bound step (a Mac, a small batch) pays
-# less; on this CPU at 8 sequences a pass's rows cost compute, and a drafting sequence also loses the pipelined
-# decode (its next draft needs the token just sampled): with 0.1, chat at 8 requests kept drafting at a 17%
-# acceptance rate and ran 0.79x plain (bench/results/speculative.md).
-VERIFY_COST_PER_DRAFT = 0.2
+from cortexstream.engine.verify_cost import PRIOR_COST_PER_DRAFT
 
 
 class SpeculationState:
@@ -34,7 +29,7 @@ class SpeculationState:
         self.config = config
         self.by_model = config.method is SpeculativeMethod.DRAFT
         self.index = None if self.by_model else NgramIndex(config.n)
-        self.length = AdaptiveDraftLength(config.k, adaptive=config.adaptive, cost_per_draft=VERIFY_COST_PER_DRAFT)
+        self.length = AdaptiveDraftLength(config.k, adaptive=config.adaptive, cost_per_draft=PRIOR_COST_PER_DRAFT)
         self.indexed = 0  # tokens of the sequence in the index
         self.draft_len = 0  # tokens whose KV the draft model holds (draft models)
         self._planned: tuple[int, int] | None = None  # (tokens known, k) of the model draft in flight
@@ -50,6 +45,10 @@ class SpeculationState:
         """A pipelined step that could not draft (its last token is in flight): it counts toward the next probe."""
         if not self.length.will_draft():
             self.length.next_k()
+
+    def set_cost_per_draft(self, cost: float) -> None:
+        """What one drafted token costs now (engine/verify_cost.py, measured per engine); k is chosen again."""
+        self.length.set_cost_per_draft(cost)
 
     def fresh(self) -> "SpeculationState":
         """A new state with the same settings (a forked sequence drafts on its own)."""

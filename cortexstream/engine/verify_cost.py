@@ -1,0 +1,139 @@
+"""What a drafted row costs, measured online: a step's time fitted as `a + b * rows`, turned into the cost per draft
+the adaptive draft length weighs (engine/adaptive_draft.py). Pure Python.
+
+Why measured. Whether verifying k drafted tokens pays depends on what a row of a forward pass costs next to the pass
+itself. A pass bound by reading the weights (a Mac, a small batch) computes extra rows almost for free; a batch on
+a CPU that is already compute-bound pays for every row about what a decode row costs, and drafting loses there.
+
+The model. A forward pass over `rows` query rows (decode rows, drafted rows, prompt-chunk tokens riding in the same
+pass) takes `a + b * rows` seconds. A plain step of B sequences costs `a + b*B` for B tokens, so one token's share
+is `(a + b*B) / B`; k drafted tokens of one sequence add `b*k`, which in units of that share is `c*k` with
+`c = b*B / (a + b*B)`: near 0 when the fixed cost dominates (weight-bound), near 1 when rows dominate.
+
+The fit. A running least-squares fit with exponential forgetting (every sum decays by `decay` per sample) over
+observed (rows, seconds) pairs. Until the samples have spread over at least two row counts the slope is unknown and
+the cost stays `prior`; later, while the remembered samples hardly vary in rows (weighted variance under
+`min_spread`: every sequence plain, the same batch), the last slope is kept and only the level `a` follows the data.
+A sample longer than `outlier` times the current prediction (a pause of the caller between steps, another process)
+is clipped to it, so one stall moves the fit a bounded amount while a lasting change still moves it.
+
+What is timed (`timed_pass`). The engine times a step from launching its passes to applying its tokens. A plain
+decode pass is pipelined: launched asynchronously and read during the next step, whose timer also covers building
+that step's graph and which, when the caller is slower than the pass, waits for nothing. Such a step does not time
+its pass honestly, so it is not a sample. A verify pass (drafted rows) and a pass with prompt chunks riding in it are
+evaluated within their own step, and such a step starts with nothing in flight (the scheduler drains every token
+first, since a drafting sequence drafts from its last token and a prefilling one blocks pipelining): those are the
+samples. Their time includes the step's Python (graph building, a draft model's passes, applying the tokens), which
+is what a verify step costs; the plain pipelined step's cost `a + b*B` is extrapolated from them.
+"""
+
+from __future__ import annotations
+
+import math
+
+from cortexstream.engine.step_plan import StepPlan, StepResult
+from cortexstream.errors import InvalidArgumentError
+
+# What one drafted token costs, in decode steps, until measured. Above what a weight-bound pass's extra row costs:
+# a drafting sequence also loses the pipelined decode (its next draft needs the token just sampled), and with
+# half this a compute-bound batch of 8 on a CPU kept drafting at low acceptance (bench/results/speculative.md).
+PRIOR_COST_PER_DRAFT = 0.2
+
+
+def timed_pass(plan: StepPlan, result: StepResult, decode_seconds: float | None) -> tuple[int, float] | None:
+    """(rows, seconds) of the step's decode pass when the engine's timer covered that pass whole (a verify pass or a
+    pass with prompt chunks in it, evaluated within the step), else None. See the module docstring."""
+    if not plan.decode or decode_seconds is None or not decode_seconds > 0:
+        return None
+    decoding = {item.request_id for item in plan.decode}
+    read_now = bool(result.accepted) and all(s.ready for s in result.sampled if s.request_id in decoding)
+    if not (read_now or result.mixed_tokens):
+        return None  # launched asynchronously: its compute falls in the next step's timer
+    return sum(item.num_tokens for item in plan.decode) + result.mixed_tokens, decode_seconds
+
+
+def _number(name: str, value: float, low: float, high: float, closed: bool = False) -> float:
+    inside = isinstance(value, (int, float)) and (low <= value <= high if closed else low < value < high)
+    if isinstance(value, bool) or not inside:
+        interval = f"[{low}, {high}]" if closed else f"({low}, {high})"
+        raise InvalidArgumentError(f"{name}: {value!r} must be a number in {interval}")
+    return float(value)
+
+
+class VerifyCostModel:
+    """The per-engine estimate of a pass's time, `a + b * rows`: `observe(rows, seconds)` samples it,
+    `cost_per_draft(B)` reads it. `prior`: the cost per draft until the slope is measured; `decay`: the weight a
+    sample keeps per newer one (0.95: about the last 20 count); `min_spread`: the weighted variance of the
+    remembered rows below which the slope is kept, not refitted; `outlier`: a sample is clipped to this many times
+    the prediction."""
+
+    def __init__(self, prior: float = PRIOR_COST_PER_DRAFT, *, decay: float = 0.95, min_spread: float = 0.05,
+                 outlier: float = 4.0) -> None:
+        self.prior = _number("prior", prior, 0.0, 1.0, closed=True)
+        self.decay = _number("decay", decay, 0.0, 1.0)
+        self.min_spread = _number("min_spread", min_spread, 0.0, math.inf)
+        self.outlier = _number("outlier", outlier, 1.0, math.inf)
+        self.samples = 0
+        self.fixed_seconds: float | None = None  # a
+        self.seconds_per_row: float | None = None  # b
+        self._sums = [0.0] * 5  # decayed weight, x, x^2, y, x*y
+        self._first_rows: int | None = None
+        self._distinct = False  # two row counts seen
+
+    @property
+    def fitted(self) -> bool:
+        """Whether the slope has been measured (samples spread over at least two row counts)."""
+        return self.seconds_per_row is not None
+
+    def predict(self, rows: int) -> float | None:
+        """The fitted seconds of a pass of `rows` rows (None before the fit)."""
+        if not self.fitted:
+            return None
+        return self.fixed_seconds + self.seconds_per_row * rows
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """One timed pass: `rows` query rows computed in `seconds`."""
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise InvalidArgumentError(f"rows: {rows!r} must be an integer >= 1")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+            raise InvalidArgumentError(f"seconds: {seconds!r} must be a finite number > 0")
+        predicted = self.predict(rows)
+        if predicted is not None and predicted > 0:
+            seconds = min(seconds, self.outlier * predicted)
+        if self._first_rows is None:
+            self._first_rows = rows
+        self._distinct = self._distinct or rows != self._first_rows
+        x, y = float(rows), float(seconds)
+        self._sums = [self.decay * s + v for s, v in zip(self._sums, (1.0, x, x * x, y, x * y))]
+        self.samples += 1
+        self._refit()
+
+    def _refit(self) -> None:
+        weight, sx, sxx, sy, sxy = self._sums
+        mean_x, mean_y = sx / weight, sy / weight
+        spread = sxx / weight - mean_x * mean_x
+        if self._distinct and spread >= self.min_spread:
+            self.seconds_per_row = max(0.0, (sxy / weight - mean_x * mean_y) / spread)
+        if self.seconds_per_row is not None:  # the level follows the data; a slope kept while rows hardly vary
+            self.fixed_seconds = max(0.0, mean_y - self.seconds_per_row * mean_x)
+
+    def after_step(self, timed: tuple[int, float] | None, batch: int) -> float:
+        """Record a step's timed pass (`timed_pass`; None: nothing timed) and return the cost per draft for a batch
+        of `batch` decoding sequences."""
+        if timed is not None:
+            self.observe(*timed)
+        return self.cost_per_draft(batch)
+
+    def cost_per_draft(self, batch: int) -> float:
+        """What one drafted token costs a sequence in a batch of `batch` decoding sequences, in units of its share
+        of a plain step: `b*B / (a + b*B)`; the prior until the slope is measured."""
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 0:
+            raise InvalidArgumentError(f"batch: {batch!r} must be an integer >= 0")
+        if not self.fitted:
+            return self.prior
+        rows_cost = self.seconds_per_row * max(1, batch)
+        step = self.fixed_seconds + rows_cost
+        return rows_cost / step if step > 0 else self.prior
+
+
+__all__ = ["PRIOR_COST_PER_DRAFT", "VerifyCostModel", "timed_pass"]

@@ -1,0 +1,196 @@
+"""The measured cost of a drafted row (engine/verify_cost.py): the `a + b*rows` fit, the cost per draft it gives a
+batch, which steps are timed, and the adaptive draft length following the cost as it is fed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cortexstream.engine.adaptive_draft import AdaptiveDraftLength
+from cortexstream.engine.step_plan import ModelDraft, SampledToken, StepPlan, StepResult, WorkItem, WorkKind
+from cortexstream.engine.verify_cost import PRIOR_COST_PER_DRAFT, VerifyCostModel, timed_pass
+from cortexstream.errors import InvalidArgumentError
+
+
+def _feed(model: VerifyCostModel, a: float, b: float, rows: list[int], noise: float = 0.0, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    for r in rows:
+        model.observe(r, (a + b * r) * (1.0 + noise * rng.standard_normal()))
+
+
+def test_the_fit_recovers_a_and_b_from_noisy_samples():
+    model = VerifyCostModel()
+    rows = [int(r) for r in np.random.default_rng(1).integers(1, 41, size=300)]
+    _feed(model, a=0.030, b=0.002, rows=rows, noise=0.02)
+    assert model.fixed_seconds == pytest.approx(0.030, rel=0.15)
+    assert model.seconds_per_row == pytest.approx(0.002, rel=0.1)
+    assert model.predict(10) == pytest.approx(0.050, rel=0.05)
+
+
+def test_the_prior_holds_until_two_row_counts_were_seen():
+    model = VerifyCostModel()
+    assert model.cost_per_draft(8) == PRIOR_COST_PER_DRAFT
+    _feed(model, a=0.01, b=0.01, rows=[8] * 30)  # one row count: no slope to speak of
+    assert not model.fitted and model.cost_per_draft(8) == PRIOR_COST_PER_DRAFT and model.predict(8) is None
+    _feed(model, a=0.01, b=0.01, rows=[12, 16, 12, 16])
+    assert model.fitted
+    assert model.seconds_per_row == pytest.approx(0.01, rel=1e-6)
+    assert model.fixed_seconds == pytest.approx(0.01, rel=1e-6)
+
+
+def test_cost_per_draft_is_small_when_weight_bound_and_near_one_when_rows_dominate():
+    weight_bound = VerifyCostModel()
+    _feed(weight_bound, a=0.020, b=0.0005, rows=[1, 2, 3, 5] * 10)  # a >> b
+    assert weight_bound.cost_per_draft(1) == pytest.approx(0.0005 / 0.0205, rel=1e-3)
+    assert weight_bound.cost_per_draft(1) < 0.05
+    compute_bound = VerifyCostModel()
+    _feed(compute_bound, a=0.004, b=0.010, rows=[8, 12, 20, 40] * 10)  # b*B >> a at B = 8
+    assert compute_bound.cost_per_draft(8) == pytest.approx(0.080 / 0.084, rel=1e-3)
+    assert compute_bound.cost_per_draft(8) > 0.9
+    assert compute_bound.cost_per_draft(1) < compute_bound.cost_per_draft(8)  # the same rows, a smaller batch
+    assert compute_bound.cost_per_draft(0) == compute_bound.cost_per_draft(1)  # no batch yet: as one sequence
+
+
+def test_the_slope_is_kept_while_rows_hardly_vary_and_the_level_follows():
+    model = VerifyCostModel()
+    _feed(model, a=0.02, b=0.005, rows=[4, 8] * 20)
+    assert model.seconds_per_row == pytest.approx(0.005, rel=1e-6)
+    _feed(model, a=0.05, b=0.005, rows=[6] * 200)  # slower machine, every pass the same size
+    # The level moved while the older samples still spread the rows (the slope shifts a little then), and the
+    # slope was kept once they were forgotten: neither lost nor refitted from one row count.
+    held = model.seconds_per_row
+    assert held == pytest.approx(0.005, rel=0.15)
+    assert model.predict(6) == pytest.approx(0.05 + 0.005 * 6, rel=1e-3)
+    _feed(model, a=0.05, b=0.005, rows=[6] * 50)
+    assert model.seconds_per_row == held
+
+
+def test_forgetting_follows_a_change_of_regime():
+    model = VerifyCostModel()
+    _feed(model, a=0.02, b=0.0005, rows=[1, 3, 5] * 20)
+    assert model.cost_per_draft(4) < 0.1
+    _feed(model, a=0.002, b=0.010, rows=[4, 8, 12] * 40)  # the batch became compute-bound
+    assert model.cost_per_draft(4) > 0.9
+
+
+def test_a_stall_moves_the_fit_a_bounded_amount():
+    model = VerifyCostModel()
+    _feed(model, a=0.02, b=0.002, rows=[2, 6] * 20)
+    model.observe(6, 30.0)  # the caller paused between steps: clipped to 4x the prediction, one of ~20 samples
+    assert model.predict(6) < 0.032 * 1.5
+    assert model.seconds_per_row < 0.002 * 3
+    _feed(model, a=0.06, b=0.006, rows=[2, 6] * 40)  # a lasting change (3x) is followed all the same
+    assert model.predict(6) == pytest.approx(0.096, rel=0.02)
+
+
+@pytest.mark.parametrize("kwargs, names", [
+    (dict(prior=1.5), "prior"), (dict(decay=1.0), "decay"), (dict(decay=0), "decay"),
+    (dict(min_spread=0), "min_spread"), (dict(outlier=1.0), "outlier"), (dict(prior=True), "prior"),
+])
+def test_bad_settings_are_refused_by_name(kwargs, names):
+    with pytest.raises(InvalidArgumentError, match=names):
+        VerifyCostModel(**kwargs)
+
+
+def test_bad_samples_are_refused_by_name():
+    model = VerifyCostModel()
+    for rows, seconds, name in [(0, 0.1, "rows"), (2.5, 0.1, "rows"), (2, 0.0, "seconds"), (2, float("nan"), "seconds")]:
+        with pytest.raises(InvalidArgumentError, match=name):
+            model.observe(rows, seconds)
+    with pytest.raises(InvalidArgumentError, match="batch"):
+        model.cost_per_draft(-1)
+
+
+# --- which steps are timed ------------------------------------------------------------------------------------
+
+def _item(rid: str, draft: tuple[int, ...] = (), model_draft: ModelDraft | None = None) -> WorkItem:
+    return WorkItem(rid, WorkKind.DECODE, (5,), 10, 10, (0, 1, 2), sample=True, mixable=False, draft=draft,
+                    model_draft=model_draft)
+
+
+def test_a_verify_pass_is_timed_with_its_drafted_rows():
+    plan = StepPlan(decode=(_item("a", draft=(1, 2, 3)), _item("b"), _item("c", model_draft=ModelDraft(2, 0, (5,)))))
+    sampled = tuple(SampledToken(rid, None, None, ready=True) for rid in "abc")
+    result = StepResult(sampled, accepted={"a": 1, "c": 0})
+    assert timed_pass(plan, result, 0.25) == (4 + 1 + 3, 0.25)
+    assert timed_pass(plan, result, None) is None
+    assert timed_pass(StepPlan(), result, 0.25) is None  # no decode pass
+
+
+def test_a_pipelined_pass_is_not_timed_and_a_mixed_one_is():
+    plan = StepPlan(decode=(_item("a"), _item("b")))
+    in_flight = tuple(SampledToken(rid, None, None, ready=False) for rid in "ab")
+    assert timed_pass(plan, StepResult(in_flight), 0.01) is None  # launched: computed during the next step
+    assert timed_pass(plan, StepResult(in_flight, accepted={"a": 0}), 0.01) is None  # drafts dropped, launched
+    assert timed_pass(plan, StepResult(in_flight, mixed_tokens=30), 0.2) == (2 + 30, 0.2)  # evaluated in the step
+
+
+# --- the draft length follows the cost ------------------------------------------------------------------------
+
+def test_k_drops_to_zero_when_rows_cost_a_step_and_rises_when_they_are_cheap():
+    draft = AdaptiveDraftLength(8, initial_rate=0.6, cost_per_draft=0.05)
+    assert draft.k > 0
+    draft.set_cost_per_draft(0.95)
+    assert draft.k == 0 and not draft.will_draft()
+    draft.set_cost_per_draft(0.05)
+    assert draft.k > 1 and draft.will_draft()
+    with pytest.raises(InvalidArgumentError, match="cost_per_draft"):
+        draft.set_cost_per_draft(-0.1)
+
+
+def test_the_estimate_drives_k_through_the_batch_size():
+    model = VerifyCostModel()
+    _feed(model, a=0.010, b=0.004, rows=[4, 8, 16, 32] * 10)
+    draft = AdaptiveDraftLength(4, initial_rate=0.5)
+    draft.set_cost_per_draft(model.cost_per_draft(1))  # c = 0.004 / 0.014
+    alone = draft.k
+    draft.set_cost_per_draft(model.cost_per_draft(16))  # c = 0.064 / 0.074
+    assert alone >= 1 and draft.k == 0
+
+
+# --- in the engine --------------------------------------------------------------------------------------------
+
+def _looping(seed: int, period: int = 6) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(3, 250, size=period)] * 6
+
+
+def test_the_engine_times_verify_passes_and_feeds_every_sequence_the_measured_cost(tiny):
+    from cortexstream.engine.engine import Engine
+    from tests.test_engine import collect
+
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, kv_tokens=2048, block_size=4, speculative="ngram:k=4,n=2")
+    for seed in range(3):
+        engine.add_request(_looping(seed), max_tokens=40)
+    estimate, checked = engine.scheduler.verify_cost, 0
+    while engine.has_unfinished:
+        collect(engine.step(), {})
+        for seq in engine.scheduler.running:
+            if estimate.fitted and seq.speculation is not None:
+                expected = estimate.cost_per_draft(len(engine.scheduler.running))
+                assert seq.speculation.length.cost_per_draft == pytest.approx(expected)
+                checked += 1
+    assert estimate.samples > 0 and estimate.fitted and checked > 0
+    assert estimate.fixed_seconds >= 0 and estimate.seconds_per_row >= 0
+
+
+@pytest.mark.parametrize("prior", [0.0, 1.0])
+def test_greedy_output_equals_plain_whatever_the_cost_says(tiny, prior):
+    from cortexstream.engine.engine import Engine
+    from tests.test_engine import run_all
+
+    model, tokenizer = tiny
+    prompts = [_looping(7), _looping(8, period=5), list(range(5, 40))]
+
+    def run(speculative):
+        engine = Engine(model, tokenizer, kv_tokens=2048, block_size=4, speculative=speculative)
+        # prior 1.0: nothing drafts but the probes until passes were timed; 0.0: every sequence drafts k_max first
+        engine.scheduler.verify_cost = VerifyCostModel(prior)
+        ids = [engine.add_request(p, max_tokens=32) for p in prompts]
+        results = run_all(engine)
+        return [results[i]["tokens"] for i in ids], engine
+
+    plain, _ = run(None)
+    got, engine = run("ngram:k=4,n=2")
+    assert got == plain
+    assert engine.scheduler.num_verified > 0
