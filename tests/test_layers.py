@@ -8,7 +8,8 @@ Layers, top to bottom:
     3  public calls    `cortexstream` (load, generate, stream_generate, batch_generate, perplexity): generation/,
                        evaluation/
     2  engine          engine/ (scheduler, block manager, runner, policy runtime, sampling, prompts, text stream,
-                       clients) and c2c/ (fusion entered through a per-sequence hook)
+                       clients), c2c/ (fusion entered through a per-sequence hook) and distributed/ (ranks that
+                       run rank 0's plans)
     1  KV, policies    kv/ (arena, allocator, caches) and policies/ (pure selection)
     0  foundation      models/, port/, kernels/, backend, grammar/, errors, atomic_files, the learned networks of
                        compression/ and sidecar/
@@ -45,6 +46,7 @@ LAYER_OF_PREFIX: dict[str, int] = {
     "cortexstream.policies": 1,
     "cortexstream.engine": 2,
     "cortexstream.c2c": 2,
+    "cortexstream.distributed": 2,
     "cortexstream": 3,  # the package itself: the public calls, imported lazily in __getattr__
     "cortexstream.generation": 3,
     "cortexstream.evaluation": 3,

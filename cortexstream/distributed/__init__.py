@@ -1,0 +1,8 @@
+"""Several ranks (processes, machines) running one model tensor-parallel: rank 0 schedules, every rank computes
+its shard. See docs/distributed.md and session.py."""
+
+from cortexstream.distributed.errors import DistributedError
+from cortexstream.distributed.group import launched
+from cortexstream.distributed.session import DistributedSession
+
+__all__ = ["DistributedError", "DistributedSession", "launched"]

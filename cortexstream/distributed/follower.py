@@ -1,0 +1,172 @@
+"""What every rank but 0 does: run rank 0's plans on its own shard of the model until rank 0 says stop.
+
+Per `OpenEngine` a rank builds what the engine on rank 0 has beside its scheduler: an arena of the same layout
+(holding only this rank's KV heads), the compute backend with the same small-batch setting, a grammar compiler
+and a `ModelRunner`. Each `RunStep` is executed as rank 0's engine executes it (the sharded model's all-sums pair
+the ranks' forward passes), with the step's random seed when it has one. Sampling is the same everywhere (the
+logits after the last all-sum are the same on every rank), and a decode item that carries the token rank 0 read
+is checked against the token this rank sampled: a difference stops the ranks with an error naming both.
+
+A rank answers each message with the last step it has computed (the previous step's tokens are evaluated when the
+next message is handled, so a rank builds the next step while its last one computes, as rank 0 does). A watchdog
+thread ends the process with a clear error when one step takes longer than `timeout` (this rank waits in an MLX
+collective for a rank that hangs: such a wait cannot be interrupted).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from cortexstream.backend import ComputeBackend
+from cortexstream.distributed.errors import DistributedError
+from cortexstream.distributed.follower_channel import FollowerChannel
+from cortexstream.distributed.messages import CloseEngine, Heartbeat, OpenEngine, RunStep, Stop
+from cortexstream.distributed.plan_wire import PlanDecoder
+from cortexstream.engine.runner import ModelRunner
+from cortexstream.engine.step_plan import StepPlan, StepResult
+from cortexstream.grammar.compiler import GrammarCompiler
+from cortexstream.kv.arena import KVArena
+
+
+class RankEngine:
+    """One engine's runner on this rank."""
+
+    def __init__(self, model: Any, tokenizer: Any, spec: OpenEngine) -> None:
+        self.arena = KVArena(spec.arena)
+        self.backend = ComputeBackend.for_engine(spec.small_batch_rows, model=model)
+        eos = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+        self.runner = ModelRunner(model, self.arena, self.backend, batch_prefill=spec.batch_prefill,
+                                  mixed_prefill=spec.mixed_prefill,
+                                  constraints=GrammarCompiler(tokenizer, eos).constraint)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """As `Engine.step` runs a plan: the backend held for the step, and past it while a pass is in flight."""
+        self.backend.begin_step()
+        in_flight = False
+        try:
+            result = self.runner.execute(plan)
+            in_flight = any(not sampled.ready for sampled in result.sampled)
+            return result
+        finally:
+            self.backend.end_step(in_flight)
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+class Follower:
+    def __init__(self, model: Any, tokenizer: Any, channel: FollowerChannel) -> None:
+        self.model, self.tokenizer, self.channel = model, tokenizer, channel
+        self.rank, self.timeout = channel.rank, channel.timeout
+        self._engines: dict[int, RankEngine] = {}
+        self._decoder = PlanDecoder()
+        self._last: dict[str, mx.array] = {}  # request id -> the token this rank sampled last for it (lazy)
+        self._pending: tuple[int, list[mx.array]] | None = None  # (step, its tokens) not yet evaluated
+        self.done = 0  # every step up to this one is computed
+        self._busy_since: float | None = None
+        self._watchdog = threading.Thread(target=self._watch, daemon=True, name="rank-step-watchdog")
+        # Called with every step's result (its tokens still lazy), e.g. to compare a rank's tokens with rank 0's.
+        self.on_result: Callable[[StepResult], None] | None = None
+
+    def run(self) -> None:
+        """Follow rank 0 until it says stop. Raises DistributedError when rank 0 stopped with an error, went away
+        or the ranks diverged (rank 0 is told why first)."""
+        self._watchdog.start()
+        try:
+            while True:
+                message = self.channel.receive()
+                self._busy_since = time.monotonic()
+                stop = self._handle(message)
+                self._busy_since = None
+                if stop:
+                    return
+        except Exception as exc:
+            reason = str(exc) if isinstance(exc, DistributedError) else f"rank {self.rank}: {type(exc).__name__}: {exc}"
+            self.channel.fail(reason)
+            raise DistributedError(reason) from exc
+        finally:
+            self._busy_since = None
+            for engine in self._engines.values():
+                engine.close()
+            self._engines.clear()
+
+    def _handle(self, message: Any) -> bool:
+        if isinstance(message, RunStep):
+            self._step(message)
+        elif isinstance(message, OpenEngine):
+            self._engines[message.engine_id] = RankEngine(self.model, self.tokenizer, message)
+        elif isinstance(message, CloseEngine):
+            self._settle()
+            engine = self._engines.pop(message.engine_id, None)
+            if engine is not None:
+                engine.close()
+        elif isinstance(message, Stop):
+            self._settle()
+            if message.error is not None:
+                raise DistributedError(f"rank 0 stopped: {message.error}")
+            self.channel.ack(self.done)
+            return True
+        elif isinstance(message, Heartbeat):
+            self._settle()
+        else:
+            raise DistributedError(f"rank {self.rank}: unknown message {type(message).__name__} from rank 0")
+        self.channel.ack(self.done)
+        return False
+
+    def _step(self, message: RunStep) -> None:
+        engine = self._engines.get(message.engine_id)
+        if engine is None:
+            raise DistributedError(f"rank {self.rank}: step {message.step} for engine {message.engine_id}, "
+                                   "which rank 0 never opened")
+        plan = self._decoder.decode(message.plan)
+        self._check(plan)
+        for request_id in plan.dropped:
+            self._last.pop(request_id, None)
+        for spec in plan.new_requests:
+            self._last.pop(spec.request_id, None)
+        if message.seed is not None:
+            mx.random.seed(message.seed)
+        result = engine.execute(plan)
+        self._settle()
+        tokens = []
+        for sampled in result.sampled:
+            self._last[sampled.request_id] = sampled.token
+            tokens.append(sampled.token)
+        self._pending = (message.step, tokens)
+        if self.on_result is not None:
+            self.on_result(result)
+
+    def _check(self, plan: StepPlan) -> None:
+        """Each decode item that names its input token (the token rank 0 read) against this rank's sample."""
+        for item in plan.decode:
+            mine = self._last.get(item.request_id)
+            if not item.token_ids or mine is None:
+                continue
+            token = int(mine.reshape(-1)[-1].item())
+            if token != item.token_ids[0]:
+                raise DistributedError(f"rank {self.rank} sampled token {token} for request {item.request_id!r} "
+                                       f"where rank 0 sampled {item.token_ids[0]}: the ranks diverged")
+
+    def _settle(self) -> None:
+        """Evaluate the last step's tokens; it is then computed."""
+        if self._pending is not None:
+            step, tokens = self._pending
+            mx.eval(tokens)
+            self._pending, self.done = None, step
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(self.timeout / 4, 0.5))
+            since = self._busy_since
+            if since is not None and time.monotonic() - since > self.timeout:
+                reason = (f"rank {self.rank}: a step has not finished for {self.timeout:g} s: a rank died or hangs "
+                          "inside the model's collectives")
+                self.channel.fail(reason)
+                print(f"cortexstream: error: {reason}", file=sys.stderr, flush=True)
+                os._exit(1)

@@ -1,0 +1,83 @@
+"""Rank 0's side: engines attached to the other ranks, every plan sent before rank 0's runner executes it.
+
+`attach(engine)` checks that the engine can run on several ranks, tells the ranks to build the same runner over
+an arena of the same layout, and installs itself as the engine's `plan_listener`: the scheduler keeps deciding on
+rank 0 alone, and each plan reaches every rank (plan_wire.py) before rank 0 runs it. What is refused, and why, is
+listed in plan_wire.py and `engine_problem`.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import mlx.core as mx
+
+from cortexstream.distributed.errors import DistributedError
+from cortexstream.distributed.leader_channel import LeaderChannel
+from cortexstream.distributed.messages import CloseEngine, OpenEngine, RunStep
+from cortexstream.distributed.plan_wire import PlanEncoder, policy_problem
+from cortexstream.engine.speculative_config import SpeculativeMethod
+from cortexstream.engine.step_plan import StepPlan
+
+
+def engine_problem(engine: Any) -> str | None:
+    """Why `engine`, as built, cannot run on several ranks, or None."""
+    if engine.disk is not None:
+        return "kv_disk: the disk tier cannot run on several ranks yet (each rank's KV holds only its heads)"
+    speculative = engine.speculative
+    if speculative is not None and speculative.method is SpeculativeMethod.DRAFT:
+        return "speculative: draft-model speculation cannot run on several ranks yet"
+    problem = policy_problem(engine.kv_policy)
+    if problem is not None:
+        return problem
+    if engine.plan_listener is not None:
+        return "the engine already has a plan_listener (one engine is attached once)"
+    return None
+
+
+class _Relay:
+    """One attached engine's plan listener."""
+
+    def __init__(self, leader: "DistributedLeader", engine_id: int) -> None:
+        self.leader, self.engine_id = leader, engine_id
+
+    def __call__(self, plan: StepPlan) -> None:
+        self.leader.relay(self.engine_id, plan)
+
+
+class DistributedLeader:
+    def __init__(self, channel: LeaderChannel) -> None:
+        self.channel = channel
+        self._encoder = PlanEncoder()
+        self._next_engine = 1
+        self.steps = 0  # RunStep messages sent
+
+    def attach(self, engine: Any) -> Any:
+        """Run `engine` on every rank from now on (before its first step); returns it. DistributedError when it
+        cannot (see `engine_problem`)."""
+        problem = engine_problem(engine)
+        if problem is not None:
+            raise DistributedError(f"cannot run this engine on {self.channel.group.size} ranks: {problem}")
+        engine_id, self._next_engine = self._next_engine, self._next_engine + 1
+        runner = engine.runner
+        self.channel.send(OpenEngine(engine_id, engine.arena.config, runner.batch_prefill, runner.mixed_prefill,
+                                     getattr(engine.backend, "small_batch_rows", 0)))
+        engine.plan_listener = _Relay(self, engine_id)
+        return engine
+
+    def detach(self, engine: Any) -> None:
+        """Stop running `engine` on the other ranks (they free its arena)."""
+        relay = engine.plan_listener
+        if isinstance(relay, _Relay) and relay.leader is self:
+            engine.plan_listener = None
+            self.channel.send(CloseEngine(relay.engine_id))
+
+    def relay(self, engine_id: int, plan: StepPlan) -> None:
+        """Send one plan to every rank, then seed this rank as they will (when the step draws at random)."""
+        wire, random = self._encoder.encode(plan)
+        seed = secrets.randbits(63) if random else None
+        self.steps += 1
+        self.channel.send(RunStep(engine_id, self.steps, wire, seed))
+        if seed is not None:
+            mx.random.seed(seed)
