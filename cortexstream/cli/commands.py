@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from typing import Any
 
@@ -93,23 +94,32 @@ def run_generate(args: argparse.Namespace) -> int:
 
     from cortexstream.engine.speculative_config import parse_speculative
 
+    from cortexstream.cli import distributed
+
     sampling = _sampling(args)
     policy = _kv_policy(args)
     kv_dtype, kv_group_size = kv_storage_options(args)
     parse_speculative(args.speculative)  # before the model loads
+    distributed.check_rank_timeout(args)
     model, tokenizer = _load(args)
     check_for_model(model, kv_dtype, kv_group_size)
+    ranks = distributed.join_ranks(args, model, tokenizer)  # None unless mlx.launch started several ranks
+    if ranks is not None and not ranks.is_leader:
+        return distributed.follow(ranks)
     if args.no_chat_template or not getattr(tokenizer, "has_chat_template", False):
         prompt: Any = args.prompt
     else:
         prompt = _messages(args.system, [{"role": "user", "content": args.prompt}])
     last = None
-    for response in stream_generate(model, tokenizer, prompt, sampling=sampling, kv_policy=policy,
-                                    context_overflow=args.context_overflow, kv_dtype=kv_dtype,
-                                    kv_group_size=kv_group_size, speculative=args.speculative):
-        sys.stdout.write(response.text)
-        sys.stdout.flush()
-        last = response
+    with ranks if ranks is not None else contextlib.nullcontext():  # leaving it stops the other ranks
+        engine = None if ranks is None else distributed.generate_engine(ranks, model, tokenizer, prompt, sampling,
+                                                                        policy, kv_dtype, kv_group_size)
+        for response in stream_generate(model, tokenizer, prompt, sampling=sampling, kv_policy=policy,
+                                        context_overflow=args.context_overflow, kv_dtype=kv_dtype,
+                                        kv_group_size=kv_group_size, speculative=args.speculative, engine=engine):
+            sys.stdout.write(response.text)
+            sys.stdout.flush()
+            last = response
     sys.stdout.write("\n")
     if args.verbose and last is not None:
         print(

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from cortexstream.cli.distributed import add_rank_timeout_arg
 from cortexstream.cli.kv_storage import add_kv_storage_args, flag_errors
 
 
@@ -45,6 +46,7 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
                        help="seconds running requests may finish after SIGTERM")
     serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     serve.add_argument("--log-level", default="warning")
+    add_rank_timeout_arg(serve)
 
 
 def model_name_for(source: str | None) -> str:
@@ -75,9 +77,21 @@ def run_serve(args: argparse.Namespace) -> int:
             kv_dtype=args.kv_dtype, kv_group_size=args.kv_group_size, kv_disk=args.kv_disk,
             kv_disk_size=args.kv_disk_size, speculative=args.speculative,
         )  # validated before the model loads, so a bad option fails in a second
+    from cortexstream.cli import distributed
+
+    distributed.check_rank_timeout(args)
     model, tokenizer = load(args.model, dtype=args.dtype)
+    ranks = distributed.join_ranks(args, model, tokenizer)  # None unless mlx.launch started several ranks
+    if ranks is not None and not ranks.is_leader:
+        return distributed.follow(ranks)
     with flag_errors():  # what depends on the model, e.g. a group size that does not divide its head dim
         app = create_app(model, tokenizer, config)
+    if ranks is not None:  # before the engine thread starts: every step runs on every rank
+        try:
+            ranks.attach(app.state.server.bridge.engine)
+        except Exception as exc:
+            ranks.close(str(exc))
+            raise
     arena = app.state.server.bridge.engine.arena
     backend = backend_info()
     tenants = (f"{len(api_keys)} API keys, one prefix-cache tenant each (Authorization: Bearer required)"
@@ -99,6 +113,8 @@ def run_serve(args: argparse.Namespace) -> int:
                  tenants) + memory_line, flush=True)
     # uvicorn's own header limit sits well above ours, so the middleware answers oversized headers with 413.
     code = serve_app(app, args.host, args.port, args.shutdown_timeout, 4 * config.max_header_bytes, args.log_level)
+    if ranks is not None:
+        ranks.close()  # the other ranks exit too
     print("cortexstream serve: stopped", file=sys.stderr, flush=True)
     # Every request and the engine thread are finished and the output is flushed. Skip the interpreter's teardown:
     # destroying MLX's and the engine's C++ state while a native worker thread is still winding down can abort

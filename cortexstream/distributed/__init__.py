@@ -3,6 +3,7 @@ its shard. See docs/distributed.md and session.py."""
 
 from cortexstream.distributed.errors import DistributedError
 from cortexstream.distributed.group import launched
+from cortexstream.distributed.plan_wire import policy_problem
 from cortexstream.distributed.session import DistributedSession
 
-__all__ = ["DistributedError", "DistributedSession", "launched"]
+__all__ = ["DistributedError", "DistributedSession", "launched", "policy_problem"]

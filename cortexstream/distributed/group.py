@@ -24,8 +24,22 @@ VERIFIED_BACKENDS = ("ring",)
 
 
 def launched() -> bool:
-    """True when this process was started as one rank of several (mlx.launch sets MLX_RANK)."""
-    return os.environ.get(LAUNCH_VARIABLE) is not None
+    """True when this process was started as one rank of several: mlx.launch set MLX_RANK, and its hostfile lists
+    more than one rank (with one rank, mlx.launch leaves the hostfile empty: the process runs alone)."""
+    if os.environ.get(LAUNCH_VARIABLE) is None:
+        return False
+    path = os.environ.get(HOSTFILE_VARIABLE)
+    if not path:
+        return True  # another backend's launcher: RankGroup.init says what is supported
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read().strip()
+    except OSError:
+        return True  # leader_host() reports the unreadable file
+    try:
+        return bool(text) and len(json.loads(text)) > 1
+    except (ValueError, TypeError):
+        return True  # leader_host() reports the malformed file
 
 
 @dataclass(frozen=True)

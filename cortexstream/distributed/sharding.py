@@ -29,15 +29,15 @@ def shard_problem(model: Any, size: int) -> str | None:
     kv_heads = getattr(attention, "n_kv_heads", None)
     if heads is None or kv_heads is None or mlp is None:
         return f"model type {kind!r}: its attention has no n_heads / n_kv_heads or no mlp to split"
-    width = getattr(getattr(mlp, "gate_proj", None), "weight", None)
+    weight = getattr(getattr(mlp, "gate_proj", None), "weight", None)
     counts = [("query heads", int(heads)), ("KV heads", int(kv_heads))]
-    if width is not None:
-        counts.append(("MLP width", int(width.shape[0])))
-    bad = [f"{count} {name}" for name, count in counts if count % size]
+    if weight is not None:
+        counts.append(("MLP width", int(weight.shape[0])))
+    bad = [name for name, count in counts if count % size]
     if bad:
-        return (f"the model has {int(heads)} query heads and {int(kv_heads)} KV heads; {' and '.join(bad)} do not "
-                f"divide by {size} ranks (tensor parallelism gives each rank 1/{size} of them); run on a number of "
-                "ranks that divides them")
+        have = ", ".join(f"{count} {name}" for name, count in counts)
+        return (f"the model has {have}: its {' and '.join(bad)} do not divide by {size} ranks (tensor parallelism "
+                f"gives each rank 1/{size} of them); run on a number of ranks that divides them")
     return None
 
 
