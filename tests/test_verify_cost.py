@@ -33,7 +33,7 @@ def test_the_prior_holds_until_two_row_counts_were_seen():
     _feed(model, a=0.01, b=0.01, rows=[8] * 30)  # one row count: no slope to speak of
     assert not model.fitted and model.cost_per_draft(8) == PRIOR_COST_PER_DRAFT and model.predict(8) is None
     _feed(model, a=0.01, b=0.01, rows=[12, 16, 12, 16])
-    assert model.fitted
+    assert model.fitted and 0 < model.confidence < 1
     assert model.seconds_per_row == pytest.approx(0.01, rel=1e-6)
     assert model.fixed_seconds == pytest.approx(0.01, rel=1e-6)
 
@@ -41,14 +41,26 @@ def test_the_prior_holds_until_two_row_counts_were_seen():
 def test_cost_per_draft_is_small_when_weight_bound_and_near_one_when_rows_dominate():
     weight_bound = VerifyCostModel()
     _feed(weight_bound, a=0.020, b=0.0005, rows=[1, 2, 3, 5] * 10)  # a >> b
-    assert weight_bound.cost_per_draft(1) == pytest.approx(0.0005 / 0.0205, rel=1e-3)
-    assert weight_bound.cost_per_draft(1) < 0.05
+    assert weight_bound.measured_cost(1) == pytest.approx(0.0005 / 0.0205, rel=1e-3)
+    assert weight_bound.cost_per_draft(1) < 0.06  # mostly measured: forty samples over four row counts
     compute_bound = VerifyCostModel()
     _feed(compute_bound, a=0.004, b=0.010, rows=[8, 12, 20, 40] * 10)  # b*B >> a at B = 8
-    assert compute_bound.cost_per_draft(8) == pytest.approx(0.080 / 0.084, rel=1e-3)
+    assert compute_bound.measured_cost(8) == pytest.approx(0.080 / 0.084, rel=1e-3)
     assert compute_bound.cost_per_draft(8) > 0.9
     assert compute_bound.cost_per_draft(1) < compute_bound.cost_per_draft(8)  # the same rows, a smaller batch
     assert compute_bound.cost_per_draft(0) == compute_bound.cost_per_draft(1)  # no batch yet: as one sequence
+
+
+def test_few_samples_move_the_cost_part_of_the_way_and_forgotten_spread_returns_it_to_the_prior():
+    model = VerifyCostModel()
+    _feed(model, a=0.002, b=0.010, rows=[8, 9])  # two samples say rows are dear
+    measured = model.measured_cost(8)
+    assert measured > 0.9 and PRIOR_COST_PER_DRAFT < model.cost_per_draft(8) < 0.5 * (measured + PRIOR_COST_PER_DRAFT)
+    _feed(model, a=0.002, b=0.010, rows=[8, 12, 16, 24] * 10)
+    assert model.cost_per_draft(8) > 0.9 and model.confidence > 0.99
+    _feed(model, a=0.002, b=0.010, rows=[9] * 400)  # nothing drafts but one-token probes: the spread is forgotten
+    assert model.measured_cost(8) == pytest.approx(measured, rel=1e-3)  # the slope kept
+    assert model.cost_per_draft(8) == pytest.approx(PRIOR_COST_PER_DRAFT, abs=0.05)
 
 
 def test_the_slope_is_kept_while_rows_hardly_vary_and_the_level_follows():
@@ -86,6 +98,7 @@ def test_a_stall_moves_the_fit_a_bounded_amount():
 @pytest.mark.parametrize("kwargs, names", [
     (dict(prior=1.5), "prior"), (dict(decay=1.0), "decay"), (dict(decay=0), "decay"),
     (dict(min_spread=0), "min_spread"), (dict(outlier=1.0), "outlier"), (dict(prior=True), "prior"),
+    (dict(prior_strength=-1), "prior_strength"),
 ])
 def test_bad_settings_are_refused_by_name(kwargs, names):
     with pytest.raises(InvalidArgumentError, match=names):
@@ -94,11 +107,14 @@ def test_bad_settings_are_refused_by_name(kwargs, names):
 
 def test_bad_samples_are_refused_by_name():
     model = VerifyCostModel()
-    for rows, seconds, name in [(0, 0.1, "rows"), (2.5, 0.1, "rows"), (2, 0.0, "seconds"), (2, float("nan"), "seconds")]:
+    bad = [(0, 0.1, "rows"), (2.5, 0.1, "rows"), (2, 0.0, "seconds"), (2, float("nan"), "seconds")]
+    for rows, seconds, name in bad:
         with pytest.raises(InvalidArgumentError, match=name):
             model.observe(rows, seconds)
     with pytest.raises(InvalidArgumentError, match="batch"):
         model.cost_per_draft(-1)
+    with pytest.raises(InvalidArgumentError, match="batch"):
+        model.measured_cost(True)
 
 
 # --- which steps are timed ------------------------------------------------------------------------------------
@@ -168,6 +184,7 @@ def test_the_engine_times_verify_passes_and_feeds_every_sequence_the_measured_co
         for seq in engine.scheduler.running:
             if estimate.fitted and seq.speculation is not None:
                 expected = estimate.cost_per_draft(len(engine.scheduler.running))
+                assert expected != PRIOR_COST_PER_DRAFT  # measured, at least in part
                 assert seq.speculation.length.cost_per_draft == pytest.approx(expected)
                 checked += 1
     assert estimate.samples > 0 and estimate.fitted and checked > 0

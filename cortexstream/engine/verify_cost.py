@@ -11,11 +11,16 @@ is `(a + b*B) / B`; k drafted tokens of one sequence add `b*k`, which in units o
 `c = b*B / (a + b*B)`: near 0 when the fixed cost dominates (weight-bound), near 1 when rows dominate.
 
 The fit. A running least-squares fit with exponential forgetting (every sum decays by `decay` per sample) over
-observed (rows, seconds) pairs. Until the samples have spread over at least two row counts the slope is unknown and
-the cost stays `prior`; later, while the remembered samples hardly vary in rows (weighted variance under
-`min_spread`: every sequence plain, the same batch), the last slope is kept and only the level `a` follows the data.
-A sample longer than `outlier` times the current prediction (a pause of the caller between steps, another process)
-is clipped to it, so one stall moves the fit a bounded amount while a lasting change still moves it.
+observed (rows, seconds) pairs. The slope is only as good as the spread of the rows it was fitted over, so the cost
+given out is the measured one blended with `prior` by that spread: `w*c + (1 - w)*prior`, with `w = I / (I +
+prior_strength)` and `I` the remembered samples' weighted sum of squared row deviations. Until two row counts were
+seen it is the prior; a few samples move it part of the way; many spread samples (drafts of varied length, a batch)
+make it the measured cost. While the remembered samples hardly vary in rows (weighted variance under `min_spread`:
+only probes of one draft token, the same batch) the slope is kept and only the level `a` follows the data, and as
+the spread is forgotten the cost drifts back to the prior, so drafting is tried again and measured afresh instead of
+staying off on an old estimate. A sample longer than `outlier` times the current prediction (a pause of the caller
+between steps, another process) is clipped to it, so one stall moves the fit a bounded amount while a lasting change
+still moves it.
 
 What is timed (`timed_pass`). The engine times a step from launching its passes to applying its tokens. A plain
 decode pass is pipelined: launched asynchronously and read during the next step, whose timer also covers building
@@ -24,7 +29,10 @@ its pass honestly, so it is not a sample. A verify pass (drafted rows) and a pas
 evaluated within their own step, and such a step starts with nothing in flight (the scheduler drains every token
 first, since a drafting sequence drafts from its last token and a prefilling one blocks pipelining): those are the
 samples. Their time includes the step's Python (graph building, a draft model's passes, applying the tokens), which
-is what a verify step costs; the plain pipelined step's cost `a + b*B` is extrapolated from them.
+is what a verify step costs; the plain pipelined step's cost `a + b*B` is extrapolated from them. A pipelined step
+hides part of that Python behind the pass, so it costs less than `a + b*B`, and `c` understates what drafting costs
+by the overlap it gives up: most where the step's Python is large next to its pass (a small model, a small batch).
+A draft model's passes grow with k, not with the rows, and are counted in `b` as if they did.
 """
 
 from __future__ import annotations
@@ -65,14 +73,16 @@ class VerifyCostModel:
     `cost_per_draft(B)` reads it. `prior`: the cost per draft until the slope is measured; `decay`: the weight a
     sample keeps per newer one (0.95: about the last 20 count); `min_spread`: the weighted variance of the
     remembered rows below which the slope is kept, not refitted; `outlier`: a sample is clipped to this many times
-    the prediction."""
+    the prediction; `prior_strength`: the spread of rows (squared, summed over samples) that weighs as much as the
+    prior."""
 
     def __init__(self, prior: float = PRIOR_COST_PER_DRAFT, *, decay: float = 0.95, min_spread: float = 0.05,
-                 outlier: float = 4.0) -> None:
+                 outlier: float = 4.0, prior_strength: float = 4.0) -> None:
         self.prior = _number("prior", prior, 0.0, 1.0, closed=True)
         self.decay = _number("decay", decay, 0.0, 1.0)
         self.min_spread = _number("min_spread", min_spread, 0.0, math.inf)
         self.outlier = _number("outlier", outlier, 1.0, math.inf)
+        self.prior_strength = _number("prior_strength", prior_strength, 0.0, math.inf)
         self.samples = 0
         self.fixed_seconds: float | None = None  # a
         self.seconds_per_row: float | None = None  # b
@@ -84,6 +94,16 @@ class VerifyCostModel:
     def fitted(self) -> bool:
         """Whether the slope has been measured (samples spread over at least two row counts)."""
         return self.seconds_per_row is not None
+
+    @property
+    def confidence(self) -> float:
+        """The weight of the measured cost against the prior, in [0, 1): the remembered spread of rows over itself
+        plus `prior_strength`."""
+        if not self.fitted:
+            return 0.0
+        weight, sx, sxx = self._sums[:3]
+        spread = max(0.0, sxx - sx * sx / weight)
+        return spread / (spread + self.prior_strength)
 
     def predict(self, rows: int) -> float | None:
         """The fitted seconds of a pass of `rows` rows (None before the fit)."""
@@ -124,16 +144,23 @@ class VerifyCostModel:
             self.observe(*timed)
         return self.cost_per_draft(batch)
 
-    def cost_per_draft(self, batch: int) -> float:
-        """What one drafted token costs a sequence in a batch of `batch` decoding sequences, in units of its share
-        of a plain step: `b*B / (a + b*B)`; the prior until the slope is measured."""
+    def measured_cost(self, batch: int) -> float | None:
+        """The fit's cost per draft for a batch of `batch` decoding sequences, `b*B / (a + b*B)` (None before the
+        fit): one drafted row's time in units of one sequence's share of a plain step."""
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 0:
             raise InvalidArgumentError(f"batch: {batch!r} must be an integer >= 0")
         if not self.fitted:
-            return self.prior
+            return None
         rows_cost = self.seconds_per_row * max(1, batch)
         step = self.fixed_seconds + rows_cost
-        return rows_cost / step if step > 0 else self.prior
+        return rows_cost / step if step > 0 else None
 
+    def cost_per_draft(self, batch: int) -> float:
+        """What one drafted token costs a sequence in a batch of `batch` decoding sequences, in units of its share
+        of a plain step: the measured cost blended with the prior by `confidence`."""
+        measured = self.measured_cost(batch)
+        if measured is None:
+            return self.prior
+        return self.confidence * measured + (1.0 - self.confidence) * self.prior
 
 __all__ = ["PRIOR_COST_PER_DRAFT", "VerifyCostModel", "timed_pass"]
