@@ -64,17 +64,17 @@ def _number(name: str, value: float, low: float, high: float, closed: bool = Fal
     inside = isinstance(value, (int, float)) and (low <= value <= high if closed else low < value < high)
     if isinstance(value, bool) or not inside:
         interval = f"[{low}, {high}]" if closed else f"({low}, {high})"
-        raise InvalidArgumentError(f"{name}: {value!r} must be a number in {interval}")
+        raise InvalidArgumentError(f"VerifyCostModel {name}: {value!r} must be a number in {interval}")
     return float(value)
 
 
 class VerifyCostModel:
     """The per-engine estimate of a pass's time, `a + b * rows`: `observe(rows, seconds)` samples it,
-    `cost_per_draft(B)` reads it. `prior`: the cost per draft until the slope is measured; `decay`: the weight a
-    sample keeps per newer one (0.95: about the last 20 count); `min_spread`: the weighted variance of the
-    remembered rows below which the slope is kept, not refitted; `outlier`: a sample is clipped to this many times
-    the prediction; `prior_strength`: the spread of rows (squared, summed over samples) that weighs as much as the
-    prior."""
+    `cost_per_draft(B)` reads it. `prior`: the cost per draft before any measurement, blended with it later;
+    `decay`: the weight a sample keeps per newer one (0.95: about the last 20 count); `min_spread`: the weighted
+    variance of the remembered rows below which the slope is kept, not refitted; `outlier`: a sample is clipped to
+    this many times the prediction; `prior_strength`: the spread of rows (squared deviations, summed over samples)
+    that weighs as much as the prior."""
 
     def __init__(self, prior: float = PRIOR_COST_PER_DRAFT, *, decay: float = 0.95, min_spread: float = 0.05,
                  outlier: float = 4.0, prior_strength: float = 4.0) -> None:
@@ -162,5 +162,6 @@ class VerifyCostModel:
         if measured is None:
             return self.prior
         return self.confidence * measured + (1.0 - self.confidence) * self.prior
+
 
 __all__ = ["PRIOR_COST_PER_DRAFT", "VerifyCostModel", "timed_pass"]
