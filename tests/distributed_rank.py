@@ -1,10 +1,13 @@
 """One rank of a distributed test run (tests/test_distributed.py starts two of these, or mlx.launch does).
 
-    python distributed_rank.py MODEL.gguf SCENARIO OUT.json [TIMEOUT]
+    python distributed_rank.py MODEL.gguf SCENARIOS OUT.json [TIMEOUT [IDLE_SECONDS]]
 
-Every rank loads MODEL and joins the session; rank 0 runs SCENARIO and writes what it generated to OUT.json.
-Scenarios: "single" (one greedy stream), "batch" (a few concurrent greedy prompts through batch_generate),
-"sampled" (seeded and unseeded sampled requests), "idle" (rank 0 waits without stepping), "serve-like" (none).
+Every rank loads MODEL and joins the session; rank 0 runs each comma-separated scenario and writes what it
+generated to OUT.json, every other rank writes the tokens it sampled per request to OUT.json.rank<N>. Scenarios:
+"single" (one greedy stream), "batch" (concurrent greedy prompts through batch_generate), "sampled" (seeded and
+unseeded sampled requests), "streaming" (a position-based KV policy), "idle" (rank 0 generates, waits
+IDLE_SECONDS without stepping, generates again), "long" (generates until a rank is killed; OUT.json.started
+appears after the first tokens). "local" runs single and batch in one process without ranks: the reference.
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ def run(model, tokenizer, engine_for, scenario: str) -> dict:
         unseeded = cortexstream.batch_generate(model, tokenizer, PROMPTS[2:], max_tokens=16, engine=engine,
                                                return_token_ids=True, temperature=0.9)
         return {"seeded": seeded.token_ids, "unseeded": unseeded.token_ids}
+    if scenario == "streaming":
+        engine = engine_for(2)
+        out = cortexstream.batch_generate(model, tokenizer, PROMPTS[2:], max_tokens=40, engine=engine,
+                                          kv_policy="streaming:sinks=4,window=16", return_token_ids=True)
+        return {"streaming": out.token_ids}
     if scenario == "idle":
         engine = engine_for(1)
         first = [r.token for r in cortexstream.stream_generate(model, tokenizer, PROMPTS[0], max_tokens=4,
@@ -80,7 +88,9 @@ def main() -> int:
         def engine_for(max_num_seqs: int) -> Engine:
             return ranks.attach(Engine(model, tokenizer, kv_tokens=2048, max_num_seqs=max_num_seqs))
 
-        result = run(model, tokenizer, engine_for, scenario)
+        result = {}
+        for name in scenario.split(","):
+            result.update(run(model, tokenizer, engine_for, name))
         result["kv_heads"] = model.layers[0].self_attn.n_kv_heads
         json.dump(result, open(out_path, "w"))
     return 0

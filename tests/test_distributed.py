@@ -1,0 +1,213 @@
+"""Two ranks on this machine (ring backend over 127.0.0.1): the model split tensor-parallel, rank 0 scheduling.
+
+- the tokens two ranks generate are the tokens one process generates (one stream, concurrent requests), through
+  `mlx.launch` and through the `cortexstream generate` command;
+- every rank samples the same tokens, seeded or not, and with a position-based KV policy; each rank's arena holds
+  half the KV heads;
+- an idle rank 0 keeps the others waiting past the timeout (heartbeats);
+- a rank that is killed or stopped (SIGSTOP: it hangs) ends the other with an error naming it, within the timeout;
+- what cannot be split or shared is refused with the reason (head counts, score-based policies, caller samplers).
+
+The ranks run tests/distributed_rank.py as separate processes (started directly with MLX_RANK / MLX_HOSTFILE, as
+mlx.launch starts them, so a test can kill one). Skipped when the ring backend cannot connect two local processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from tiny_models import tiny_model, write_tiny_gguf
+
+ROOT = Path(__file__).resolve().parent.parent
+RANK = str(ROOT / "tests" / "distributed_rank.py")
+LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
+TIMEOUT = 5.0  # the ranks' --rank-timeout in these tests
+START = 40.0  # seconds two ranks may take to start, load and finish a short scenario
+
+
+def free_port_pair() -> int:
+    """A port p with p and p + 1 free (mlx.launch's ring ranks listen on consecutive ports)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+def write_hostfile(folder: Path) -> str:
+    port = free_port_pair()
+    path = folder / f"hosts-{port}.json"
+    path.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    return str(path)
+
+
+def start_ranks(folder: Path, *args: str) -> list[subprocess.Popen]:
+    hostfile = write_hostfile(folder)
+    return [subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": hostfile})
+            for rank in range(2)]
+
+
+def finish(procs: list[subprocess.Popen], within: float) -> list[tuple[int, str]]:
+    """(exit status, stderr) of each process; kills them all if they take longer than `within` seconds."""
+    deadline = time.monotonic() + within
+    results = []
+    for proc in procs:
+        try:
+            _, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            pytest.fail(f"the ranks did not end within {within:g} s")
+        results.append((proc.returncode, err))
+    return results
+
+
+@pytest.fixture(scope="module")
+def ring(tmp_path_factory) -> Path:
+    """A folder for this module's files, once two local processes have all-summed over the ring backend."""
+    folder = tmp_path_factory.mktemp("ranks")
+    code = ("import mlx.core as mx; g = mx.distributed.init(backend='ring', strict=True); "
+            "print(mx.distributed.all_sum(mx.array([g.rank() + 1]), group=g).item())")
+    procs = start_ranks(folder, "-c", code)
+    try:
+        outs = [proc.communicate(timeout=30) for proc in procs]
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        pytest.skip("the ring backend did not connect two local processes within 30 s")
+    if any(proc.returncode != 0 or out.strip() != "3" for proc, (out, _) in zip(procs, outs)):
+        pytest.skip(f"the ring backend cannot start here: {outs[0][1].strip()[-300:]}")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def split_model(ring) -> str:
+    """A tiny model whose heads split over 2 ranks (4 query, 2 KV), its layers scaled so that its greedy tokens
+    vary (the plain tiny model repeats its last prompt token, which a broken attention would too)."""
+    model = tiny_model(seed=7)
+    for layer in model.model.layers:
+        for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                       layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            linear.weight = linear.weight * 3.0
+    mx.eval(model.parameters())
+    path = str(ring / "split.gguf")
+    write_tiny_gguf(path, model)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(split_model, ring) -> dict:
+    """What one process without ranks generates."""
+    out = ring / "local.json"
+    subprocess.run([sys.executable, RANK, split_model, "local", str(out)], check=True, timeout=START)
+    return json.loads(out.read_text())
+
+
+def run_ranks(ring: Path, model: str, scenario: str, *extra: str) -> tuple[dict, dict]:
+    out = ring / f"{scenario.replace(',', '-')}.json"
+    procs = start_ranks(ring, RANK, model, scenario, str(out), str(TIMEOUT), *extra)
+    results = finish(procs, START)
+    assert [code for code, _ in results] == [0, 0], [err[-2000:] for _, err in results]
+    return json.loads(out.read_text()), json.loads(Path(f"{out}.rank1").read_text())
+
+
+def assert_rank_tokens(rank0: list[list[int]], rank1: dict[str, list[int]]) -> None:
+    """Rank 1 sampled each request's tokens as rank 0 emitted them (plus at most one launched after the last)."""
+    ordered = [rank1[rid] for rid in sorted(rank1, key=lambda rid: int(rid.rsplit("-", 1)[1]))]
+    assert len(ordered) == len(rank0)
+    for mine, theirs in zip(ordered, rank0):
+        assert mine[: len(theirs)] == theirs and len(mine) - len(theirs) in (0, 1)
+
+
+def test_two_ranks_generate_what_one_process_generates_through_mlx_launch(ring, split_model, reference):
+    out = ring / "launched.json"
+    port = free_port_pair()
+    proc = subprocess.run([LAUNCH, "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2", "-p", str(port), "--",
+                           sys.executable, RANK, split_model, "single,batch", str(out), str(TIMEOUT)],
+                          capture_output=True, text=True, timeout=START)
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["single"] == reference["single"] and len(set(result["single"])) > 5
+    assert result["batch"] == reference["batch"]
+    assert result["kv_heads"] == 1  # 2 KV heads split over 2 ranks: each arena holds one
+
+
+def test_every_rank_samples_the_same_tokens_seeded_or_not(ring, split_model):
+    rank0, rank1 = run_ranks(ring, split_model, "sampled")
+    assert_rank_tokens(rank0["seeded"] + rank0["unseeded"], rank1)
+    again, _ = run_ranks(ring, split_model, "sampled")
+    assert again["seeded"] == rank0["seeded"]  # a seed gives the same tokens on every run
+
+
+def test_a_position_based_policy_evicts_the_same_tokens_on_every_rank(ring, split_model):
+    # Not compared with one process: where a streaming policy evicts depends on how the prompt was chunked, and
+    # the adaptive prefill budget chunks by measured time (two runs of one process differ too).
+    rank0, rank1 = run_ranks(ring, split_model, "streaming")
+    assert_rank_tokens(rank0["streaming"], rank1)
+
+
+def test_an_idle_rank_0_keeps_the_others_waiting_past_the_timeout(ring, split_model):
+    rank0, _ = run_ranks(ring, split_model, "idle", str(2.5 * TIMEOUT))
+    assert rank0["idle"][0] == rank0["idle"][1]
+
+
+def _start_long(ring: Path, model: str, name: str) -> list[subprocess.Popen]:
+    out = ring / f"{name}.json"
+    procs = start_ranks(ring, RANK, model, "long", str(out), str(TIMEOUT))
+    deadline = time.monotonic() + START
+    while not Path(f"{out}.started").exists():
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            for proc in procs:
+                proc.kill()
+            pytest.fail("the ranks did not start generating: " + "".join(p.communicate()[1][-1000:] for p in procs))
+        time.sleep(0.1)
+    return procs
+
+
+@pytest.mark.parametrize("victim, how", [(1, signal.SIGKILL), (1, signal.SIGSTOP), (0, signal.SIGKILL),
+                                         (0, signal.SIGSTOP)], ids=["rank1-killed", "rank1-hangs", "rank0-killed",
+                                                                    "rank0-hangs"])
+def test_a_rank_that_dies_or_hangs_ends_the_other_with_an_error_within_the_timeout(ring, split_model, victim, how):
+    procs = _start_long(ring, split_model, f"long-{victim}-{how.name}")
+    survivor = procs[1 - victim]
+    os.kill(procs[victim].pid, how)
+    tic = time.monotonic()
+    try:
+        _, err = survivor.communicate(timeout=TIMEOUT + 15)
+    except subprocess.TimeoutExpired:
+        survivor.kill()
+        pytest.fail(f"rank {1 - victim} still runs {TIMEOUT + 15:g} s after rank {victim} got {how.name}")
+    finally:
+        procs[victim].kill()
+        procs[victim].communicate()
+    assert survivor.returncode != 0
+    assert time.monotonic() - tic < TIMEOUT + 15
+    assert f"rank {victim}" in err, err[-2000:]
+
+
+def test_cortexstream_generate_under_mlx_launch_prints_what_one_process_prints(ring, split_model):
+    command = [str(Path(sys.executable).parent / "cortexstream"), "generate", "--model", split_model, "-p",
+               "hello world", "-m", "16", "--no-chat-template", "--rank-timeout", str(TIMEOUT)]
+    alone = subprocess.run(command, capture_output=True, timeout=START)
+    port = free_port_pair()
+    launched = subprocess.run([LAUNCH, "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2", "-p", str(port), "--",
+                               *command], capture_output=True, timeout=START)
+    assert alone.returncode == 0 and launched.returncode == 0, launched.stderr[-2000:]
+    assert launched.stdout == alone.stdout and len(alone.stdout) > 16  # rank 1 printed nothing
