@@ -25,7 +25,7 @@ import mlx.core as mx
 
 from cortexstream.backend import ComputeBackend
 from cortexstream.distributed.errors import DistributedError
-from cortexstream.distributed.follower_channel import FollowerChannel
+from cortexstream.distributed.follower_channel import FollowerChannel, LeaderState
 from cortexstream.distributed.messages import CloseEngine, Heartbeat, OpenEngine, RunStep, Stop
 from cortexstream.distributed.plan_wire import PlanDecoder
 from cortexstream.engine.runner import ModelRunner
@@ -70,6 +70,7 @@ class Follower:
         self._pending: tuple[int, list[mx.array]] | None = None  # (step, its tokens) not yet evaluated
         self.done = 0  # every step up to this one is computed
         self._busy_since: float | None = None
+        self._running = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, daemon=True, name="rank-step-watchdog")
         # Called with every step's result (its tokens still lazy), e.g. to compare a rank's tokens with rank 0's.
         self.on_result: Callable[[StepResult], None] | None = None
@@ -77,6 +78,7 @@ class Follower:
     def run(self) -> None:
         """Follow rank 0 until it says stop. Raises DistributedError when rank 0 stopped with an error, went away
         or the ranks diverged (rank 0 is told why first)."""
+        self._running.set()
         self._watchdog.start()
         try:
             while True:
@@ -88,10 +90,13 @@ class Follower:
                     return
         except Exception as exc:
             reason = str(exc) if isinstance(exc, DistributedError) else f"rank {self.rank}: {type(exc).__name__}: {exc}"
+            if not isinstance(exc, DistributedError) and self.channel.leader_state() is LeaderState.GONE:
+                reason = f"rank {self.rank}: rank 0 closed the connection: its process has ended ({reason})"
             self.channel.fail(reason)
             raise DistributedError(reason) from exc
         finally:
             self._busy_since = None
+            self._running.clear()
             for engine in self._engines.values():
                 engine.close()
             self._engines.clear()
@@ -161,12 +166,17 @@ class Follower:
             self._pending, self.done = None, step
 
     def _watch(self) -> None:
-        while True:
+        while self._running.is_set():
             time.sleep(min(self.timeout / 4, 0.5))
             since = self._busy_since
             if since is not None and time.monotonic() - since > self.timeout:
-                reason = (f"rank {self.rank}: a step has not finished for {self.timeout:g} s: a rank died or hangs "
-                          "inside the model's collectives")
+                # Rank 0 sends a heartbeat at least every timeout / 4 while it runs, so nothing waiting to be read
+                # now means it stopped too; messages waiting mean it is alive and another rank is the one.
+                state = self.channel.leader_state()
+                suspect = {LeaderState.SILENT: "rank 0 has sent nothing either: rank 0 hangs",
+                           LeaderState.GONE: "rank 0 closed the connection: its process has ended",
+                           LeaderState.SENT: "rank 0 is alive: another rank died or hangs"}[state]
+                reason = (f"rank {self.rank}: a step waited {self.timeout:g} s in the model's collectives; {suspect}")
                 self.channel.fail(reason)
                 print(f"cortexstream: error: {reason}", file=sys.stderr, flush=True)
                 os._exit(1)

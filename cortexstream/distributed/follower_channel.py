@@ -3,6 +3,7 @@ with a deadline, answer each one."""
 
 from __future__ import annotations
 
+import enum
 import pickle
 import socket
 import time
@@ -13,6 +14,12 @@ from cortexstream.distributed.frames import ChannelClosed, ChannelTimeout, recv_
 from cortexstream.distributed.group import RankGroup, leader_host
 from cortexstream.distributed.leader_channel import TOKEN_WORDS
 from cortexstream.distributed.messages import Answer, AnswerKind
+
+
+class LeaderState(enum.Enum):
+    SENT = "sent"  # a message (a step, a heartbeat) is waiting to be read: rank 0 is alive
+    SILENT = "silent"  # nothing waiting
+    GONE = "gone"  # rank 0 closed the connection: its process ended
 
 
 class FollowerChannel:
@@ -54,6 +61,15 @@ class FollowerChannel:
             self._answer(Answer(AnswerKind.FAILURE, self.rank, text=reason))
         except DistributedError:
             pass
+
+    def leader_state(self) -> LeaderState:
+        """What rank 0's connection shows now, without waiting or consuming anything."""
+        try:
+            return LeaderState.SENT if self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) else LeaderState.GONE
+        except BlockingIOError:
+            return LeaderState.SILENT
+        except OSError:
+            return LeaderState.GONE
 
     def close(self) -> None:
         self._sock.close()
