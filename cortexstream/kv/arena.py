@@ -72,10 +72,10 @@ class KVArena:
         storage = config.storage
         self.key_type, self.value_type = storage.key, storage.value
         group = storage.group_size
-        self.keys: list[Side] = [new_side(storage.key, heads, slots, config.head_dim, dtype, group)
-                                 for _ in range(config.num_layers)]
-        self.values: list[Side] = [new_side(storage.value, heads, slots, config.value_head_dim, dtype, group)
-                                   for _ in range(config.num_layers)]
+        self.keys: list[Side] = [new_side(storage.key, heads, slots, config.head_dim, dtype, group,
+                                          storage.key_rotated) for _ in range(config.num_layers)]
+        self.values: list[Side] = [new_side(storage.value, heads, slots, config.value_head_dim, dtype, group,
+                                            storage.value_rotated) for _ in range(config.num_layers)]
         mx.eval(self.arrays())
         self._layer_blocks = [initial] * config.num_layers  # blocks each layer's buffers hold
         self._physical = initial  # min(_layer_blocks): every block id below it is backed in every layer

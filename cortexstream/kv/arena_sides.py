@@ -17,6 +17,7 @@ from typing import Union
 import mlx.core as mx
 
 from cortexstream.kv.kv_dtype import StorageType
+from cortexstream.kv.kv_rotation import rotation_signs
 from cortexstream.kv.quantized_blocks import CodeView, QuantizedRows
 
 Side = Union[mx.array, QuantizedRows]
@@ -30,10 +31,13 @@ def as_dtype(array: mx.array, dtype: mx.Dtype) -> mx.array:
     return array if array.dtype == dtype else array.astype(dtype)
 
 
-def new_side(kind: StorageType, heads: int, slots: int, dim: int, float_type: mx.Dtype, group_size: int) -> Side:
-    """Zeroed storage for `slots` slots of `heads` heads of width `dim`."""
+def new_side(kind: StorageType, heads: int, slots: int, dim: int, float_type: mx.Dtype, group_size: int,
+             rotated: bool = False) -> Side:
+    """Zeroed storage for `slots` slots of `heads` heads of width `dim` (a quantized side stored rotated when
+    `rotated`, kv_rotation.py)."""
     if kind.quantized:
-        return QuantizedRows.zeros(heads, slots, dim, kind.bits, group_size, float_type)
+        signs = mx.array(rotation_signs(dim)) if rotated else None
+        return QuantizedRows.zeros(heads, slots, dim, kind.bits, group_size, float_type, signs)
     return mx.zeros((1, heads, slots, dim), MX_FLOAT[kind])
 
 
@@ -113,8 +117,7 @@ def as_read_back(side: Side, rows: mx.array, dtype: mx.Dtype) -> mx.array:
     quantized side (the codec is per row, so this equals a write followed by a read), unchanged for a float side."""
     if not isinstance(side, QuantizedRows):
         return rows
-    packed, scales, biases = mx.quantize(as_dtype(rows, side.dtype), group_size=side.group_size, bits=side.bits)
-    return mx.dequantize(packed, scales, biases, group_size=side.group_size, bits=side.bits, dtype=dtype)
+    return side.read_back(rows, dtype)
 
 
 def strided_side(side: Side, batch_size: int, layout: tuple[int, int], width: int) -> mx.array | CodeView:
@@ -127,7 +130,8 @@ def strided_side(side: Side, batch_size: int, layout: tuple[int, int], width: in
         return mx.as_strided(array, (batch_size, heads, width, dim), (pitch * dim, slots * dim, dim, 1), first * dim)
 
     if isinstance(side, QuantizedRows):
-        return CodeView(view(side.packed), view(side.scales), view(side.biases), side.bits, side.group_size)
+        return CodeView(view(side.packed), view(side.scales), view(side.biases), side.bits, side.group_size,
+                        side.rotation)
     return view(side)
 
 

@@ -15,6 +15,9 @@ before the quantizer sees them). So one group of `group_size` values costs `grou
 Group sizes are 32 or 64: `mx.quantize` supports 32, 64 and 128 and needs the last axis (the head dim) divisible
 by the group; 128 would not divide the 64-wide heads of small models. 64 is the default, as in mlx-lm's
 `QuantizedKVCache`.
+
+Quantized sides may be stored rotated (`kv_rotation.py`): by default 4-bit sides are, 8-bit ones are not; the
+spelling takes `rotate=on|off|auto` as a last part ("int4,rotate=off", "k=int8,v=int4,rotate=on").
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from cortexstream.errors import InvalidArgumentError
+from cortexstream.kv.kv_rotation import ROTATION_NAME, Rotation, rotation, rotation_supported
 
 
 class StorageType(str, Enum):
@@ -55,7 +59,8 @@ FLOAT_TYPES = (StorageType.FLOAT32, StorageType.FLOAT16, StorageType.BFLOAT16)
 GROUP_SIZES = (32, 64)
 DEFAULT_GROUP_SIZE = 64
 AUTO = "auto"
-_CHOICES = ", ".join([AUTO] + [t.value for t in StorageType]) + ", or k=<type>,v=<type>"
+_CHOICES = (", ".join([AUTO] + [t.value for t in StorageType]) + ", or k=<type>,v=<type>; optionally "
+            "followed by ,rotate=on|off|auto")
 
 
 def storage_type(value: str | StorageType, argument: str) -> StorageType:
@@ -86,8 +91,10 @@ class KVDtype:
     value: StorageType
     float_type: StorageType
     group_size: int = DEFAULT_GROUP_SIZE
+    rotation: Rotation = Rotation.AUTO  # which quantized sides are stored rotated (kv_rotation.py)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "rotation", rotation(self.rotation, "kv_dtype (rotate)"))
         object.__setattr__(self, "key", storage_type(self.key, "kv_dtype (key)"))
         object.__setattr__(self, "value", storage_type(self.value, "kv_dtype (value)"))
         object.__setattr__(self, "float_type", float_storage_type(self.float_type, "model_dtype"))
@@ -102,6 +109,20 @@ class KVDtype:
         """True when K or V (or both) is stored quantized."""
         return self.key.quantized or self.value.quantized
 
+    def rotates(self, kind: StorageType) -> bool:
+        """Whether a side stored as `kind` is stored rotated."""
+        if not kind.quantized or self.rotation == Rotation.OFF:
+            return False
+        return self.rotation == Rotation.ON or kind == StorageType.INT4
+
+    @property
+    def key_rotated(self) -> bool:
+        return self.rotates(self.key)
+
+    @property
+    def value_rotated(self) -> bool:
+        return self.rotates(self.value)
+
     @property
     def key_bits(self) -> int:
         return self.key.bits
@@ -113,20 +134,25 @@ class KVDtype:
     @property
     def text(self) -> str:
         """Canonical spelling, accepted back by `parse_kv_dtype`: "int8", or "k=int8,v=int4" when they differ.
-        Group size and float type are not in it; `cache_key` has all of it."""
-        if self.key == self.value:
-            return self.key.value
-        return f"k={self.key.value},v={self.value.value}"
+        A rotation other than the default is spelled after it. Group size and float type are not in it; `cache_key`
+        has all of it."""
+        sides = self.key.value if self.key == self.value else f"k={self.key.value},v={self.value.value}"
+        if self.rotation != Rotation.AUTO and self.quantized:
+            sides += f",rotate={self.rotation.value}"
+        return sides
 
     @property
     def cache_key(self) -> str:
         """Everything that decides the stored bytes of a block, for prefix-cache hashes and saved-cache metadata."""
         group = f",group={self.group_size}" if self.quantized else ""
-        return f"{self.text}{group},float={self.float_type.value}"
+        sides = self.key.value if self.key == self.value else f"k={self.key.value},v={self.value.value}"
+        rotated = "".join(name for name, on in (("k", self.key_rotated), ("v", self.value_rotated)) if on)
+        turned = f",rot={ROTATION_NAME}:{rotated}" if rotated else ""
+        return f"{sides}{group},float={self.float_type.value}{turned}"
 
     def check_head_dims(self, head_dim: int, v_head_dim: int | None = None) -> None:
         """Refuse head dims a quantized side cannot be grouped along (mx.quantize needs the last axis divisible by
-        the group size)."""
+        the group size) or, for a rotated side, rotate (kv_rotation.py)."""
         dims = (("head_dim", head_dim, self.key), ("v_head_dim", v_head_dim or head_dim, self.value))
         for name, dim, kind in dims:
             if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
@@ -137,6 +163,11 @@ class KVDtype:
                 raise InvalidArgumentError(
                     f"kv_group_size: {self.group_size} does not divide the model's {name} {dim} "
                     f"({kind.value} groups run along the head dim); {hint}"
+                )
+            if self.rotates(kind) and not rotation_supported(dim):
+                raise InvalidArgumentError(
+                    f"kv_dtype: {self.text!r} stores {kind.value} rotated, which needs a power-of-two head dim; the "
+                    f"model's {name} is {dim}: add ,rotate=off"
                 )
 
     def side_bytes(self, kind: StorageType, dim: int) -> int:
@@ -168,7 +199,7 @@ def parse_kv_dtype(
         text = AUTO
     if not isinstance(text, str):
         raise InvalidArgumentError(f"kv_dtype: {text!r} must be a string: {_CHOICES}")
-    spelled = text.strip().lower()
+    spelled, turn = _split_rotation(text, text.strip().lower())
     if "=" in spelled or "," in spelled:
         key, value = _parse_sides(text, spelled, model)
     else:
@@ -182,7 +213,23 @@ def parse_kv_dtype(
         )
     else:
         group = group_size
-    return KVDtype(key, value, model, group)
+    if turn != Rotation.AUTO and not (key.quantized or value.quantized):
+        raise InvalidArgumentError(f"kv_dtype: {text!r} gives rotate= but quantizes nothing; rotation applies only "
+                                   "to int8 and int4 sides")
+    return KVDtype(key, value, model, group, turn)
+
+
+def _split_rotation(text: str, spelled: str) -> tuple[str, Rotation]:
+    """The spelling without a trailing `rotate=...` part, and that part's Rotation (AUTO when absent)."""
+    head, comma, last = spelled.rpartition(",")
+    name, eq, setting = (part.strip() for part in last.partition("="))
+    if name != "rotate" or not eq:
+        if "rotate" in spelled:
+            raise InvalidArgumentError(f"kv_dtype: {text!r}: rotate=on|off|auto must be the last part")
+        return spelled, Rotation.AUTO
+    if not comma or not head.strip():
+        raise InvalidArgumentError(f"kv_dtype: {text!r} gives rotate= without a storage type, e.g. int4,rotate=on")
+    return head, rotation(setting, "kv_dtype (rotate)")
 
 
 def _side(name: str, text: str, model: StorageType) -> StorageType:

@@ -15,6 +15,7 @@ from cortexstream.kv.arena_config import (
     ArenaConfig, check_arena_storage, device_memory_bytes, model_kv_shape, resolve_storage,
 )
 from cortexstream.kv.kv_dtype import KVDtype, StorageType
+from cortexstream.kv.kv_rotation import ROTATION_NAME, rotation_signs
 from cortexstream.kv.quantized_blocks import QuantizedRows
 from cortexstream.kv.memory_check import check_kv_fits
 from cortexstream.kv.prompt_cache_check import FORMAT, METADATA_KEY, check_prompt_cache_file, check_user_metadata
@@ -134,8 +135,10 @@ def load_prompt_cache(
         if info.kv_dtype is None:
             layer_cache.state = (arrays[f"{layer}.keys"], arrays[f"{layer}.values"])
         else:
-            rows = [stored_rows(arrays, f"{layer}.{side}", kind, info.kv_dtype.group_size) for side, kind in
-                    (("keys", info.kv_dtype.key), ("values", info.kv_dtype.value))]
+            rows = [stored_rows(arrays, f"{layer}.{side}", kind, info.kv_dtype.group_size,
+                                rotation_of(info.kv_dtype, kind, dim))
+                    for side, kind, dim in (("keys", info.kv_dtype.key, info.head_dim),
+                                            ("values", info.kv_dtype.value, info.v_head_dim))]
             seq.arena.put_rows(layer, seq.arena.slots_array(seq.blocks, info.lengths[layer]), *rows)
             seq.lengths[layer] = info.lengths[layer]
         layer_cache.offset = info.offsets[layer]
@@ -147,14 +150,21 @@ def load_prompt_cache(
 def storage_metadata(storage: KVDtype) -> dict[str, object]:
     """How a saved quantized cache's rows are stored (read back by `prompt_cache_check.storage_from_metadata`)."""
     return {"key": storage.key.value, "value": storage.value.value, "group_size": storage.group_size,
-            "float_type": storage.float_type.value}
+            "float_type": storage.float_type.value, "rotation": storage.rotation.value,
+            "rotation_matrix": ROTATION_NAME}
 
 
-def stored_rows(arrays: dict[str, mx.array], name: str, kind: StorageType,
-                group_size: int) -> QuantizedRows | mx.array:
+def rotation_of(storage: KVDtype, kind: StorageType, dim: int) -> mx.array | None:
+    """The rotation (signs) a side stored as `kind` under `storage` is stored in, None when it is not."""
+    return mx.array(rotation_signs(dim)) if storage.rotates(kind) else None
+
+
+def stored_rows(arrays: dict[str, mx.array], name: str, kind: StorageType, group_size: int,
+                rotation: mx.array | None = None) -> QuantizedRows | mx.array:
     """One side of one layer of a saved quantized cache as the arena stores it (shapes were checked against the
     metadata by `check_prompt_cache_file`)."""
     if not kind.quantized:
         return arrays[name]
     packed, scales, biases = (arrays[f"{name}.{part}"] for part in ("packed", "scales", "biases"))
-    return QuantizedRows(packed, scales, biases, kind.bits, group_size)
+    return QuantizedRows(packed, scales, biases, kind.bits, group_size,
+                         None if rotation is None else rotation.astype(scales.dtype))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cortexstream.errors import InvalidArgumentError, ModelLoadError
+from cortexstream.kv.kv_rotation import ROTATION_NAME, Rotation
 from cortexstream.kv.kv_dtype import KVDtype, StorageType
 from cortexstream.models.safetensors_check import SafetensorsLayout
 
@@ -37,16 +38,20 @@ class PromptCacheInfo:
 def storage_from_metadata(path: str, raw: Any) -> KVDtype:
     """The `kv_dtype` entry `save_prompt_cache` writes for a quantized cache, as a KVDtype."""
     fields = ("key", "value", "group_size", "float_type")
-    if not isinstance(raw, dict) or set(raw) != set(fields):
-        raise ModelLoadError(f"{path}: prompt cache metadata 'kv_dtype' must have exactly {', '.join(fields)}, "
-                             f"got {raw!r:.80}")
+    rotation_fields = ("rotation", "rotation_matrix")  # absent in files written before rotated storage: none
+    if not isinstance(raw, dict) or set(raw) not in (set(fields), set(fields + rotation_fields)):
+        raise ModelLoadError(f"{path}: prompt cache metadata 'kv_dtype' must have exactly {', '.join(fields)} "
+                             f"(and {', '.join(rotation_fields)}), got {raw!r:.80}")
     try:
         storage = KVDtype(StorageType(raw["key"]), StorageType(raw["value"]), StorageType(raw["float_type"]),
-                          raw["group_size"])
+                          raw["group_size"], raw.get("rotation", Rotation.OFF))
     except (ValueError, InvalidArgumentError) as exc:
         raise ModelLoadError(f"{path}: prompt cache metadata 'kv_dtype' {raw!r:.80} is not valid: {exc}") from None
     if not storage.quantized:
         raise ModelLoadError(f"{path}: prompt cache metadata 'kv_dtype' quantizes nothing ({raw!r:.80})")
+    if (storage.key_rotated or storage.value_rotated) and raw.get("rotation_matrix") != ROTATION_NAME:
+        raise ModelLoadError(f"{path}: prompt cache rows are rotated by {raw.get('rotation_matrix')!r:.40}, this "
+                             f"version rotates by {ROTATION_NAME!r}: the cache cannot be read")
     return storage
 
 

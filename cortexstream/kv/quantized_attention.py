@@ -10,6 +10,8 @@ Two ways to read the codes (bench/results/kv_quant_attention.md has the measurem
   way for half-precision arenas (`backend.attention.CpuAttention.dequantize_quantized`).
 
 A side may also be float rows (`k=int8,v=float16` keeps V in floats): that side is a plain matmul.
+Rotated sides (kv_rotation.py) are read as stored: the query is rotated into the keys' space and the output out of
+the values' space (one `[D, D]` product per query row), never the L stored rows.
 It lives beside the codec (kv/) because it reads `QuantizedRows`; it is plain MLX, the same on every device.
 Outputs agree with SDPA over the dequantized rows to float rounding (test_quantized_attention.py).
 """
@@ -20,14 +22,19 @@ from typing import Any, Union
 
 import mlx.core as mx
 
-from cortexstream.kv.quantized_blocks import CodeView, QuantizedRows
+from cortexstream.kv.quantized_blocks import CodeView, QuantizedRows, rotate, unrotate
 
 Rows = Union[mx.array, QuantizedRows, CodeView]
 _CODES = (QuantizedRows, CodeView)
 
 
 def _floats(rows: Rows, dtype: mx.Dtype) -> mx.array:
-    return rows.dequantize(dtype) if isinstance(rows, _CODES) else rows
+    """Stored values (rotated for a rotated side: the caller works in its space)."""
+    return rows.dequantize_stored(dtype) if isinstance(rows, _CODES) else rows
+
+
+def _rotation(rows: Rows) -> mx.array | None:
+    return rows.rotation if isinstance(rows, _CODES) else None
 
 
 def decode_attention(queries: mx.array, keys: Rows, values: Rows, scale: float, mask: Any = None,
@@ -35,9 +42,11 @@ def decode_attention(queries: mx.array, keys: Rows, values: Rows, scale: float, 
     """Attention of `queries` `[B, Hq, 1, D]` over `keys`/`values` (`[B, H, L, D]` floats or `QuantizedRows` of
     that shape, B = 1 for a container) -> `[B, Hq, 1, DV]`. `mask`: None, or a boolean / additive array
     broadcastable to `[B, 1, 1, L]` (a batch's padding). `dequantize`: read codes by dequantizing first."""
+    queries = rotate(queries, _rotation(keys))
     if dequantize or not (isinstance(keys, _CODES) or isinstance(values, _CODES)):
-        return mx.fast.scaled_dot_product_attention(queries, _floats(keys, queries.dtype),
-                                                    _floats(values, queries.dtype), scale=scale, mask=mask)
+        out = mx.fast.scaled_dot_product_attention(queries, _floats(keys, queries.dtype),
+                                                   _floats(values, queries.dtype), scale=scale, mask=mask)
+        return unrotate(out, _rotation(values))
     batch, q_heads, num_queries, dim = queries.shape
     heads = keys.num_heads if isinstance(keys, _CODES) else keys.shape[1]
     if num_queries != 1 or q_heads % heads:
@@ -53,7 +62,7 @@ def decode_attention(queries: mx.array, keys: Rows, values: Rows, scale: float, 
         else:
             scores = scores + mask.astype(scores.dtype)
     probs = mx.softmax(scores, axis=-1, precise=True)
-    out = _matmul(probs.astype(queries.dtype), values, transpose=False)  # [B, H, G, DV]
+    out = unrotate(_matmul(probs.astype(queries.dtype), values, transpose=False), _rotation(values))  # [B, H, G, DV]
     return out.reshape(batch, q_heads, 1, -1).astype(queries.dtype)
 
 
@@ -65,20 +74,20 @@ def decode_attention_per_head(queries: mx.array, keys: Rows, values: Rows, scale
     _, q_heads, _, dim = queries.shape
     heads = keys.num_heads if isinstance(keys, _CODES) else keys.shape[1]
     group = q_heads // heads
-    q = (queries * mx.array(scale, queries.dtype)).reshape(heads, group, dim)
+    q = rotate(queries * mx.array(scale, queries.dtype), _rotation(keys)).reshape(heads, group, dim)
     outs = []
     for head in range(heads):
         scores = _matmul(q[head], _head(keys, head), transpose=True)  # [G, L]
         probs = mx.softmax(scores, axis=-1, precise=True).astype(queries.dtype)
         outs.append(_matmul(probs, _head(values, head), transpose=False))  # [G, DV]
-    return mx.stack(outs).reshape(1, q_heads, 1, -1).astype(queries.dtype)
+    return unrotate(mx.stack(outs), _rotation(values)).reshape(1, q_heads, 1, -1).astype(queries.dtype)
 
 
 def _head(rows: Rows, head: int) -> Rows:
     """One KV head's rows `[L, ...]` of a single sequence's `[1, H, L, ...]` rows (views, no copy)."""
     if isinstance(rows, _CODES):
         return CodeView(rows.packed[0, head], rows.scales[0, head], rows.biases[0, head], rows.bits,
-                        rows.group_size)
+                        rows.group_size, rows.rotation)
     return rows[0, head]
 
 

@@ -16,6 +16,11 @@ and biases (`gather`), so a row never meets another row's scale; attention dequa
 (`dequantize`) or feeds the three arrays to a quantized matmul. Sizes come from `KVDtype.bytes_per_token`; `nbytes`
 is what the buffers really hold.
 
+Rotation: a container may hold its rows rotated (`rotation`: the signs `[D]` of the orthogonal rotation in
+kv_rotation.py): `write` rotates rows before quantizing and `dequantize` rotates them back after, so callers see
+the true values; `dequantize_stored` gives the rotated values, for readers that rotate the query instead
+(quantized_attention.py). Moving codes (`gather`, `put`, `take_per_head`) never rotates anything.
+
 Note on accuracy: MLX's affine quantizer anchors each group at its endpoint of larger magnitude and rounds the
 step so that zero is exactly representable, so the far endpoint can be clipped: the error per value is up to
 `(max - min) / 2**bits` (about a full step), not the half step `(max - min) / (2**bits - 1) / 2` of a plain
@@ -25,6 +30,8 @@ min/max quantizer.
 from __future__ import annotations
 
 from typing import NamedTuple, Sequence, Union
+
+import math
 
 import mlx.core as mx
 import numpy as np
@@ -90,14 +97,35 @@ class CodeView(NamedTuple):
     biases: mx.array
     bits: int
     group_size: int
+    rotation: mx.array | None = None  # the signs of the rotation rows are stored in (None: as they are)
 
     @property
     def num_heads(self) -> int:
         return self.packed.shape[1]
 
-    def dequantize(self, dtype: mx.Dtype) -> mx.array:
+    def dequantize_stored(self, dtype: mx.Dtype) -> mx.array:
+        """The stored values (rotated when the rows are)."""
         return mx.dequantize(self.packed, self.scales, self.biases, group_size=self.group_size, bits=self.bits,
                              dtype=dtype)
+
+    def dequantize(self, dtype: mx.Dtype) -> mx.array:
+        """The rows' values (un-rotated)."""
+        return unrotate(self.dequantize_stored(dtype), self.rotation)
+
+
+def rotate(rows: mx.array, signs: mx.array | None) -> mx.array:
+    """`rows @ R` with `R = diag(signs) H / sqrt(D)` (into the stored space, kv_rotation.py), or `rows` when there
+    is no rotation."""
+    if signs is None:
+        return rows
+    return mx.hadamard_transform(rows * signs.astype(rows.dtype), scale=1.0 / math.sqrt(rows.shape[-1]))
+
+
+def unrotate(rows: mx.array, signs: mx.array | None) -> mx.array:
+    """`rows @ R^T` (out of the stored space; H is symmetric), or `rows` when there is no rotation."""
+    if signs is None:
+        return rows
+    return mx.hadamard_transform(rows, scale=1.0 / math.sqrt(rows.shape[-1])) * signs.astype(rows.dtype)
 
 
 class QuantizedRows:
@@ -106,7 +134,8 @@ class QuantizedRows:
     Mutable like the arena's buffers: `write` replaces the arrays with scattered copies (MLX updates them in place
     when nothing else holds them)."""
 
-    def __init__(self, packed: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int) -> None:
+    def __init__(self, packed: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int,
+                 rotation: mx.array | None = None) -> None:
         _check_codec(bits, group_size)
         if packed.dtype != mx.uint32:
             raise InvalidArgumentError(f"packed: dtype {packed.dtype} must be uint32")
@@ -124,6 +153,9 @@ class QuantizedRows:
             )
         if not mx.issubdtype(scales.dtype, mx.floating):
             raise InvalidArgumentError(f"scales: dtype {scales.dtype} must be a float type")
+        if rotation is not None and tuple(rotation.shape) != (dim,):
+            raise InvalidArgumentError(f"rotation: shape {tuple(rotation.shape)} must be [{dim}] (the head dim)")
+        self.rotation = rotation
         self.packed = packed
         self.scales = scales
         self.biases = biases
@@ -132,9 +164,11 @@ class QuantizedRows:
 
     @classmethod
     def zeros(
-        cls, num_heads: int, num_slots: int, dim: int, bits: int, group_size: int, dtype: mx.Dtype
+        cls, num_heads: int, num_slots: int, dim: int, bits: int, group_size: int, dtype: mx.Dtype,
+        rotation: mx.array | None = None,
     ) -> "QuantizedRows":
-        """Preallocated storage for `num_slots` slots of `num_heads` heads of width `dim`; scales in `dtype`."""
+        """Preallocated storage for `num_slots` slots of `num_heads` heads of width `dim`; scales in `dtype`; rows
+        stored rotated when `rotation` (signs) is given."""
         _check_codec(bits, group_size)
         for name, value in (("num_heads", num_heads), ("num_slots", num_slots), ("dim", dim)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -148,12 +182,14 @@ class QuantizedRows:
             mx.zeros((*shape, dim // group_size), dtype),
             bits,
             group_size,
+            None if rotation is None else rotation.astype(dtype),
         )
 
     @classmethod
-    def from_rows(cls, rows: mx.array, bits: int, group_size: int) -> "QuantizedRows":
+    def from_rows(cls, rows: mx.array, bits: int, group_size: int,
+                  rotation: mx.array | None = None) -> "QuantizedRows":
         """Quantize float rows `[1, H, S, D]` into a new container (scales in the rows' dtype)."""
-        return cls(*quantize_rows(rows, bits, group_size), bits, group_size)
+        return cls(*quantize_rows(rotate(rows, rotation), bits, group_size), bits, group_size, rotation)
 
     @property
     def num_heads(self) -> int:
@@ -185,7 +221,7 @@ class QuantizedRows:
             parts = [a[:, :, index, :] for a in (self.packed, self.scales, self.biases)]
         else:
             parts = [mx.take(a, index, axis=2) for a in (self.packed, self.scales, self.biases)]
-        return QuantizedRows(*parts, self.bits, self.group_size)
+        return QuantizedRows(*parts, self.bits, self.group_size, self.rotation)
 
     def write(self, slots: Slots, rows: mx.array) -> None:
         """Quantize float rows `[1, H, n, D]` and store them at `slots` (n of them, distinct), in place."""
@@ -198,7 +234,7 @@ class QuantizedRows:
             raise InvalidArgumentError(f"rows: shape {tuple(rows.shape)} must be {expected} for these slots")
         if rows.dtype != self.dtype:
             rows = rows.astype(self.dtype)  # scales come out in the input's dtype; keep the container's
-        packed, scales, biases = quantize_rows(rows, self.bits, self.group_size)
+        packed, scales, biases = quantize_rows(rotate(rows, self.rotation), self.bits, self.group_size)
         self.packed[:, :, index, :] = packed
         self.scales[:, :, index, :] = scales
         self.biases[:, :, index, :] = biases
@@ -212,6 +248,8 @@ class QuantizedRows:
                 f"rows: {rows.bits}-bit groups of {rows.group_size}, dim {rows.dim}, {rows.num_heads} heads do not "
                 f"match this container's {self.bits}-bit groups of {self.group_size}, dim {self.dim}, "
                 f"{self.num_heads} heads")
+        if (rows.rotation is None) != (self.rotation is None):
+            raise InvalidArgumentError("rows: stored rotated and unrotated rows cannot be mixed in one container")
         index = self._index(slots)
         self.packed[:, :, index, :] = rows.packed
         self.scales[:, :, index, :] = rows.scales.astype(self.dtype)
@@ -224,23 +262,39 @@ class QuantizedRows:
             raise InvalidArgumentError(f"slots: shape {tuple(slots.shape)} must be [heads={self.num_heads}, n]")
         index = slots[None, :, :, None]
         parts = [mx.take_along_axis(a, index, axis=2) for a in (self.packed, self.scales, self.biases)]
-        return QuantizedRows(*parts, self.bits, self.group_size)
+        return QuantizedRows(*parts, self.bits, self.group_size, self.rotation)
 
     def padded(self, extra_slots: int) -> "QuantizedRows":
         """A container with `extra_slots` more (zero) slots at the end; lazy, like the float arena's `mx.pad`."""
         widths = [(0, 0), (0, 0), (0, extra_slots), (0, 0)]
         return QuantizedRows(*(mx.pad(a, widths) for a in (self.packed, self.scales, self.biases)), self.bits,
-                             self.group_size)
+                             self.group_size, self.rotation)
 
     def arrays(self) -> list[mx.array]:
         """The three arrays (for `mx.eval`)."""
         return [self.packed, self.scales, self.biases]
 
     def dequantize(self, dtype: mx.Dtype | None = None) -> mx.array:
-        """All rows as floats `[1, H, S, D]`, in `dtype` (default: the scales' float type)."""
+        """All rows as floats `[1, H, S, D]`, in `dtype` (default: the scales' float type), un-rotated."""
+        return unrotate(self.dequantize_stored(dtype), self.rotation)
+
+    def dequantize_stored(self, dtype: mx.Dtype | None = None) -> mx.array:
+        """All rows as stored (rotated when the container rotates), in `dtype`."""
         return dequantize_rows(
             self.packed, self.scales, self.biases, self.bits, self.group_size, dtype or self.dtype
         )
+
+    def view(self) -> CodeView:
+        """The container's arrays as a CodeView (what attention reads)."""
+        return CodeView(self.packed, self.scales, self.biases, self.bits, self.group_size, self.rotation)
+
+    def read_back(self, rows: mx.array, dtype: mx.Dtype) -> mx.array:
+        """Float rows `[..., D]` as this container would return them after storing them (the codec is per row, so
+        this equals a write followed by a read)."""
+        rows = rotate(rows if rows.dtype == self.dtype else rows.astype(self.dtype), self.rotation)
+        packed, scales, biases = mx.quantize(rows, group_size=self.group_size, bits=self.bits)
+        stored = mx.dequantize(packed, scales, biases, group_size=self.group_size, bits=self.bits, dtype=dtype)
+        return unrotate(stored, self.rotation)
 
     def _index(self, slots: Slots) -> Union[slice, mx.array]:
         """`slots` as a slice or an int32 index. Python and numpy slot lists are range-checked; an mx.array index
