@@ -46,6 +46,11 @@ def run(model, tokenizer, engine_for, scenario: str) -> dict:
         out = cortexstream.batch_generate(model, tokenizer, PROMPTS[2:], max_tokens=40, engine=engine,
                                           kv_policy="streaming:sinks=4,window=16", return_token_ids=True)
         return {"streaming": out.token_ids}
+    if scenario == "grammar":  # output constrained to JSON: every rank's grammar masks the same tokens
+        engine = engine_for(2)
+        out = cortexstream.batch_generate(model, tokenizer, PROMPTS[:2], max_tokens=24, engine=engine,
+                                          response_format={"type": "json_object"}, return_token_ids=True)
+        return {"grammar": out.token_ids, "grammar_texts": out.texts}
     if scenario == "idle":
         engine = engine_for(1)
         first = [r.token for r in cortexstream.stream_generate(model, tokenizer, PROMPTS[0], max_tokens=4,
@@ -85,8 +90,13 @@ def main() -> int:
                        for rid, arrays in sampled.items()}, open(out_path + f".rank{ranks.group.rank}", "w"))
             return 0
 
+        engines: list[Engine] = []
+
         def engine_for(max_num_seqs: int) -> Engine:
-            return ranks.attach(Engine(model, tokenizer, kv_tokens=2048, max_num_seqs=max_num_seqs))
+            # One engine for every scenario of a run, so request ids (the rank files' keys) stay unique.
+            if not engines:
+                engines.append(ranks.attach(Engine(model, tokenizer, kv_tokens=2048, max_num_seqs=4)))
+            return engines[0]
 
         result = {}
         for name in scenario.split(","):

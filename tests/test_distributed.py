@@ -2,8 +2,8 @@
 
 - the tokens two ranks generate are the tokens one process generates (one stream, concurrent requests), through
   `mlx.launch` and through the `cortexstream generate` command;
-- every rank samples the same tokens, seeded or not, and with a position-based KV policy; each rank's arena holds
-  half the KV heads;
+- every rank samples the same tokens, seeded or not, with a position-based KV policy and under a grammar; each
+  rank's arena holds half the KV heads;
 - an idle rank 0 keeps the others waiting past the timeout (heartbeats);
 - a rank that is killed or stopped (SIGSTOP: it hangs) ends the other with an error naming it, within the timeout;
 - what cannot be split or shared is refused with the reason (head counts, score-based policies, caller samplers).
@@ -156,11 +156,12 @@ def test_every_rank_samples_the_same_tokens_seeded_or_not(ring, split_model):
     assert again["seeded"] == rank0["seeded"]  # a seed gives the same tokens on every run
 
 
-def test_a_position_based_policy_evicts_the_same_tokens_on_every_rank(ring, split_model):
+def test_a_position_based_policy_and_a_grammar_give_the_same_tokens_on_every_rank(ring, split_model):
     # Not compared with one process: where a streaming policy evicts depends on how the prompt was chunked, and
     # the adaptive prefill budget chunks by measured time (two runs of one process differ too).
-    rank0, rank1 = run_ranks(ring, split_model, "streaming")
-    assert_rank_tokens(rank0["streaming"], rank1)
+    rank0, rank1 = run_ranks(ring, split_model, "streaming,grammar")
+    assert_rank_tokens(rank0["streaming"] + rank0["grammar"], rank1)
+    assert all(text.startswith("{") for text in rank0["grammar_texts"])
 
 
 def test_an_idle_rank_0_keeps_the_others_waiting_past_the_timeout(ring, split_model):

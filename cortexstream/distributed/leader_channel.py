@@ -41,6 +41,7 @@ class LeaderChannel:
         self._state = threading.Lock()
         self._waiting: dict[int, float | None] = {}  # rank -> when the oldest unanswered message was sent
         self.acked: dict[int, int] = {}  # rank -> last step it computed
+        self.gone: set[int] = set()  # ranks whose connection closed (their process ended)
         self._last_send = time.monotonic()
         self._failed: str | None = None
         self._closing = False
@@ -131,6 +132,7 @@ class LeaderChannel:
             try:
                 answer = Answer.decode(recv_frame(sock, None))
             except (ChannelClosed, OSError, ValueError) as exc:
+                self.gone.add(rank)
                 if not self._closing:
                     self._fail(f"rank {rank} closed its connection ({type(exc).__name__}): its process has ended")
                 return

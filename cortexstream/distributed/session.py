@@ -101,3 +101,8 @@ class DistributedSession:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.close(None if exc is None else f"{type(exc).__name__}: {exc}")
+        if exc is not None and self.leader is not None and not isinstance(exc, DistributedError):
+            gone = sorted(self.leader.channel.gone)
+            if gone:  # e.g. MLX's "[ring] connection to a peer was lost": say which rank ended
+                raise DistributedError(f"rank {', '.join(map(str, gone))} ended during the run (its connection "
+                                       f"closed): {type(exc).__name__}: {exc}") from exc
