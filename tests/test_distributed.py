@@ -6,7 +6,8 @@
   rank's arena holds half the KV heads;
 - an idle rank 0 keeps the others waiting past the timeout (heartbeats);
 - a rank that is killed or stopped (SIGSTOP: it hangs) ends the other with an error naming it, within the timeout;
-- what cannot be split or shared is refused with the reason (head counts, score-based policies, caller samplers).
+- `cortexstream serve` on two ranks answers, idles past the timeout, and both ranks stop with it (SIGTERM);
+- what cannot be split or shared is refused with the reason (tests/test_distributed_parts.py).
 
 The ranks run tests/distributed_rank.py as separate processes (started directly with MLX_RANK / MLX_HOSTFILE, as
 mlx.launch starts them, so a test can kill one). Skipped when the ring backend cannot connect two local processes.
@@ -57,9 +58,10 @@ def write_hostfile(folder: Path) -> str:
     return str(path)
 
 
-def start_ranks(folder: Path, *args: str) -> list[subprocess.Popen]:
+def start_ranks(folder: Path, *args: str, program: str = sys.executable) -> list[subprocess.Popen]:
+    """`program args` as ranks 0 and 1, started as mlx.launch starts them (MLX_RANK, MLX_HOSTFILE)."""
     hostfile = write_hostfile(folder)
-    return [subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    return [subprocess.Popen([program, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env={**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": hostfile})
             for rank in range(2)]
 
@@ -212,3 +214,35 @@ def test_cortexstream_generate_under_mlx_launch_prints_what_one_process_prints(r
                                *command], capture_output=True, timeout=START)
     assert alone.returncode == 0 and launched.returncode == 0, launched.stderr[-2000:]
     assert launched.stdout == alone.stdout and len(alone.stdout) > 16  # rank 1 printed nothing
+
+
+def test_cortexstream_serve_on_two_ranks_answers_and_both_ranks_stop_with_it(ring, split_model):
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        http_port = probe.getsockname()[1]
+    procs = start_ranks(ring, "serve", "--model", split_model, "--port", str(http_port), "--kv-tokens", "1024",
+                        "--rank-timeout", str(TIMEOUT), program=str(Path(sys.executable).parent / "cortexstream"))
+    try:
+        deadline = time.monotonic() + START
+        body = json.dumps({"prompt": "hello world", "max_tokens": 8, "temperature": 0}).encode()
+        while True:
+            try:
+                request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", data=body,
+                                                 headers={"content-type": "application/json"})
+                answer = json.loads(urllib.request.urlopen(request, timeout=20).read())
+                break
+            except OSError:
+                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                    raise
+                time.sleep(0.5)
+        assert answer["usage"]["completion_tokens"] == 8
+        time.sleep(1.5 * TIMEOUT)  # idle past the timeout: heartbeats keep rank 1 waiting
+        assert procs[1].poll() is None
+        procs[0].send_signal(signal.SIGTERM)
+        results = finish(procs, 30)
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert [code for code, _ in results] == [0, 0], [err[-1500:] for _, err in results]
