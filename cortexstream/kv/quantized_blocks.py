@@ -68,8 +68,12 @@ def quantize_rows(x: mx.array, bits: int, group_size: int) -> tuple[mx.array, mx
         groups = x.shape[-1] // group_size
         return (mx.zeros((*heads_slots, x.shape[-1] * bits // 32), mx.uint32),
                 mx.zeros((*heads_slots, groups), x.dtype), mx.zeros((*heads_slots, groups), x.dtype))
-    packed, scales, biases = mx.quantize(x, group_size=group_size, bits=bits)
-    return packed, scales, biases
+    return affine_quantize(x, bits, group_size)
+
+
+def affine_quantize(x: mx.array, bits: int, group_size: int) -> tuple[mx.array, mx.array, mx.array]:
+    """The codec's quantizer, any leading shape: `mx.quantize` (the one place it is called)."""
+    return mx.quantize(x, group_size=group_size, bits=bits)
 
 
 def dequantize_rows(
@@ -292,7 +296,7 @@ class QuantizedRows:
         """Float rows `[..., D]` as this container would return them after storing them (the codec is per row, so
         this equals a write followed by a read)."""
         rows = rotate(rows if rows.dtype == self.dtype else rows.astype(self.dtype), self.rotation)
-        packed, scales, biases = mx.quantize(rows, group_size=self.group_size, bits=self.bits)
+        packed, scales, biases = affine_quantize(rows, self.bits, self.group_size)
         stored = mx.dequantize(packed, scales, biases, group_size=self.group_size, bits=self.bits, dtype=dtype)
         return unrotate(stored, self.rotation)
 
