@@ -56,3 +56,36 @@ def test_bench_serve_quick_smoke_end_to_end(tiny_gguf, tmp_path):
         assert summary["failed"] == 0 and summary["output_tokens"] > 0 and summary["peak_rss_mib"] > 10
     assert "/" not in result["machine"] and str(tmp_path) not in (tmp_path / "serve_quick.md").read_text()
     assert (tmp_path / "serve_quick.png").stat().st_size > 1000
+
+
+def test_speculative_ratios_and_the_speculative_system_launch():
+    import argparse
+
+    import pytest
+
+    from cortexstream.benchmarks.serve import check_args, launch_of
+    from cortexstream.benchmarks.serve_processes import command
+    from cortexstream.benchmarks.serve_report import SPECULATIVE_SYSTEM, speculative_ratios
+    from cortexstream.errors import InvalidArgumentError
+
+    plain = {"output_tokens_per_s": 10.0, "ttft_p50_s": 0.5, "tpot_p50_s": 0.1}
+    r = speculative_ratios(dict(plain, output_tokens_per_s=9.0), plain)
+    assert r["output_tokens_per_s"] == pytest.approx(0.9) and r["never_slower"] is False
+    assert speculative_ratios(dict(plain, output_tokens_per_s=12.0), plain)["never_slower"] is True
+    result = {"machine": "m", "model": "m", "seed": 0, "quick": False, "command": "x",
+              "workloads": [{"name": "unrelated", "description": "d", "order": ["a"],
+                             "systems": {"cortexstream": plain, SPECULATIVE_SYSTEM: plain},
+                             "speculative_ratios": speculative_ratios(plain, plain)}]}
+    result["workloads"][0]["systems"] = {k: dict(v, request_throughput=1.0, ttft_p99_s=1.0, tpot_p99_s=1.0,
+                                                 peak_rss_mib=1.0, failed=0)
+                                         for k, v in result["workloads"][0]["systems"].items()}
+    assert "speculation on vs off" in markdown(result) and "target >= 1.0x: met" in markdown(result)
+    args = argparse.Namespace(systems=f"cortexstream,{SPECULATIVE_SYSTEM}", workloads="unrelated",
+                              speculative="ngram:k=3,n=2", kv_tokens=512, max_num_seqs=4)
+    launch = launch_of(SPECULATIVE_SYSTEM, args)
+    assert launch.system == "cortexstream" and "speculative ngram:k=3,n=2" in launch.label
+    cmd = command(launch, "/m", 1234)
+    assert cmd[cmd.index("--speculative") + 1] == "ngram:k=3,n=2"
+    assert "--speculative" not in command(launch_of("cortexstream", args), "/m", 1234)
+    with pytest.raises(InvalidArgumentError, match="speculative"):
+        check_args(argparse.Namespace(**{**vars(args), "speculative": "ngram:k=zero"}))

@@ -23,7 +23,8 @@ from typing import Any
 from cortexstream.benchmarks.common import write_report
 from cortexstream.benchmarks.serve_memory_options import MemoryBoundOptions, add_memory_arguments, memory_options
 from cortexstream.benchmarks.serve_processes import SYSTEMS, Launch, start_server
-from cortexstream.benchmarks.serve_report import markdown, plot, ratios, summarize
+from cortexstream.benchmarks.serve_report import (
+    DEFAULT_SPECULATIVE, SPECULATIVE_SYSTEM, markdown, plot, ratios, speculative_ratios, summarize)
 from cortexstream.benchmarks.serve_workloads import MEMORY_BOUND, WORKLOAD_NAMES, build_workloads
 from cortexstream.errors import InvalidArgumentError
 
@@ -37,7 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--workloads", default="shared_system_chat,multi_turn,unrelated",
                         help=f"comma-separated, from {', '.join(WORKLOAD_NAMES)} ({MEMORY_BOUND}: not by default)")
-    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help=f"comma-separated, from {', '.join(SYSTEMS + (SPECULATIVE_SYSTEM,))} ({SPECULATIVE_SYSTEM}: "
+                        "cortexstream serve with --speculative SPEC as its default)")
+    parser.add_argument("--speculative", default=DEFAULT_SPECULATIVE,
+                        help=f"what {SPECULATIVE_SYSTEM} drafts with (default: {DEFAULT_SPECULATIVE})")
     add_memory_arguments(parser, MEMORY_BOUND)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per workload and system")
     parser.add_argument("--quick", action="store_true", help="smoke run: a few tiny requests (not a measurement)")
@@ -98,7 +103,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                      "systems": {}}
             for system in order:
                 print(f"[bench serve] {workload.name}: {system}", flush=True)
-                server = start_server(Launch(system, args.kv_tokens, args.max_num_seqs), str(model_dir), work)
+                server = start_server(launch_of(system, args), str(model_dir), work)
                 try:
                     measured = asyncio.run(drive(server.url, workload, args.timeout, server.model))
                     entry["systems"][system] = summarize(measured, server.peak_rss)
@@ -110,6 +115,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       f"{s['failed']} failed", flush=True)
             if set(entry["systems"]) >= {"cortexstream", "mlx_lm"}:
                 entry["ratios"] = ratios(workload.name, entry["systems"]["cortexstream"], entry["systems"]["mlx_lm"])
+            if set(entry["systems"]) >= {"cortexstream", SPECULATIVE_SYSTEM}:
+                entry["speculative_ratios"] = speculative_ratios(entry["systems"][SPECULATIVE_SYSTEM],
+                                                                 entry["systems"]["cortexstream"])
             result["workloads"].append(entry)
         if options is not None:
             from cortexstream.benchmarks.serve_memory import run_memory_bound
@@ -130,16 +138,28 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[str], MemoryBo
         if name not in WORKLOAD_NAMES:
             raise InvalidArgumentError(f"--workloads: {name!r} is not one of {', '.join(WORKLOAD_NAMES)}")
     for name in systems:
-        if name not in SYSTEMS:
-            raise InvalidArgumentError(f"--systems: {name!r} is not one of {', '.join(SYSTEMS)} "
-                                       "(peers run with --peer-python)")
+        if name not in SYSTEMS + (SPECULATIVE_SYSTEM,):
+            raise InvalidArgumentError(f"--systems: {name!r} is not one of {', '.join(SYSTEMS + (SPECULATIVE_SYSTEM,))}"
+                                       " (peers run with --peer-python)")
+    if SPECULATIVE_SYSTEM in systems:
+        from cortexstream.engine.speculative_config import parse_speculative
+
+        parse_speculative(args.speculative)  # a bad spec is refused now, naming --speculative
     if not systems or not wanted:
         raise InvalidArgumentError("--systems / --workloads: give at least one of each")
     return systems, wanted, memory_options(args, MEMORY_BOUND in wanted, MEMORY_BOUND)
 
 
+def launch_of(system: str, args: argparse.Namespace) -> Launch:
+    """How to start `system` for a workload: the speculative variant is cortexstream with a --speculative default."""
+    if system == SPECULATIVE_SYSTEM:
+        return Launch("cortexstream", args.kv_tokens, args.max_num_seqs, speculative=args.speculative)
+    return Launch(system, args.kv_tokens, args.max_num_seqs)
+
+
 def _argv_of(args: argparse.Namespace, options: MemoryBoundOptions | None) -> list[str]:
     out = ["--workloads", args.workloads, "--systems", args.systems]
+    out += ["--speculative", args.speculative] if SPECULATIVE_SYSTEM in args.systems else []
     for key in ("seed", "rate", "kv_tokens", "max_num_seqs"):
         out += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     return out + (options.argv() if options is not None else []) + (["--quick"] if args.quick else [])

@@ -71,6 +71,7 @@ class Launch:
     env: tuple[tuple[str, str], ...] = ()
     fresh_home: bool = False
     kv_disk: str | None = None
+    speculative: str | None = None  # cortexstream's `serve --speculative` default (e.g. "ngram:k=4,n=3")
 
     def __post_init__(self) -> None:
         peers = [p.value for p in Peer]
@@ -80,6 +81,9 @@ class Launch:
             raise ValueError(f"kv_tokens: {self.kv_tokens!r} must be an integer >= 1 for cortexstream")
         if (self.kv_dtype is not None or self.kv_group_size is not None) and self.system != "cortexstream":
             raise ValueError(f"kv_dtype / kv_group_size: only cortexstream takes them, not {self.system}")
+        if self.speculative is not None and (self.system != "cortexstream" or not str(self.speculative).strip()):
+            raise ValueError(f"speculative: {self.speculative!r} must be a speculation spec, and only cortexstream "
+                             "takes one")
         if self.kv_disk is not None and (self.system != "cortexstream" or not str(self.kv_disk).strip()):
             raise ValueError(f"kv_disk: {self.kv_disk!r} must be a directory, and only cortexstream takes one")
         if self.system in peers:
@@ -96,7 +100,8 @@ class Launch:
     def label(self) -> str:
         """How the report names this server."""
         if self.system == "cortexstream":
-            return f"cortexstream {self.kv_dtype or 'auto'}" + (" kv-disk" if self.kv_disk is not None else "")
+            return (f"cortexstream {self.kv_dtype or 'auto'}" + (" kv-disk" if self.kv_disk is not None else "")
+                    + (f" speculative {self.speculative}" if self.speculative is not None else ""))
         extra = "".join(f" {key}={value}" for key, value in self.env)
         if self.system == "mlx_lm":
             return "mlx_lm.server" + extra
@@ -139,6 +144,7 @@ def command(launch: Launch, model_dir: str, port: int) -> list[str]:
                "default_model"]
         cmd += ["--kv-dtype", launch.kv_dtype] if launch.kv_dtype is not None else []
         cmd += ["--kv-disk", launch.kv_disk] if launch.kv_disk is not None else []
+        cmd += ["--speculative", launch.speculative] if launch.speculative is not None else []
         return cmd + (["--kv-group-size", str(launch.kv_group_size)] if launch.kv_group_size is not None else [])
     if launch.system == "mlx_lm":
         return [sys.executable, "-m", "mlx_lm.server", "--model", model_dir, "--host", "127.0.0.1", "--port",

@@ -54,6 +54,21 @@ def ratios(name: str, ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str,
     return out
 
 
+SPECULATIVE_SYSTEM = "cortexstream_speculative"  # cortexstream serve --speculative SPEC, beside plain cortexstream
+DEFAULT_SPECULATIVE = "ngram:k=4,n=3"
+
+
+def speculative_ratios(speculative: dict[str, Any], plain: dict[str, Any]) -> dict[str, Any]:
+    """Speculation on vs off on the same workload; the issue's target: never slower (output tok/s >= 1.0x)."""
+    def ratio(key: str) -> float | None:
+        a, b = speculative.get(key), plain.get(key)
+        return a / b if a is not None and b else None
+
+    tps = ratio("output_tokens_per_s")
+    return {"output_tokens_per_s": tps, "ttft_p50": ratio("ttft_p50_s"), "tpot_p50": ratio("tpot_p50_s"),
+            "never_slower": None if tps is None else tps >= 1.0}
+
+
 def _fmt(value: Any, scale: float = 1.0, digits: int = 2) -> str:
     return "n/a" if value is None else f"{value * scale:.{digits}f}"
 
@@ -79,6 +94,11 @@ def markdown(result: dict[str, Any]) -> str:
             lines += ["", f"cortexstream / mlx_lm.server: output tok/s {_fmt(r['output_tokens_per_s'])}x (target >= "
                       f"{r['target_output_tokens_per_s']}x: {_verdict(r['meets_throughput'])}){ttft}, peak RSS "
                       f"{_fmt(r['peak_rss'])}x (target <= 1.0x: {_verdict(r['meets_rss'])})."]
+        sr = workload.get("speculative_ratios")
+        if sr:
+            lines += ["", f"{SPECULATIVE_SYSTEM} / cortexstream (speculation on vs off, batching on in both): output "
+                      f"tok/s {_fmt(sr['output_tokens_per_s'])}x (target >= 1.0x: {_verdict(sr['never_slower'])}), "
+                      f"p50 TTFT {_fmt(sr['ttft_p50'])}x, p50 TPOT {_fmt(sr['tpot_p50'])}x."]
         lines.append("")
     if result.get("memory_bound"):
         lines += memory_markdown(result["memory_bound"])
