@@ -257,3 +257,38 @@ def test_requests_needing_more_kv_than_the_budget_leaves_all_complete(tiny, tmp_
     assert parts == budget
     finished = re.findall(r'^cortexstream:request_success_total\{[^}]*\} (\S+)$', text, re.MULTILINE)
     assert sum(float(n) for n in finished) == requests
+
+
+# --- a draft model ----------------------------------------------------------------------------------------------
+def test_a_draft_model_takes_its_weights_and_a_mirrored_arena_from_the_budget(tiny):
+    from cortexstream.engine.memory_budget import DraftCost
+    from tiny_models import tiny_model
+
+    model = tiny[0]
+    draft_model = tiny_model(seed=11, num_hidden_layers=1)
+    draft = DraftCost.of(draft_model, 16)
+    assert draft.weights_bytes == weights_bytes(draft_model) > 0
+    assert draft.bytes_per_token == ArenaConfig.for_model(draft_model, num_tokens=16, block_size=16).bytes_per_token
+    total = 512 * MIB
+    alone, paired = _plan(model, total), _plan(model, total, draft=draft)
+    parts = paired.parts()
+    assert sum(parts.values()) == total and paired.mlx_bytes == total - BASELINE
+    assert parts["draft_weights"] == draft.weights_bytes
+    assert parts["draft_arena"] == paired.arena.num_slots * draft.bytes_per_token  # block for block
+    assert paired.arena.num_blocks < alone.arena.num_blocks  # the draft's share comes out of the target's arena
+    assert alone.parts()["draft_weights"] == alone.parts()["draft_arena"] == 0
+    with pytest.raises(InvalidArgumentError, match="the draft model's weights and smallest arena"):
+        _plan(model, weights_bytes(model) + BASELINE + MIB, draft=draft)
+
+
+def test_the_server_plan_measures_a_draft_model_named_by_its_default_speculation(tiny_gguf):
+    from cortexstream.models.loader import load
+    from cortexstream.server.app import memory_plan
+
+    model, _ = load(tiny_gguf)
+    plain = memory_plan(model, ServerConfig(max_memory="2GiB"))
+    drafted = memory_plan(model, ServerConfig(max_memory="2GiB",
+                                              speculative=f"draft:model={tiny_gguf},k=3"))
+    assert plain.draft_weights_bytes == 0
+    assert drafted.draft_weights_bytes == weights_bytes(model)  # the same file as draft: the same parameters
+    assert drafted.draft_arena_bytes > 0 and drafted.arena.num_blocks < plain.arena.num_blocks

@@ -28,6 +28,10 @@ The last term is the arena's growth: a layer's buffers are padded one layer at a
 until the copy is done. `scores`, `context` and the growth grow with C, so the arena size solves a linear
 equation: budget = weights + baseline + queue + A0 + C (bytes_per_token + A1).
 
+A draft model (`draft:model=SRC` speculation) adds its weights and its arena, which mirrors the target's block
+for block (engine/draft_runner.py), so it costs `block_size * its bytes_per_token` more per block; its passes and
+the target's do not run at once, so the activations are the larger of the two models' estimates.
+
 MLX keeps freed buffers in a cache for reuse; the plan lets it keep the safety margin's share
 (`MemoryPlan.cache_bytes`), so that the live activations plus the cache stay within the activations' part.
 """
@@ -101,6 +105,8 @@ class MemoryPlan:
     arena: ArenaConfig
     slack_bytes: int
     cache_bytes: int  # the most freed buffers MLX may keep for reuse: the safety factor's share of the activations
+    draft_weights_bytes: int = 0  # a draft model's parameters (0: none)
+    draft_arena_bytes: int = 0  # its arena, as many blocks as the target's
 
     @property
     def arena_bytes(self) -> int:
@@ -109,13 +115,15 @@ class MemoryPlan:
     @property
     def mlx_bytes(self) -> int:
         """What MLX itself allocates (weights, arena, activations; the slack too): its memory limit."""
-        return self.weights_bytes + self.arena_bytes + self.activation_bytes + self.slack_bytes
+        return (self.weights_bytes + self.arena_bytes + self.activation_bytes + self.slack_bytes
+                + self.draft_weights_bytes + self.draft_arena_bytes)
 
     def parts(self) -> dict[str, int]:
         """Every part in bytes, in the order they are taken from the budget."""
         return {"weights": self.weights_bytes, "baseline": self.baseline_bytes,
                 "activations": self.activation_bytes, "disk_queue": self.disk_queue_bytes,
-                "arena": self.arena_bytes, "slack": self.slack_bytes}
+                "arena": self.arena_bytes, "draft_weights": self.draft_weights_bytes,
+                "draft_arena": self.draft_arena_bytes, "slack": self.slack_bytes}
 
     def summary(self) -> str:
         """One line for the server's banner and logs."""
@@ -182,6 +190,42 @@ def step_activation_bytes(shape: StepShape, arena: ArenaConfig, max_num_seqs: in
     return planned + arena.total_bytes // arena.num_layers, planned - estimate
 
 
+@dataclass(frozen=True)
+class DraftCost:
+    """What a draft model adds to a plan: its weights, its arena's bytes per token slot, its step's activations."""
+
+    weights_bytes: int
+    bytes_per_token: int
+    num_layers: int
+    shape: StepShape
+
+    @classmethod
+    def of(cls, draft: Any, block_size: int) -> "DraftCost":
+        """Read from the loaded draft model (its arena stores the model's float type, as DraftRunner's does)."""
+        probe = ArenaConfig.for_model(draft, num_tokens=block_size, block_size=block_size)
+        return cls(weights_bytes(draft), probe.bytes_per_token, probe.num_layers, StepShape.of(draft, probe))
+
+    @classmethod
+    def measure(cls, source: str, block_size: int) -> "DraftCost":
+        """Load the draft model from `source`, measure it and drop it (the engine loads its own copy), returning
+        the buffers it held to the system."""
+        import gc
+
+        import mlx.core as mx
+
+        from cortexstream.models.loader import load
+
+        draft, _ = load(source)
+        cost = cls.of(draft, block_size)
+        del draft
+        gc.collect()
+        mx.clear_cache()
+        return cost
+
+    def arena_bytes(self, num_slots: int) -> int:
+        return num_slots * self.bytes_per_token
+
+
 def weights_bytes(model: Any) -> int:
     """Bytes of the model's parameters (quantized weights with their scales and biases)."""
     from mlx.utils import tree_flatten
@@ -208,10 +252,12 @@ def resident_bytes() -> int:
 
 def plan_memory(model: Any, budget: MemoryBudget, *, block_size: int, max_num_seqs: int, prefill_step_size: int,
                 kv_dtype: str | None = None, kv_group_size: int | None = None, disk_queue_bytes: int = 0,
-                baseline_bytes: int | None = None, what: str = "max_memory") -> MemoryPlan:
+                baseline_bytes: int | None = None, what: str = "max_memory",
+                draft: DraftCost | None = None) -> MemoryPlan:
     """Split `budget` for serving the loaded `model` (see the module docstring). `baseline_bytes`: the process's
     memory besides the weights (None: resident memory now minus the weights, which counts the interpreter, the
     libraries and whatever loading left behind). `disk_queue_bytes`: what the disk tier's writer may hold queued.
+    `draft`: a draft model's share (DraftCost.of), None without one.
     Raises InvalidArgumentError naming `what` with every figure when the rest cannot hold MIN_ARENA_BLOCKS blocks."""
     for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
                         ("prefill_step_size", prefill_step_size)):
@@ -227,25 +273,45 @@ def plan_memory(model: Any, budget: MemoryBudget, *, block_size: int, max_num_se
     baseline = max(0, resident_bytes() - weights) if baseline_bytes is None else baseline_bytes
     fixed, per_slot = step_activation_terms(shape, max_num_seqs, prefill_step_size)
     growth_per_slot = probe.bytes_per_token / probe.num_layers
-    per_block = block_size * (probe.bytes_per_token + SAFETY_FACTOR * per_slot + growth_per_slot)
-    taken = weights + baseline + disk_queue_bytes + math.ceil(SAFETY_FACTOR * fixed)
+    draft_weights, draft_per_slot = 0, 0.0
+    if draft is not None:  # its activations: the larger of the two models' terms (their passes alternate)
+        draft_fixed, draft_slot = step_activation_terms(draft.shape, max_num_seqs, prefill_step_size)
+        fixed, per_slot = max(fixed, draft_fixed), max(per_slot, draft_slot)
+        draft_weights = draft.weights_bytes
+        draft_per_slot = draft.bytes_per_token * (1 + 1 / draft.num_layers)  # its arena and its growth
+    per_block = block_size * (probe.bytes_per_token + SAFETY_FACTOR * per_slot + growth_per_slot + draft_per_slot)
+    taken = weights + draft_weights + baseline + disk_queue_bytes + math.ceil(SAFETY_FACTOR * fixed)
     blocks = int((budget.total_bytes - taken) // per_block) if budget.total_bytes > taken else 0
     while blocks >= MIN_ARENA_BLOCKS:  # ceil roundings may cost one block
         arena = ArenaConfig.for_model(model, num_bytes=blocks * probe.bytes_per_block, **storage)
         activations, margin = step_activation_bytes(shape, arena, max_num_seqs, prefill_step_size)
-        slack = budget.total_bytes - (weights + baseline + disk_queue_bytes + activations + arena.total_bytes)
+        draft_arena = 0
+        if draft is not None:
+            draft_activations = step_activation_bytes(draft.shape, arena, max_num_seqs, prefill_step_size)
+            activations, margin = max((activations, margin), draft_activations)
+            activations += math.ceil(draft.arena_bytes(arena.num_slots) / draft.num_layers)  # its growth
+            draft_arena = draft.arena_bytes(arena.num_slots)
+        slack = budget.total_bytes - (weights + baseline + disk_queue_bytes + activations + arena.total_bytes
+                                      + draft_weights + draft_arena)
         if slack >= 0:
-            return MemoryPlan(budget, weights, baseline, activations, disk_queue_bytes, arena, slack, margin)
+            return MemoryPlan(budget, weights, baseline, activations, disk_queue_bytes, arena, slack, margin,
+                              draft_weights, draft_arena)
         blocks -= 1
     least = ArenaConfig.for_model(model, num_tokens=MIN_ARENA_BLOCKS * block_size, **storage)
     least_activations = step_activation_bytes(shape, least, max_num_seqs, prefill_step_size)[0]
     need = weights + baseline + disk_queue_bytes + least_activations + least.total_bytes
+    with_draft = ""
+    if draft is not None:
+        least_draft = draft.weights_bytes + draft.arena_bytes(least.num_slots)
+        need += least_draft
+        with_draft = f" + the draft model's weights and smallest arena {_mib(least_draft)}"
     raise InvalidArgumentError(
         f"{what}: a budget of {_mib(budget.total_bytes)} ({budget.source or budget.total_bytes}) leaves no room for "
         f"the KV arena: weights {_mib(weights)} + process baseline {_mib(baseline)} + activations of the largest "
         f"step {_mib(least_activations)} (max_num_seqs {max_num_seqs}, prefill_step_size {prefill_step_size}) + "
         f"disk-tier writer queue {_mib(disk_queue_bytes)} + the smallest arena {_mib(least.total_bytes)} "
-        f"({MIN_ARENA_BLOCKS} blocks x {block_size} tokens x {probe.bytes_per_token} bytes) = {_mib(need)}; give at "
+        f"({MIN_ARENA_BLOCKS} blocks x {block_size} tokens x {probe.bytes_per_token} bytes){with_draft} = "
+        f"{_mib(need)}; give at "
         f"least {_mib(need)}, or lower max_num_seqs")
 
 

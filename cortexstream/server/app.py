@@ -9,7 +9,8 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI
 
-from cortexstream.engine.memory_budget import MemoryBudget, MemoryPlan, plan_memory
+from cortexstream.engine.memory_budget import (
+    DraftCost, MemoryBudget, MemoryPlan, plan_memory, resident_bytes, weights_bytes)
 from cortexstream.server.agent_prepare import ToolSupport
 from cortexstream.server.agent_routes import agent_router
 from cortexstream.server.anthropic_events import anthropic_error_body
@@ -68,10 +69,22 @@ def memory_plan(model: Any, config: ServerConfig) -> MemoryPlan | None:
         queue = (DiskTierConfig(config.kv_disk, parse_size(config.kv_disk_size, "kv_disk_size")).writer_queue_bytes
                  + working_bytes(per_block, config.block_size, PREFILL_STEP_SIZE))
     what = "max_memory (--max-memory)"
-    return plan_memory(model, MemoryBudget.parse(config.max_memory, what), block_size=config.block_size,
+    budget = MemoryBudget.parse(config.max_memory, what)
+    baseline = max(0, resident_bytes() - weights_bytes(model))  # before a draft model raises the peak
+    return plan_memory(model, budget, block_size=config.block_size,
                        max_num_seqs=config.max_num_seqs, prefill_step_size=PREFILL_STEP_SIZE,
                        kv_dtype=config.kv_dtype, kv_group_size=config.kv_group_size, disk_queue_bytes=queue,
-                       what=what)
+                       baseline_bytes=baseline, what=what, draft=draft_cost(config.speculative, config.block_size))
+
+
+def draft_cost(speculative: Any, block_size: int) -> DraftCost | None:
+    """A draft model's share of the memory plan when the server's default speculation names one, else None."""
+    from cortexstream.engine.speculative_config import SpeculativeMethod, parse_speculative
+
+    spec = parse_speculative(speculative)
+    if spec is None or spec.method is not SpeculativeMethod.DRAFT:
+        return None
+    return DraftCost.measure(str(spec.model), block_size)
 
 
 def build_engine(model: Any, tokenizer: Any, config: ServerConfig, plan: MemoryPlan | None = None) -> Any:
