@@ -21,21 +21,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import re
-import signal
-import subprocess
-import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 from cortexstream.benchmarks.common import show_report, write_results
 from cortexstream.benchmarks.machine import machine
 from cortexstream.benchmarks.runner import run_as_script
-from cortexstream.benchmarks.serve_processes import free_port, rss_bytes
+from cortexstream.benchmarks.serve_processes import Launch, rss_bytes, start_server
+from cortexstream.models.loader import default_model_path
 
 MIB = 2**20
 MESSAGE_OVERHEAD = 6  # chat-template tokens around one message (SmolLM2's template: 5 and a newline)
@@ -44,34 +39,6 @@ FULL = {"max_memory": "1.6GiB", "sessions": 8, "turns": 4, "user_tokens": (20, 6
         "timeout": 3600.0}
 QUICK = {"max_memory": "1.35GiB", "sessions": 4, "turns": 2, "user_tokens": (10, 20), "new_tokens": (8, 16),
          "timeout": 300.0}
-
-
-class RssSampler:
-    """The server's resident memory every `interval` seconds, in a thread: the highest sample and how many."""
-
-    def __init__(self, pid: int, interval: float = 0.1) -> None:
-        self.pid = pid
-        self.interval = interval
-        self.highest = 0
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            value = rss_bytes(self.pid, peak=False)
-            if value:
-                self.highest = max(self.highest, value)
-                self.samples += 1
-            self._stop.wait(self.interval)
-
-    def __enter__(self) -> "RssSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join(5)
 
 
 def read_metrics(url: str) -> dict[str, list[tuple[str, float]]]:
@@ -94,44 +61,10 @@ def metric(metrics: dict[str, list[tuple[str, float]]], name: str, label: str = 
     return None
 
 
-def start_server(args: argparse.Namespace, work: Path) -> tuple[subprocess.Popen, str, Path]:
-    """`cortexstream serve` under the budget on a free port; returns once /health answers (or raises with the
-    server's log when it exits first, e.g. refusing a budget too small)."""
-    import httpx
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "cortexstream.cli.main", "serve", "--port", str(port), "--model-name",
-           "default_model", "--max-memory", args.max_memory, "--kv-disk", str(work / "kv"),
-           "--max-num-seqs", str(args.max_num_seqs or args.sessions)]
-    cmd += ["--model", args.model] if args.model else []
-    log = work / "server.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    with open(log, "w") as handle:
-        proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=tempfile.gettempdir())
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url, log
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    proc.kill()
-    proc.wait()
-    raise RuntimeError(f"the server did not answer /health within 600 s: {log.read_text()[-3000:]}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def launch_of(args: argparse.Namespace, work: Path) -> Launch:
+    """`cortexstream serve` under the budget with its disk tier in `work`."""
+    return Launch("cortexstream", None, args.max_num_seqs or args.sessions, kv_disk=str(work / "kv"),
+                  max_memory=args.max_memory)
 
 
 def history_tokens(arena_tokens: int, args: argparse.Namespace) -> int:
@@ -154,9 +87,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _, tokenizer = load(args.model)  # the workload's texts are cut to token counts with the model's tokenizer
     with tempfile.TemporaryDirectory(prefix="memory-budget-") as tmp:
         work = Path(tmp)
-        proc, url, log = start_server(args, work)
+        server = start_server(launch_of(args, work), args.model or default_model_path(), work, timeout=600)
         try:
-            startup_peak = rss_bytes(proc.pid, peak=True)
+            url = server.url
+            startup_peak = rss_bytes(server.proc.pid, peak=True)
             before = read_metrics(url)
             plan = {labels.split('part="')[1].rstrip('"'): int(value)
                     for labels, value in before.get("cortexstream:memory_plan_bytes", [])}
@@ -170,12 +104,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             need = sum(len(tokenizer.encode(s.system or "", add_special_tokens=False)) + MESSAGE_OVERHEAD
                        + sum(len(tokenizer.encode(t.user_text, add_special_tokens=False)) + t.max_tokens
                              + 2 * MESSAGE_OVERHEAD for t in s.turns) for s in workload.sessions)
-            with RssSampler(proc.pid) as sampler:
-                result = asyncio.run(drive(url, workload, args.timeout))
+            result = asyncio.run(drive(url, workload, args.timeout))
             after = read_metrics(url)
-            peak = max(rss_bytes(proc.pid, peak=True), sampler.highest)
+            peak = server.peak_rss
         finally:
-            stop_server(proc)
+            server.stop()
+        log = server.log
         banner = [line.strip() for line in log.read_text().splitlines() if line.strip().startswith("memory:")]
     records = result.records
     failed = [r.error for r in records if r.error]
@@ -187,7 +121,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "history_tokens": history, "model": args.model or "smollm2-135m", "seed": args.seed},
         "budget_bytes": budget, "plan_bytes": plan, "banner": banner[0] if banner else None,
         "arena_tokens": arena_tokens, "kv_need_tokens": need,
-        "peak_rss_startup_bytes": startup_peak, "peak_rss_bytes": peak, "rss_samples": sampler.samples,
+        "peak_rss_startup_bytes": startup_peak, "peak_rss_bytes": peak, "rss_samples": server.rss_samples,
         "within_budget": peak <= budget,
         "requests": len(records), "completed": sum(1 for r in records if r.done and not r.error),
         "failed": len(failed), "refused_429": sum(1 for e in failed if e.startswith("HTTP 429")),
@@ -212,7 +146,7 @@ def _count(value: float | None) -> str:
 def markdown(p: dict[str, Any]) -> str:
     s = p["settings"]
     mib = _mib
-    parts = " / ".join(f"{name} {mib(value)}" for name, value in p["plan_bytes"].items())
+    parts = " / ".join(f"{name} {mib(value)}" for name, value in p["plan_bytes"].items() if value)
     verdict = "yes" if p["within_budget"] else "**no**"
     return "\n".join([
         "# Memory budget: `cortexstream serve --max-memory` under a workload needing twice its arena"

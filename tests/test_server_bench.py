@@ -89,3 +89,16 @@ def test_speculative_ratios_and_the_speculative_system_launch():
     assert "--speculative" not in command(launch_of("cortexstream", args), "/m", 1234)
     with pytest.raises(InvalidArgumentError, match="speculative"):
         check_args(argparse.Namespace(**{**vars(args), "speculative": "ngram:k=zero"}))
+
+
+def test_a_budgeted_launch_passes_max_memory_instead_of_kv_tokens():
+    import pytest
+
+    from cortexstream.benchmarks.serve_processes import Launch, command
+
+    cmd = command(Launch("cortexstream", None, 4, max_memory="1.5GiB"), "/m", 1234)
+    assert cmd[cmd.index("--max-memory") + 1] == "1.5GiB" and "--kv-tokens" not in cmd
+    with pytest.raises(ValueError, match="max_memory"):
+        Launch("cortexstream", 2048, 4, max_memory="1.5GiB")
+    with pytest.raises(ValueError, match="max_memory"):
+        Launch("mlx_lm", None, 4, max_memory="1.5GiB")

@@ -72,12 +72,16 @@ class Launch:
     fresh_home: bool = False
     kv_disk: str | None = None
     speculative: str | None = None  # cortexstream's `serve --speculative` default (e.g. "ngram:k=4,n=3")
+    max_memory: str | None = None  # cortexstream's `serve --max-memory` budget, in place of kv_tokens
 
     def __post_init__(self) -> None:
         peers = [p.value for p in Peer]
         if self.system not in SYSTEMS and self.system not in peers:
             raise ValueError(f"system: {self.system!r} must be one of {', '.join(SYSTEMS + tuple(peers))}")
-        if self.system == "cortexstream" and (not isinstance(self.kv_tokens, int) or self.kv_tokens < 1):
+        if self.max_memory is not None and (self.system != "cortexstream" or self.kv_tokens is not None):
+            raise ValueError("max_memory: only cortexstream takes one, in place of kv_tokens (give kv_tokens=None)")
+        if self.system == "cortexstream" and self.max_memory is None and (
+                not isinstance(self.kv_tokens, int) or self.kv_tokens < 1):
             raise ValueError(f"kv_tokens: {self.kv_tokens!r} must be an integer >= 1 for cortexstream")
         if (self.kv_dtype is not None or self.kv_group_size is not None) and self.system != "cortexstream":
             raise ValueError(f"kv_dtype / kv_group_size: only cortexstream takes them, not {self.system}")
@@ -139,9 +143,10 @@ def peer_script(python: str, peer: Peer) -> Path:
 
 def command(launch: Launch, model_dir: str, port: int) -> list[str]:
     if launch.system == "cortexstream":
+        arena = ["--max-memory", launch.max_memory] if launch.max_memory is not None else \
+            ["--kv-tokens", str(launch.kv_tokens)]
         cmd = [sys.executable, "-m", "cortexstream.cli.main", "serve", "--model", model_dir, "--port", str(port),
-               "--kv-tokens", str(launch.kv_tokens), "--max-num-seqs", str(launch.max_num_seqs), "--model-name",
-               "default_model"]
+               *arena, "--max-num-seqs", str(launch.max_num_seqs), "--model-name", "default_model"]
         cmd += ["--kv-dtype", launch.kv_dtype] if launch.kv_dtype is not None else []
         cmd += ["--kv-disk", launch.kv_disk] if launch.kv_disk is not None else []
         cmd += ["--speculative", launch.speculative] if launch.speculative is not None else []
@@ -176,6 +181,7 @@ class ServerProcess:
     log: Path
     model: str = "default_model"  # what requests name as `model`
     _peak_rss: int = 0
+    _samples: int = 0
     _sampler: threading.Thread | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
 
@@ -185,8 +191,16 @@ class ServerProcess:
 
     def _sample(self) -> None:
         while not self._stop.is_set() and self.proc.poll() is None:
-            self._peak_rss = max(self._peak_rss, rss_bytes(self.proc.pid, peak=True))
+            value = rss_bytes(self.proc.pid, peak=True)
+            if value:
+                self._peak_rss = max(self._peak_rss, value)
+                self._samples += 1
             self._stop.wait(0.1)
+
+    @property
+    def rss_samples(self) -> int:
+        """How many memory samples were taken (every 0.1 s; the peak is VmHWM where /proc has it)."""
+        return self._samples
 
     @property
     def peak_rss(self) -> int:
