@@ -216,28 +216,55 @@ def test_cortexstream_generate_under_mlx_launch_prints_what_one_process_prints(r
     assert launched.stdout == alone.stdout and len(alone.stdout) > 16  # rank 1 printed nothing
 
 
-def test_cortexstream_serve_on_two_ranks_answers_and_both_ranks_stop_with_it(ring, split_model):
+def http(port: int, path: str, body: dict | None = None, timeout: float = 20) -> tuple[int, dict]:
+    """(status, JSON body) of a GET (no body) or POST to the local server; error statuses are returned too."""
+    import urllib.error
     import urllib.request
 
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                     headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def start_server(ring: Path, model: str) -> tuple[list[subprocess.Popen], int, dict]:
+    """`cortexstream serve` on two ranks, once it answered a first completion: (processes, port, that answer)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         http_port = probe.getsockname()[1]
-    procs = start_ranks(ring, "serve", "--model", split_model, "--port", str(http_port), "--kv-tokens", "1024",
+    procs = start_ranks(ring, "serve", "--model", model, "--port", str(http_port), "--kv-tokens", "1024",
                         "--rank-timeout", str(TIMEOUT), program=str(Path(sys.executable).parent / "cortexstream"))
+    deadline = time.monotonic() + START
+    while True:
+        try:
+            status, answer = http(http_port, "/v1/completions", {"prompt": "hello world", "max_tokens": 8,
+                                                                 "temperature": 0})
+            assert status == 200, answer
+            return procs, http_port, answer
+        except OSError:
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                for proc in procs:
+                    proc.kill()
+                pytest.fail("the server did not answer: " + "".join(p.communicate()[1][-1500:] for p in procs))
+            time.sleep(0.5)
+
+
+def test_cortexstream_serve_on_two_ranks_answers_and_both_ranks_stop_with_it(ring, split_model):
+    procs, http_port, answer = start_server(ring, split_model)
     try:
-        deadline = time.monotonic() + START
-        body = json.dumps({"prompt": "hello world", "max_tokens": 8, "temperature": 0}).encode()
-        while True:
-            try:
-                request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", data=body,
-                                                 headers={"content-type": "application/json"})
-                answer = json.loads(urllib.request.urlopen(request, timeout=20).read())
-                break
-            except OSError:
-                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                    raise
-                time.sleep(0.5)
         assert answer["usage"]["completion_tokens"] == 8
+        # A request naming a KV policy the ranks cannot share is refused alone, naming the field.
+        status, refused = http(http_port, "/v1/completions", {"prompt": "hello", "max_tokens": 4,
+                                                              "kv_policy": "h2o:budget=0.5"})
+        assert status == 400 and refused["error"]["param"] == "kv_policy", refused
+        assert "needs_attention_scores" in refused["error"]["message"]
+        status, again = http(http_port, "/v1/completions", {"prompt": "hello world", "max_tokens": 8,
+                                                            "temperature": 0})
+        assert status == 200 and again["choices"][0]["text"] == answer["choices"][0]["text"]
         time.sleep(1.5 * TIMEOUT)  # idle past the timeout: heartbeats keep rank 1 waiting
         assert procs[1].poll() is None
         procs[0].send_signal(signal.SIGTERM)
@@ -246,3 +273,35 @@ def test_cortexstream_serve_on_two_ranks_answers_and_both_ranks_stop_with_it(rin
         for proc in procs:
             proc.kill()
     assert [code for code, _ in results] == [0, 0], [err[-1500:] for _, err in results]
+
+
+def test_serve_answers_503_with_the_reason_when_a_rank_dies_then_exits(ring, split_model):
+    import threading
+
+    procs, http_port, _ = start_server(ring, split_model)
+    try:
+        in_flight: list[tuple[int, dict]] = []
+        long = threading.Thread(target=lambda: in_flight.append(http(
+            http_port, "/v1/completions", {"prompt": "hello world", "max_tokens": 900, "temperature": 0},
+            timeout=TIMEOUT + 15)))
+        long.start()
+        time.sleep(0.3)  # the long request is generating
+        procs[1].kill()
+        tic = time.monotonic()
+        health = None
+        while time.monotonic() - tic < TIMEOUT + 5:
+            code, health = http(http_port, "/health", timeout=5)
+            if code != 200:
+                break
+            time.sleep(0.1)
+        assert code == 503 and health["status"] == "failed" and "rank 1" in health["reason"], health
+        status, refused = http(http_port, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, timeout=5)
+        assert status == 503 and "rank 1" in refused["error"]["message"], refused
+        assert time.monotonic() - tic < TIMEOUT  # unhealthy before the rank timeout runs out
+        long.join(TIMEOUT + 15)
+        assert in_flight and in_flight[0][0] == 503 and "rank 1" in in_flight[0][1]["error"]["message"], in_flight
+        code, err = finish(procs[:1], TIMEOUT + 15)[0]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert code == 1 and "rank 1" in err, err[-1500:]

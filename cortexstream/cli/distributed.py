@@ -4,11 +4,40 @@ over the ranks; rank 0 runs the command, the other ranks follow it and print not
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import os
+import sys
+import threading
+from typing import Any, Callable
 
 from cortexstream.errors import InvalidArgumentError
 
 DEFAULT_RANK_TIMEOUT = 60.0
+FAILURE_GRACE = 5.0  # seconds a server answers 503 with the reason after a rank failed, before it exits
+
+
+class ServeFailure:
+    """Rank 0's reaction when a rank dies or hangs under `serve`: once `mark` is set (the server's bridge.fail),
+    /health and every new or open request answer 503 with the reason, and the process exits with status 1 after
+    `grace` seconds (the engine thread may be stuck in a collective, which nothing can interrupt). Before the
+    server exists, it ends the process at once, as `generate` does."""
+
+    def __init__(self, grace: float = FAILURE_GRACE) -> None:
+        self.grace = grace
+        self.mark: Callable[[str], None] | None = None
+
+    def __call__(self, reason: str) -> None:
+        print(f"cortexstream: error: distributed: {reason}", file=sys.stderr, flush=True)
+        if self.mark is None:
+            os._exit(1)
+        self.mark(f"distributed ranks failed: {reason}")
+        timer = threading.Timer(self.grace, _exit_failed)
+        timer.daemon = True
+        timer.start()
+
+
+def _exit_failed() -> None:
+    print("cortexstream serve: stopped after a rank failed", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def add_rank_timeout_arg(parser: argparse.ArgumentParser) -> None:
@@ -23,14 +52,18 @@ def check_rank_timeout(args: argparse.Namespace) -> None:
         raise InvalidArgumentError(f"--rank-timeout: {args.rank_timeout!r} must be a number of seconds > 0")
 
 
-def join_ranks(args: argparse.Namespace, model: Any, tokenizer: Any) -> Any:
+def join_ranks(args: argparse.Namespace, model: Any, tokenizer: Any,
+               on_failure: Callable[[str], None] | None = None) -> Any:
     """The DistributedSession of this process when mlx.launch started it as one of several ranks (the model is
-    then split in place), else None."""
+    then split in place), else None. `on_failure(reason)` runs on rank 0 when a rank dies or hangs (default: say
+    why and exit with status 1)."""
     from cortexstream.distributed import DistributedSession, launched
+    from cortexstream.distributed.session import exit_on_failure
 
     if not launched():
         return None
-    return DistributedSession.start(model, tokenizer, timeout=args.rank_timeout)
+    return DistributedSession.start(model, tokenizer, timeout=args.rank_timeout,
+                                    on_failure=on_failure or exit_on_failure)
 
 
 def follow(ranks: Any) -> int:

@@ -81,7 +81,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     distributed.check_rank_timeout(args)
     model, tokenizer = load(args.model, dtype=args.dtype)
-    ranks = distributed.join_ranks(args, model, tokenizer)  # None unless mlx.launch started several ranks
+    failure = distributed.ServeFailure()
+    ranks = distributed.join_ranks(args, model, tokenizer, failure)  # None unless mlx.launch started several ranks
     if ranks is not None and not ranks.is_leader:
         return distributed.follow(ranks)
     with flag_errors():  # what depends on the model, e.g. a group size that does not divide its head dim
@@ -92,6 +93,7 @@ def run_serve(args: argparse.Namespace) -> int:
         except Exception as exc:
             ranks.close(str(exc))
             raise
+        failure.mark = app.state.server.bridge.fail  # a rank that fails: 503 with the reason, then exit
     arena = app.state.server.bridge.engine.arena
     backend = backend_info()
     tenants = (f"{len(api_keys)} API keys, one prefix-cache tenant each (Authorization: Bearer required)"

@@ -45,6 +45,11 @@ class _Relay:
     def __call__(self, plan: StepPlan) -> None:
         self.leader.relay(self.engine_id, plan)
 
+    def policy_problem(self, policy: Any) -> str | None:
+        """Why a request with KV policy `policy` cannot run on these ranks, or None (a server refuses that request
+        alone, before it reaches the scheduler)."""
+        return policy_problem(policy)
+
 
 class DistributedLeader:
     def __init__(self, channel: LeaderChannel) -> None:

@@ -19,7 +19,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Callable
+from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
@@ -32,6 +32,7 @@ from cortexstream.engine.sequence import Sequence
 from cortexstream.engine.threaded import ThreadedEngine
 from cortexstream.errors import CortexStreamError
 from cortexstream.server.config import Handoff, parse_handoff
+from cortexstream.server.errors import APIError
 from cortexstream.server.jobs import EngineJob, RequestHandle, TokenEvent, Tracked
 
 # Re-exported: the server's modules take these from here or from `jobs`.
@@ -64,6 +65,7 @@ class EventLoopBridge:
         self._tracked: dict[str, Tracked] = {}  # engine thread only
         self.owner_tenants: dict[int, str | None] = {}  # Sequence.owner -> tenant label, for /v1/kv
         self._finished_since_prune = 0
+        self.failure: str | None = None  # why the engine can no longer serve (set by `fail`), or None
 
     # --- life cycle -------------------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -76,7 +78,21 @@ class EventLoopBridge:
 
     @property
     def engine_running(self) -> bool:
-        return self.client.threaded.running
+        return self.failure is None and self.client.threaded.running
+
+    def fail(self, reason: str) -> None:
+        """Any thread: the engine can no longer serve (e.g. a distributed rank died, and the engine thread may be
+        stuck in a collective). From now on /health and new requests answer 503 with `reason`; every open request
+        ends with that error now, without waiting for the engine thread."""
+        self.failure = reason
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._fail_all, APIError(503, reason, code="engine_failed"))
+
+    def policy_problem(self, policy: Any) -> str | None:
+        """Why this engine cannot run a request with KV policy `policy`, or None: asked of the engine's plan
+        listener when it has a say (a distributed leader's relay refuses policies the ranks cannot share)."""
+        ask = getattr(self.engine.plan_listener, "policy_problem", None)
+        return ask(policy) if callable(ask) else None
 
     @property
     def num_active(self) -> int:
@@ -249,12 +265,14 @@ class EventLoopBridge:
     def _on_failure(self, exc: BaseException) -> None:
         """The engine step failed and ThreadedEngine aborted everything: fail every request still open."""
         self._tracked.clear()
-        message = f"engine step failed: {type(exc).__name__}: {exc}"
-        self.loop.call_soon_threadsafe(self._fail_all, message)
+        error: BaseException = CortexStreamError(f"engine step failed: {type(exc).__name__}: {exc}")
+        if self.failure is not None:  # the step failed because the engine was declared failed: say why
+            error = APIError(503, self.failure, code="engine_failed")
+        self.loop.call_soon_threadsafe(self._fail_all, error)
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, error: BaseException) -> None:
         for handle, _ in list(self._handles.values()):
-            handle.events.put_nowait(CortexStreamError(message))
+            handle.events.put_nowait(error)
         self._handles.clear()
 
     def _event(self, out: RequestOutput, tracked: Tracked, now: float) -> TokenEvent:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from cortexstream.errors import CortexStreamError, InvalidArgumentError
 from cortexstream.engine.prompt import prompt_to_tokens
@@ -107,6 +107,16 @@ def _policy(spec: str | None, default: Any) -> Any:
         return parse_policy(spec)
     except (CortexStreamError, ValueError, TypeError, KeyError) as exc:
         raise APIError(400, f"kv_policy: {exc}", param="kv_policy") from exc
+
+
+def check_policy(spec: str | None, prepared: "PreparedRequest", problem_of: Callable[[Any], str | None]) -> None:
+    """A request's own `kv_policy` that this engine cannot run (`problem_of(policy)` says why, e.g. a score-based
+    policy on distributed ranks): a 400 naming the field, for that request alone."""
+    if spec is None:
+        return
+    problem = problem_of(prepared.job.kv_policy)
+    if problem is not None:
+        raise APIError(400, f"kv_policy: {problem}", param="kv_policy", code="unsupported_kv_policy")
 
 
 def _fit(prompt_len: int, requested: int | None, default: int, n: int, policy: Any, arena: ArenaLimits) -> int:

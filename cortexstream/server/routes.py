@@ -13,7 +13,8 @@ from cortexstream.errors import CortexStreamError, InvalidArgumentError
 from cortexstream.server.jobs import RequestHandle, TokenEvent
 from cortexstream.server.errors import APIError, error_body
 from cortexstream.server.kv_view import kv_snapshot
-from cortexstream.server.prepare import PreparedRequest, check_model, prepare_chat, prepare_completion
+from cortexstream.server.prepare import (PreparedRequest, check_model, check_policy, prepare_chat,
+                                         prepare_completion)
 from cortexstream.server.protocol import ChatCompletionRequest, CompletionRequest
 from cortexstream.server.responses import SSE_DONE, ResponseBuilder, sse
 
@@ -31,7 +32,10 @@ def require_tenant(request: Request) -> str | None:
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    alive = _state(request).bridge.engine_running
+    bridge = _state(request).bridge
+    if bridge.failure is not None:
+        return JSONResponse({"status": "failed", "reason": bridge.failure}, status_code=503)
+    alive = bridge.engine_running
     return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 
 
@@ -69,6 +73,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     check_model(body.model, state.model_name)
     prepared = prepare_chat(body, state.tokenizer, state.arena_limits, state.default_policy, tenant,
                             state.config.default_chat_max_tokens, state.tools)
+    check_policy(body.kv_policy, prepared, state.bridge.policy_problem)
     return await _serve(request, "chat", body, prepared)
 
 
@@ -79,11 +84,14 @@ async def completions(body: CompletionRequest, request: Request,
     check_model(body.model, state.model_name)
     prepared = prepare_completion(body, state.tokenizer, state.arena_limits, state.default_policy, tenant,
                                   state.config.default_completion_max_tokens)
+    check_policy(body.kv_policy, prepared, state.bridge.policy_problem)
     return await _serve(request, "completion", body, prepared)
 
 
 # --- shared machinery ---------------------------------------------------------------------------------------------
 def check_capacity(state: Any) -> None:
+    if state.bridge.failure is not None:
+        raise APIError(503, state.bridge.failure, code="engine_failed")
     if state.draining:
         raise APIError(503, "the server is shutting down", code="shutting_down")
     if state.bridge.num_active >= state.config.max_in_flight:
@@ -152,6 +160,8 @@ async def next_events(handle: RequestHandle) -> list[TokenEvent]:
     while not handle.events.empty():
         events.append(handle.events.get_nowait())
     for event in events:
+        if isinstance(event, APIError):  # e.g. 503: the engine was declared failed (bridge.fail)
+            raise event
         if isinstance(event, BaseException):
             raise APIError(500, f"{event}", code="engine_error")
         handle.mark_read(event)
