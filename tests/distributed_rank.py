@@ -7,7 +7,13 @@ generated to OUT.json, every other rank writes the tokens it sampled per request
 "single" (one greedy stream), "batch" (concurrent greedy prompts through batch_generate), "sampled" (seeded and
 unseeded sampled requests), "streaming" (a position-based KV policy), "idle" (rank 0 generates, waits
 IDLE_SECONDS without stepping, generates again), "long" (generates until a rank is killed; OUT.json.started
-appears after the first tokens). "local" runs single and batch in one process without ranks: the reference.
+appears after the first tokens). On a real model (Qwen2.5-Coder-0.5B), with prompts of Wikipedia text: "real"
+(one greedy stream and 8 concurrent requests), "real_long" (one prompt beyond 4k tokens), "real_streaming" (a
+position-based policy that evicts), "real_int8" (the same 8 requests on an int8 KV arena). "soak" (tiny model):
+30 greedy requests of mixed lengths on a small arena that forces preemption, every seventh aborted after 5
+tokens; rank 0 also writes every rank's BlockLedger digest. "local" runs single and
+batch in one process without ranks, "local:SCENARIOS" those scenarios: the reference. Rank 0 also reports its
+weights' bytes and its arena's KV bytes per token.
 """
 
 from __future__ import annotations
@@ -21,9 +27,90 @@ from cortexstream.distributed import DistributedSession
 from cortexstream.engine.engine import Engine
 
 PROMPTS = [[5, 17, 99, 42, 7], [3, 3, 8, 120, 64, 11, 2, 90], [77], list(range(10, 50))]
+REAL_TOKENS = 16  # tokens generated per request on the real model (bounded: a CPU test)
+LONG_PROMPT = 4200  # tokens of the real model's long prompt
+
+
+def wiki_prompts(tokenizer) -> tuple[list[list[int]], list[int]]:
+    """8 short prompts (20 to 62 tokens) from different places of the Wikipedia text, and one of LONG_PROMPT."""
+    from cortexstream.evaluation.wiki_corpus import wiki_text
+
+    tokens = tokenizer.encode(wiki_text()[0][:200_000])
+    short = [tokens[1000 * i: 1000 * i + 20 + 6 * i] for i in range(8)]
+    return short, tokens[20_000: 20_000 + LONG_PROMPT]
+
+
+SOAK_ENGINE = {"kv_tokens": 320, "max_num_seqs": 6}  # 20 blocks of 16 for up to 6 requests of up to ~130 tokens
+
+
+def soak(model, tokenizer, engine) -> dict:
+    """30 greedy requests through the engine's own loop; ids 3, 10, 17, 24 are aborted after their 5th token."""
+    from cortexstream.engine.sampling import SamplingParams
+
+    ids, tokens = [], {}
+    for i in range(30):
+        prompt = [(7 * i + 13 * j) % 200 + 3 for j in range(3 + (i * 37) % 80)]
+        ids.append(engine.add_request(prompt, SamplingParams(max_tokens=4 + (i * 11) % 45, temperature=0.0)))
+        tokens[ids[-1]] = []
+    aborted = {ids[i] for i in range(3, 30, 7)}
+    finished: dict[str, str] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.token is not None:
+                tokens[out.request_id].append(out.token)
+            if out.finished:
+                finished[out.request_id] = out.finish_reason.value
+            elif out.request_id in aborted and len(tokens[out.request_id]) == 5:
+                engine.abort(out.request_id)
+    return {"soak": [tokens[rid] for rid in ids], "soak_finish": [finished.get(rid) for rid in ids],
+            "soak_preemptions": engine.stats()["preemptions"]}
+
+
+def engine_settings(scenarios: str) -> dict:
+    """The engine of a run: the real-model scenarios need room for 8 requests and the long prompt."""
+    if scenarios == "soak":
+        return SOAK_ENGINE
+    if "real" not in scenarios:
+        return {"kv_tokens": 2048, "max_num_seqs": 4}
+    return {"kv_tokens": LONG_PROMPT + 2048, "max_num_seqs": 8, "kv_dtype": "int8" if "int8" in scenarios else None}
+
+
+def real(model, tokenizer, engine_for, scenario: str) -> dict:
+    short, long = wiki_prompts(tokenizer)
+    engine = engine_for(8)
+    if scenario == "real":
+        single = [r.token for r in cortexstream.stream_generate(model, tokenizer, short[0], max_tokens=REAL_TOKENS,
+                                                                 engine=engine)]
+        out = cortexstream.batch_generate(model, tokenizer, short, max_tokens=REAL_TOKENS, engine=engine,
+                                          return_token_ids=True)
+        return {"real_single": single, "real_batch": out.token_ids}
+    if scenario == "real_long":
+        out = cortexstream.batch_generate(model, tokenizer, [long], max_tokens=8, engine=engine,
+                                          return_token_ids=True)
+        return {"real_long": out.token_ids[0], "real_long_prompt": len(long)}
+    if scenario == "real_streaming":
+        out = cortexstream.batch_generate(model, tokenizer, short[4:], max_tokens=REAL_TOKENS * 2, engine=engine,
+                                          kv_policy="streaming:sinks=4,window=32", return_token_ids=True)
+        return {"real_streaming": out.token_ids}
+    if scenario == "real_int8":
+        out = cortexstream.batch_generate(model, tokenizer, short, max_tokens=REAL_TOKENS, engine=engine,
+                                          return_token_ids=True)
+        return {"real_int8": out.token_ids}
+    raise SystemExit(f"unknown scenario {scenario!r}")
+
+
+def footprint(model, engine) -> dict:
+    from mlx.utils import tree_flatten
+
+    return {"param_bytes": sum(v.nbytes for _, v in tree_flatten(model.parameters())),
+            "kv_bytes_per_token": engine.arena.config.bytes_per_token}
 
 
 def run(model, tokenizer, engine_for, scenario: str) -> dict:
+    if scenario.startswith("real"):
+        return real(model, tokenizer, engine_for, scenario)
+    if scenario == "soak":
+        return soak(model, tokenizer, engine_for(SOAK_ENGINE["max_num_seqs"]))
     if scenario == "single":
         engine = engine_for(1)
         tokens = [r.token for r in cortexstream.stream_generate(model, tokenizer, PROMPTS[1], max_tokens=24,
@@ -73,11 +160,14 @@ def main() -> int:
     path, scenario, out_path = sys.argv[1], sys.argv[2], sys.argv[3]
     timeout = float(sys.argv[4]) if len(sys.argv) > 4 else 20.0
     model, tokenizer = cortexstream.load(path)
-    if scenario == "local":  # one process, no ranks: the reference output
-        result = {}
-        for name in ("single", "batch"):
-            result.update(run(model, tokenizer, lambda n: Engine(model, tokenizer, kv_tokens=2048, max_num_seqs=n),
-                              name))
+    if scenario.startswith("local"):  # one process, no ranks: the reference output
+        names = scenario.split(":", 1)[1] if ":" in scenario else "single,batch"
+        settings = engine_settings(names)
+        result, engines = {}, []
+        for name in names.split(","):
+            engines.append(Engine(model, tokenizer, **settings))
+            result.update(run(model, tokenizer, lambda n: engines[-1], name))
+        result.update(footprint(model, engines[-1]))
         json.dump(result, open(out_path, "w"))
         return 0
     with DistributedSession.start(model, tokenizer, timeout=timeout) as ranks:
@@ -95,14 +185,16 @@ def main() -> int:
         def engine_for(max_num_seqs: int) -> Engine:
             # One engine for every scenario of a run, so request ids (the rank files' keys) stay unique.
             if not engines:
-                engines.append(ranks.attach(Engine(model, tokenizer, kv_tokens=2048, max_num_seqs=4)))
+                engines.append(ranks.attach(Engine(model, tokenizer, **engine_settings(scenario))))
             return engines[0]
 
         result = {}
         for name in scenario.split(","):
             result.update(run(model, tokenizer, engine_for, name))
         result["kv_heads"] = model.layers[0].self_attn.n_kv_heads
-        json.dump(result, open(out_path, "w"))
+        result.update(footprint(model, engines[0]))
+    result["digests"] = ranks.rank_digests()  # after the `with`: every rank reported at Stop
+    json.dump(result, open(out_path, "w"))
     return 0
 
 

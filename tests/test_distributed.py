@@ -305,3 +305,20 @@ def test_serve_answers_503_with_the_reason_when_a_rank_dies_then_exits(ring, spl
         for proc in procs:
             proc.kill()
     assert code == 1 and "rank 1" in err, err[-1500:]
+
+
+def test_soak_two_ranks_keep_the_same_block_tables_under_preemption_and_aborts(ring, split_model):
+    out = ring / "soak-local.json"
+    subprocess.run([sys.executable, RANK, split_model, "local:soak", str(out)], check=True, timeout=START)
+    alone = json.loads(out.read_text())
+    tic = time.monotonic()
+    rank0, rank1 = run_ranks(ring, split_model, "soak")
+    assert time.monotonic() - tic < 90
+    assert rank0["soak_preemptions"] > 0 and alone["soak_preemptions"] > 0  # the small arena forced preemption
+    finish_reasons = rank0["soak_finish"]
+    assert finish_reasons.count("aborted") == 4 and finish_reasons.count(None) == 0, finish_reasons
+    for mine, theirs, why in zip(rank0["soak"], alone["soak"], finish_reasons):
+        if why != "aborted":  # every completed request: one process's greedy tokens
+            assert mine == theirs
+    digests = rank0["digests"]
+    assert set(digests) == {"0", "1"} and digests["0"] == digests["1"]  # same block operations on both ranks

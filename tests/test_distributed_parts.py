@@ -123,13 +123,14 @@ class FakeChannel:
 
     def __init__(self, messages: list) -> None:
         self.rank, self.timeout = 1, 30.0
-        self.messages, self.acks, self.failures = list(messages), [], []
+        self.messages, self.acks, self.failures, self.texts = list(messages), [], [], []
 
     def receive(self):
         return self.messages.pop(0)
 
-    def ack(self, step: int) -> None:
+    def ack(self, step: int, text: str = "") -> None:
         self.acks.append(step)
+        self.texts.append(text)
 
     def fail(self, reason: str) -> None:
         self.failures.append(reason)
@@ -172,6 +173,12 @@ def test_a_follower_replays_the_plans_to_the_same_tokens_and_acks_every_step(tin
     channel, sampled = _follow(tiny, engine, plans)
     assert channel.acks[-1] == len(plans) and channel.acks == sorted(channel.acks) and not channel.failures
     assert sampled == tokens
+    from cortexstream.distributed.ledger import BlockLedger
+
+    sent = BlockLedger()  # what rank 0's leader folds in for the plans it sends
+    for plan in plans:
+        sent.apply(plan, 1)
+    assert channel.texts[-1] == sent.digest() and not any(channel.texts[:-1])  # the digest comes with Stop's ack
 
 
 def test_a_follower_that_sampled_another_token_stops_saying_so(tiny):
@@ -182,3 +189,22 @@ def test_a_follower_that_sampled_another_token_stops_saying_so(tiny):
     plans[at] = replace(plans[at], decode=tuple(wrong if d is item else d for d in plans[at].decode))
     with pytest.raises(DistributedError, match="the ranks diverged"):
         _follow(tiny, engine, plans)
+
+
+def test_the_block_ledger_digest_tells_apart_plans_that_place_kv_differently():
+    from cortexstream.distributed.ledger import BlockLedger
+
+    def item(table: tuple[int, ...]) -> WorkItem:
+        return WorkItem("r1", WorkKind.DECODE, (5,), 20, 20, table, True)
+
+    plans = [StepPlan(decode=(item((0, 1)),), num_blocks_used=2), StepPlan(copies=((1, 2),), decode=(item((0, 2)),))]
+    a, b, c = BlockLedger(), BlockLedger(), BlockLedger()
+    for plan in plans:
+        a.apply(plan, 1)
+        b.apply(plan, 1)
+    c.apply(plans[0], 1)
+    c.apply(replace(plans[1], decode=(item((0, 3)),)), 1)
+    assert a.digest() == b.digest() != c.digest()
+    assert a.tables == {"1/r1": (0, 2)} and a.copies == 1
+    a.apply(StepPlan(dropped=("r1",)), 1)
+    assert a.tables == {}

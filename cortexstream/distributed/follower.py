@@ -26,6 +26,7 @@ import mlx.core as mx
 from cortexstream.backend import ComputeBackend
 from cortexstream.distributed.errors import DistributedError
 from cortexstream.distributed.follower_channel import FollowerChannel, LeaderState
+from cortexstream.distributed.ledger import BlockLedger
 from cortexstream.distributed.messages import CloseEngine, Heartbeat, OpenEngine, RunStep, Stop
 from cortexstream.distributed.plan_wire import PlanDecoder
 from cortexstream.engine.runner import ModelRunner
@@ -66,6 +67,7 @@ class Follower:
         self.rank, self.timeout = channel.rank, channel.timeout
         self._engines: dict[int, RankEngine] = {}
         self._decoder = PlanDecoder()
+        self.ledger = BlockLedger()  # every block operation this rank executed (reported to rank 0 at Stop)
         self._last: dict[str, mx.array] = {}  # request id -> the token this rank sampled last for it (lazy)
         self._pending: tuple[int, list[mx.array]] | None = None  # (step, its tokens) not yet evaluated
         self.done = 0  # every step up to this one is computed
@@ -115,7 +117,7 @@ class Follower:
             self._settle()
             if message.error is not None:
                 raise DistributedError(f"rank 0 stopped: {message.error}")
-            self.channel.ack(self.done)
+            self.channel.ack(self.done, self.ledger.digest())
             return True
         elif isinstance(message, Heartbeat):
             self._settle()
@@ -131,6 +133,7 @@ class Follower:
                                    "which rank 0 never opened")
         plan = self._decoder.decode(message.plan)
         self._check(plan)
+        self.ledger.apply(plan, message.engine_id)
         for request_id in plan.dropped:
             self._last.pop(request_id, None)
         for spec in plan.new_requests:

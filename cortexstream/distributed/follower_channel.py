@@ -52,8 +52,9 @@ class FollowerChannel:
             raise DistributedError(f"rank {self.rank}: rank 0 closed the connection ({type(exc).__name__}): its "
                                    "process has ended") from None
 
-    def ack(self, step: int) -> None:
-        self._answer(Answer(AnswerKind.ACK, self.rank, step=step))
+    def ack(self, step: int, text: str = "") -> None:
+        """Every step up to `step` is computed (`text`: at shutdown, this rank's BlockLedger digest)."""
+        self._answer(Answer(AnswerKind.ACK, self.rank, step=step, text=text))
 
     def fail(self, reason: str) -> None:
         """Tell rank 0 why this rank stops (best effort: rank 0 may be gone)."""

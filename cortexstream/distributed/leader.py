@@ -15,6 +15,7 @@ import mlx.core as mx
 
 from cortexstream.distributed.errors import DistributedError
 from cortexstream.distributed.leader_channel import LeaderChannel
+from cortexstream.distributed.ledger import BlockLedger
 from cortexstream.distributed.messages import CloseEngine, OpenEngine, RunStep
 from cortexstream.distributed.plan_wire import PlanEncoder, policy_problem
 from cortexstream.engine.speculative_config import SpeculativeMethod
@@ -57,6 +58,7 @@ class DistributedLeader:
         self._encoder = PlanEncoder()
         self._next_engine = 1
         self.steps = 0  # RunStep messages sent
+        self.ledger = BlockLedger()  # every block operation sent (the other ranks report theirs at shutdown)
 
     def attach(self, engine: Any) -> Any:
         """Run `engine` on every rank from now on (before its first step); returns it. DistributedError when it
@@ -80,6 +82,7 @@ class DistributedLeader:
 
     def relay(self, engine_id: int, plan: StepPlan) -> None:
         """Send one plan to every rank, then seed this rank as they will (when the step draws at random)."""
+        self.ledger.apply(plan, engine_id)
         wire, random = self._encoder.encode(plan)
         seed = secrets.randbits(63) if random else None
         self.steps += 1

@@ -42,6 +42,7 @@ class LeaderChannel:
         self._waiting: dict[int, float | None] = {}  # rank -> when the oldest unanswered message was sent
         self.acked: dict[int, int] = {}  # rank -> last step it computed
         self.gone: set[int] = set()  # ranks whose connection closed (their process ended)
+        self.digests: dict[int, str] = {}  # rank -> the BlockLedger digest it answered Stop with
         self._last_send = time.monotonic()
         self._failed: str | None = None
         self._closing = False
@@ -139,6 +140,8 @@ class LeaderChannel:
             with self._state:
                 self._waiting[rank] = None
                 self.acked[rank] = max(self.acked[rank], answer.step)
+                if answer.kind is AnswerKind.ACK and answer.text:
+                    self.digests[rank] = answer.text
             if answer.kind is AnswerKind.FAILURE:
                 self._fail(f"rank {rank} failed: {answer.text}")
                 return

@@ -62,7 +62,7 @@ class Answer:
     kind: AnswerKind
     rank: int
     step: int = 0  # ACK: every step up to this one is computed
-    text: str = ""  # HELLO: the session token; FAILURE: the reason
+    text: str = ""  # HELLO: the session token; FAILURE: the reason; ACK of Stop: the rank's BlockLedger digest
 
     def encode(self) -> bytes:
         return json.dumps({"kind": self.kind.value, "rank": self.rank, "step": self.step, "text": self.text}).encode()

@@ -87,14 +87,27 @@ class DistributedSession:
             self._closed = True
 
     def close(self, error: str | None = None) -> None:
-        """Rank 0: tell the other ranks to stop (idempotent)."""
+        """Rank 0: tell the other ranks to stop (idempotent). After a clean run, DistributedError when a rank's
+        block operations (its BlockLedger digest) differ from rank 0's."""
         if self._closed:
             return
         self._closed = True
         if self.leader is not None:
             self.leader.channel.close(error)
+            if error is None and self.leader.channel.failed is None:
+                mine = self.leader.ledger.digest()
+                differ = sorted(rank for rank, digest in self.leader.channel.digests.items() if digest != mine)
+                if differ:
+                    raise DistributedError(f"ranks {differ} executed other block operations than rank 0 (their "
+                                           "block tables differ): the ranks' KV layouts diverged")
         elif self.follower is not None:
             self.follower.channel.close()
+
+    def rank_digests(self) -> dict[int, str]:
+        """Rank 0, after close: each rank's BlockLedger digest (rank 0's own included), for comparison."""
+        if self.leader is None:
+            raise DistributedError("rank_digests: only rank 0 collects the ranks' digests")
+        return {0: self.leader.ledger.digest(), **self.leader.channel.digests}
 
     def __enter__(self) -> "DistributedSession":
         return self
