@@ -15,6 +15,7 @@ DIAGNOSTICS: dict[str, str] = {
     "arena_attention": "decode attention straight from the KV arena vs mlx-lm's KVCache (six experiments)",
     "block_size": "batched decode attention at block sizes 16-128",
     "compression_cost": "time to the first token with each KV policy vs the full cache (issue #34)",
+    "distributed_overhead": "two local ranks vs one process: rank 0's plan encode+send ms per step, tokens/s (#37)",
     "decode_floor": "how much of a batched decode step any engine running mlx-lm's model code can change",
     "grammar_engines": "llguidance vs xgrammar: schema compile time and per-token mask time",
     "kernels": "each custom kernel vs its pure-MLX reference on this device",

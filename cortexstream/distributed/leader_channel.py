@@ -42,6 +42,7 @@ class LeaderChannel:
         self._waiting: dict[int, float | None] = {}  # rank -> when the oldest unanswered message was sent
         self.acked: dict[int, int] = {}  # rank -> last step it computed
         self.gone: set[int] = set()  # ranks whose connection closed (their process ended)
+        self.bytes_sent = 0  # payload bytes sent to all ranks (heartbeats included)
         self.digests: dict[int, str] = {}  # rank -> the BlockLedger digest it answered Stop with
         self._last_send = time.monotonic()
         self._failed: str | None = None
@@ -104,6 +105,7 @@ class LeaderChannel:
                 except OSError as exc:
                     self._fail(f"rank {rank} cannot be reached ({exc}): its process has ended")
                     raise DistributedError(f"the ranks have stopped: {self._failed}") from exc
+                self.bytes_sent += len(payload)
             self._last_send = now
 
     def close(self, error: str | None = None) -> None:

@@ -1,0 +1,192 @@
+"""What running on two ranks costs rank 0, and the tokens/s of one rank vs two: `python -m bench.distributed_overhead`.
+
+    python -m bench.distributed_overhead [--models tiny,qwen] [--requests 4] [--max-tokens 64] [--quick]
+
+A diagnostic, not a timed test. For each model it runs the same greedy workload (`--requests` prompts through
+`batch_generate`, one warm-up pass first) in one process and on two ranks on this machine (ring backend over
+127.0.0.1, started as mlx.launch starts them), and reports:
+
+- tokens/s (generated tokens / wall time of the timed pass) for 1 and 2 ranks;
+- per step, the ms rank 0 spends encoding and sending each plan to the other rank, and the bytes sent
+  (DistributedLeader.stats(), counted inside the leader).
+
+Models: `tiny` (a random 2-layer model whose 4 query / 2 KV heads split over 2 ranks, written to a temporary GGUF)
+and `qwen` (the verified Qwen2.5-Coder-0.5B-Instruct asset; skipped with the reason when absent). Two ranks on
+one machine share its cores and memory bandwidth, so their tokens/s says what the split costs here, not what
+two machines would gain. `--quick`: the tiny model, 2 requests of 8 tokens (a smoke run). Writes
+bench/results/distributed.{json,md} (`--out` for another folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+RESULT = "distributed"
+
+
+def _workload(tokenizer: Any, requests: int) -> list[list[int]]:
+    """`requests` prompts of 24 to 24 + 8 * (requests - 1) tokens of ordinary text."""
+    from cortexstream.evaluation.wiki_corpus import wiki_text
+
+    tokens = tokenizer.encode(wiki_text()[0][:50_000])
+    return [tokens[800 * i: 800 * i + 24 + 8 * i] for i in range(requests)]
+
+
+def worker(model_path: str, requests: int, max_tokens: int, out: str) -> int:
+    """One rank (or the single process): load, run the workload twice (warm-up, timed), rank 0 writes `out`."""
+    import cortexstream
+    from cortexstream.distributed import DistributedSession, launched
+    from cortexstream.engine.engine import Engine
+
+    model, tokenizer = cortexstream.load(model_path)
+    prompts = _workload(tokenizer, requests)
+
+    def measure(engine: Engine) -> dict[str, Any]:
+        cortexstream.batch_generate(model, tokenizer, prompts, max_tokens=4, engine=engine)  # warm-up
+        start = time.perf_counter()
+        out = cortexstream.batch_generate(model, tokenizer, prompts, max_tokens=max_tokens, engine=engine,
+                                          return_token_ids=True)
+        seconds = time.perf_counter() - start
+        generated = sum(len(ids) for ids in out.token_ids)
+        return {"seconds": seconds, "generated": generated, "tokens_per_s": generated / seconds}
+
+    settings = {"kv_tokens": 4096, "max_num_seqs": max(requests, 1)}
+    if not launched():
+        result = measure(Engine(model, tokenizer, **settings))
+        result["ranks"] = 1
+        json.dump(result, open(out, "w"))
+        return 0
+    with DistributedSession.start(model, tokenizer, timeout=300) as ranks:
+        if not ranks.is_leader:
+            ranks.follow()
+            return 0
+        engine = ranks.attach(Engine(model, tokenizer, **settings))
+        warm = ranks.leader.stats()
+        result = measure(engine)
+        after = ranks.leader.stats()
+    steps = after["steps"] - warm["steps"]  # the timed pass's steps (the warm-up and the attach excluded)
+    result.update(ranks=ranks.size, steps=steps,
+                  relay_ms_per_step=1000 * (after["relay_seconds"] - warm["relay_seconds"]) / max(steps, 1),
+                  plan_bytes_per_step=(after["bytes_sent"] - warm["bytes_sent"]) / max(steps, 1))
+    json.dump(result, open(out, "w"))
+    return 0
+
+
+def _free_port_pair() -> int:
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+def _run(model_path: str, ranks: int, requests: int, max_tokens: int, folder: str, timeout: float) -> dict:
+    out = os.path.join(folder, f"ranks{ranks}-{os.path.basename(model_path)}.json")
+    command = [sys.executable, "-m", "bench.distributed_overhead", "--worker", model_path, "--requests",
+               str(requests), "--max-tokens", str(max_tokens), "--worker-out", out]
+    envs = [dict(os.environ)]
+    if ranks == 2:
+        port = _free_port_pair()
+        hostfile = os.path.join(folder, f"hosts-{port}.json")
+        with open(hostfile, "w") as f:
+            json.dump([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]], f)
+        envs = [{**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": hostfile} for rank in range(2)]
+    procs = [subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True) for env in envs]
+    errors = []
+    for proc in procs:
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            raise RuntimeError(f"{ranks} rank(s) on {model_path} did not finish within {timeout:g} s")
+        if proc.returncode != 0:
+            errors.append(err[-1500:])
+    if errors:
+        raise RuntimeError(f"{ranks} rank(s) on {model_path} failed: {errors}")
+    return json.load(open(out))
+
+
+def _model_path(name: str, folder: str) -> str:
+    if name == "tiny":
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+        from tiny_models import tiny_model, write_tiny_gguf
+
+        path = os.path.join(folder, "tiny.gguf")
+        write_tiny_gguf(path, tiny_model(seed=7))
+        return path
+    if name == "qwen":
+        from cortexstream.training.c2c.sharer_asset import qwen_coder_gguf
+
+        return qwen_coder_gguf()  # AssetError saying how to fetch it
+    raise SystemExit(f"--models: {name!r} is not one of tiny, qwen")
+
+
+def _markdown(payload: dict) -> str:
+    lines = ["# Two ranks on one machine: rank 0's relay cost and tokens/s", "",
+             f"{payload['requests']} greedy requests of {payload['max_tokens']} tokens, one warm-up pass, then one "
+             "timed pass. Two ranks share this machine's cores.", "",
+             "| model | tokens/s, 1 rank | tokens/s, 2 ranks | steps | plan encode+send ms/step | plan bytes/step |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name, cell in payload["models"].items():
+        if "skipped" in cell:
+            lines.append(f"| {name} | skipped: {cell['skipped']} | | | | |")
+            continue
+        one, two = cell["1"], cell["2"]
+        lines.append(f"| {name} | {one['tokens_per_s']:.1f} | {two['tokens_per_s']:.1f} | {two['steps']} | "
+                     f"{two['relay_ms_per_step']:.3f} | {two['plan_bytes_per_step']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.distributed_overhead", description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="tiny,qwen", help="comma-separated: tiny, qwen (default both)")
+    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 2 requests of 8 tokens")
+    parser.add_argument("--out", default=os.path.join("bench", "results"))
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.requests < 1 or args.max_tokens < 1:
+        parser.error("--requests and --max-tokens must be >= 1")
+    if args.worker:
+        return worker(args.worker, args.requests, args.max_tokens, args.worker_out)
+    if args.quick:
+        args.models, args.requests, args.max_tokens = "tiny", 2, 8
+    from cortexstream.benchmarks.common import show_report, write_results
+    from cortexstream.benchmarks.machine import machine
+    from cortexstream.training.c2c.sharer_asset import AssetError
+
+    payload: dict[str, Any] = {"machine": machine(), "requests": args.requests, "max_tokens": args.max_tokens,
+                               "models": {}}
+    with tempfile.TemporaryDirectory() as folder:
+        for name in args.models.split(","):
+            try:
+                path = _model_path(name, folder)
+            except AssetError as exc:
+                payload["models"][name] = {"skipped": str(exc)}
+                continue
+            payload["models"][name] = {str(n): _run(path, n, args.requests, args.max_tokens, folder, args.timeout)
+                                       for n in (1, 2)}
+    write_results(args.out, RESULT, payload, _markdown(payload))
+    return show_report(args.out, RESULT)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
