@@ -20,7 +20,8 @@ from cortexstream.kv.kv_dtype import DEFAULT_GROUP_SIZE, GROUP_SIZES, StorageTyp
 GIB = 1024**3
 KV_DTYPE_HELP = (
     "how the KV arena stores keys and values: auto (the model's float type, the default), float32, float16, "
-    "bfloat16, int8, int4, or k=<type>,v=<type> (K and V may differ only if one of them is int8/int4)"
+    "bfloat16, int8, int4, or k=<type>,v=<type> (K and V may differ only if one of them is int8/int4); "
+    "4-bit sides are stored rotated unless followed by ,rotate=off (,rotate=on rotates 8-bit sides too)"
 )
 KV_GROUP_SIZE_HELP = (
     f"values per scale/bias group of int8/int4 storage: {' or '.join(map(str, GROUP_SIZES))} "
