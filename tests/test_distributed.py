@@ -7,6 +7,9 @@
 - an idle rank 0 keeps the others waiting past the timeout (heartbeats);
 - a rank that is killed or stopped (SIGSTOP: it hangs) ends the other with an error naming it, within the timeout;
 - `cortexstream serve` on two ranks answers, idles past the timeout, and both ranks stop with it (SIGTERM);
+- under `serve`, a request naming a KV policy the ranks cannot share gets a 400 naming `kv_policy`; a rank that
+  dies or hangs turns /health and every new or in-flight request into a 503 with the reason, then rank 0 exits 1;
+- a soak of 30 requests with preemption and aborts leaves both ranks with the same block-operation digest;
 - what cannot be split or shared is refused with the reason (tests/test_distributed_parts.py).
 
 The ranks run tests/distributed_rank.py as separate processes (started directly with MLX_RANK / MLX_HOSTFILE, as
