@@ -6,8 +6,9 @@
   samples the same tokens, and the int8 tokens equal one process's int8 tokens;
 - each rank holds half the KV bytes per token and less than one process's weights.
 
-Integration tests (marked real_model): skipped without the verified Qwen asset (`python -m bench.assets`) or when
-the ring backend cannot connect two local processes. Each run loads the model (float32 on CPU) in every process:
+Integration tests (marked real_model), run on request (CORTEXSTREAM_QWEN_RANK_TESTS=1: about 12 minutes on a 2-core
+CPU); skipped without the verified Qwen asset (`python -m bench.assets`) or when the ring backend cannot connect two
+local processes. Each run loads the model (float32 on CPU) in every process:
 on a 2-core machine shared with other work the first two tests took about 6 minutes together, the 4k prompt about
 6 minutes on its own.
 """
@@ -15,6 +16,7 @@ on a 2-core machine shared with other work the first two tests took about 6 minu
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,9 +30,15 @@ pytestmark = pytest.mark.real_model
 REAL_START = 600.0  # seconds a run on the real model may take (two processes load 0.5B float32 weights on a CPU)
 
 
+OPT_IN = "CORTEXSTREAM_QWEN_RANK_TESTS"  # about 12 minutes on a 2-core CPU: run on request, not in every suite
+
+
 @pytest.fixture(scope="module")
 def qwen() -> str:
     from cortexstream.training.c2c.sharer_asset import AssetError, qwen_coder_gguf
+
+    if not os.environ.get(OPT_IN):
+        pytest.skip(f"Qwen on two ranks takes about 12 minutes here; set {OPT_IN}=1 to run it")
 
     try:
         return qwen_coder_gguf()
