@@ -53,7 +53,7 @@ def test_cost_per_draft_is_small_when_weight_bound_and_near_one_when_rows_domina
 
 def test_few_samples_move_the_cost_part_of_the_way_and_forgotten_spread_returns_it_to_the_prior():
     model = VerifyCostModel()
-    _feed(model, a=0.002, b=0.010, rows=[8, 9])  # two samples say rows are dear
+    _feed(model, a=0.002, b=0.010, rows=[8, 9, 8, 9])  # two samples say rows are dear (first passes are not)
     measured = model.measured_cost(8)
     assert measured > 0.9 and PRIOR_COST_PER_DRAFT < model.cost_per_draft(8) < 0.5 * (measured + PRIOR_COST_PER_DRAFT)
     _feed(model, a=0.002, b=0.010, rows=[8, 12, 16, 24] * 10)
@@ -211,3 +211,16 @@ def test_greedy_output_equals_plain_whatever_the_cost_says(tiny, prior):
     got, engine = run("ngram:k=4,n=2")
     assert got == plain
     assert engine.scheduler.num_verified > 0
+
+
+def test_the_first_pass_of_a_shape_is_not_a_sample():
+    """A shape's first pass allocates and builds what later ones reuse: a slow first 5-row verify must not make rows
+    look dear (on SmolLM2 it set the cost to 0.6 at a batch of 1 and turned drafting off for good)."""
+    model = VerifyCostModel()
+    model.observe(5, 0.160)  # the first 5-row pass: slow
+    model.observe(3, 0.050)  # the first 3-row pass
+    assert model.samples == 0 and not model.fitted
+    for rows in [3, 5, 2, 2, 4, 3, 5, 4] * 3:
+        model.observe(rows, 0.035 + 0.006 * rows)
+    assert model.seconds_per_row == pytest.approx(0.006, rel=1e-6)
+    assert model.measured_cost(1) == pytest.approx(0.006 / 0.041, rel=1e-3)

@@ -18,7 +18,10 @@ seen it is the prior; a few samples move it part of the way; many spread samples
 make it the measured cost. While the remembered samples hardly vary in rows (weighted variance under `min_spread`:
 only probes of one draft token, the same batch) the slope is kept and only the level `a` follows the data, and as
 the spread is forgotten the cost drifts back to the prior, so drafting is tried again and measured afresh instead of
-staying off on an old estimate. A sample longer than `outlier` times the current prediction (a pause of the caller
+staying off on an old estimate. The first pass of each row count is not a sample: a new shape's first pass allocates and builds what later passes
+reuse (SmolLM2 on this CPU: 140-160 ms for a 5-row verify whose later passes take 50-77 ms; that one sample set the
+cost per draft to 0.6 at a batch of 1, which turned drafting off for good). A sample longer than `outlier` times the
+current prediction (a pause of the caller
 between steps, another process) is clipped to it, so one stall moves the fit a bounded amount while a lasting change
 still moves it.
 
@@ -89,6 +92,7 @@ class VerifyCostModel:
         self._sums = [0.0] * 5  # decayed weight, x, x^2, y, x*y
         self._first_rows: int | None = None
         self._distinct = False  # two row counts seen
+        self._shapes: set[int] = set()  # row counts whose first pass was seen (and not taken as a sample)
 
     @property
     def fitted(self) -> bool:
@@ -117,6 +121,9 @@ class VerifyCostModel:
             raise InvalidArgumentError(f"rows: {rows!r} must be an integer >= 1")
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
             raise InvalidArgumentError(f"seconds: {seconds!r} must be a finite number > 0")
+        if rows not in self._shapes:  # a shape's first pass allocates and builds what later ones reuse
+            self._shapes.add(rows)
+            return
         predicted = self.predict(rows)
         if predicted is not None and predicted > 0:
             seconds = min(seconds, self.outlier * predicted)
