@@ -22,12 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
+
+from cortexstream.distributed.local_ranks import rank_environment, write_local_hostfile
 
 RESULT = "distributed"
 
@@ -80,31 +81,14 @@ def worker(model_path: str, requests: int, max_tokens: int, out: str) -> int:
     return 0
 
 
-def _free_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-    raise RuntimeError("no two consecutive free ports")
-
-
 def _run(model_path: str, ranks: int, requests: int, max_tokens: int, folder: str, timeout: float) -> dict:
     out = os.path.join(folder, f"ranks{ranks}-{os.path.basename(model_path)}.json")
     command = [sys.executable, "-m", "bench.distributed_overhead", "--worker", model_path, "--requests",
                str(requests), "--max-tokens", str(max_tokens), "--worker-out", out]
     envs = [dict(os.environ)]
     if ranks == 2:
-        port = _free_port_pair()
-        hostfile = os.path.join(folder, f"hosts-{port}.json")
-        with open(hostfile, "w") as f:
-            json.dump([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]], f)
-        envs = [{**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": hostfile} for rank in range(2)]
+        hostfile = write_local_hostfile(folder)
+        envs = [rank_environment(rank, hostfile) for rank in range(2)]
     procs = [subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True) for env in envs]
     errors = []
     for proc in procs:

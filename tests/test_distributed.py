@@ -30,6 +30,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from cortexstream.distributed.local_ranks import free_port_pair, rank_environment, write_local_hostfile
 from tiny_models import tiny_model, write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,33 +40,11 @@ TIMEOUT = 5.0  # the ranks' --rank-timeout in these tests
 START = 40.0  # seconds two ranks may take to start, load and finish a short scenario
 
 
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free (mlx.launch's ring ranks listen on consecutive ports)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-    raise RuntimeError("no two consecutive free ports")
-
-
-def write_hostfile(folder: Path) -> str:
-    port = free_port_pair()
-    path = folder / f"hosts-{port}.json"
-    path.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
-    return str(path)
-
-
 def start_ranks(folder: Path, *args: str, program: str = sys.executable) -> list[subprocess.Popen]:
     """`program args` as ranks 0 and 1, started as mlx.launch starts them (MLX_RANK, MLX_HOSTFILE)."""
-    hostfile = write_hostfile(folder)
+    hostfile = write_local_hostfile(folder)
     return [subprocess.Popen([program, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": hostfile})
+                             env=rank_environment(rank, hostfile))
             for rank in range(2)]
 
 
