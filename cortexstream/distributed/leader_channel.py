@@ -95,18 +95,9 @@ class LeaderChannel:
         with self._lock:
             if self._failed is not None:
                 raise DistributedError(f"the ranks have stopped: {self._failed}")
-            now = time.monotonic()
-            for rank, sock in self._socks.items():
-                with self._state:
-                    if self._waiting[rank] is None:
-                        self._waiting[rank] = now
-                try:
-                    send_frame(sock, payload)
-                except OSError as exc:
-                    self._fail(f"rank {rank} cannot be reached ({exc}): its process has ended")
-                    raise DistributedError(f"the ranks have stopped: {self._failed}") from exc
-                self.bytes_sent += len(payload)
-            self._last_send = now
+            unreachable = self._broadcast(payload, count=True)
+            if unreachable is not None:
+                raise DistributedError(f"the ranks have stopped: {self._failed}") from unreachable
 
     def close(self, error: str | None = None) -> None:
         """Tell every rank to stop (with `error` when rank 0 failed) and wait up to `timeout` for them to go."""
@@ -169,7 +160,12 @@ class LeaderChannel:
                     self._lock.release()
 
     def _send_heartbeat(self) -> None:
-        payload = pickle.dumps(Heartbeat())
+        self._broadcast(pickle.dumps(Heartbeat()), count=False)
+
+    def _broadcast(self, payload: bytes, count: bool) -> OSError | None:
+        """One frame to every rank, each then owing an answer (the watchdog's clock starts if it was not running).
+        A rank that cannot be reached fails the session: its error is returned and the rest are not sent to.
+        `count`: add the bytes to `bytes_sent` (plans and control messages, not heartbeats)."""
         now = time.monotonic()
         for rank, sock in self._socks.items():
             with self._state:
@@ -179,5 +175,8 @@ class LeaderChannel:
                 send_frame(sock, payload)
             except OSError as exc:
                 self._fail(f"rank {rank} cannot be reached ({exc}): its process has ended")
-                return
+                return exc
+            if count:
+                self.bytes_sent += len(payload)
         self._last_send = now
+        return None
