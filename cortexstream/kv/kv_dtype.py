@@ -136,19 +136,23 @@ class KVDtype:
         """Canonical spelling, accepted back by `parse_kv_dtype`: "int8", or "k=int8,v=int4" when they differ.
         A rotation other than the default is spelled after it. Group size and float type are not in it; `cache_key`
         has all of it."""
-        sides = self.key.value if self.key == self.value else f"k={self.key.value},v={self.value.value}"
+        sides = self.sides_text
         if self.rotation != Rotation.AUTO and self.quantized:
             sides += f",rotate={self.rotation.value}"
         return sides
 
     @property
+    def sides_text(self) -> str:
+        """The storage types alone: "int8", or "k=int8,v=int4" when they differ."""
+        return self.key.value if self.key == self.value else f"k={self.key.value},v={self.value.value}"
+
+    @property
     def cache_key(self) -> str:
         """Everything that decides the stored bytes of a block, for prefix-cache hashes and saved-cache metadata."""
         group = f",group={self.group_size}" if self.quantized else ""
-        sides = self.key.value if self.key == self.value else f"k={self.key.value},v={self.value.value}"
         rotated = "".join(name for name, on in (("k", self.key_rotated), ("v", self.value_rotated)) if on)
         turned = f",rot={ROTATION_NAME}:{rotated}" if rotated else ""
-        return f"{sides}{group},float={self.float_type.value}{turned}"
+        return f"{self.sides_text}{group},float={self.float_type.value}{turned}"
 
     def check_head_dims(self, head_dim: int, v_head_dim: int | None = None) -> None:
         """Refuse head dims a quantized side cannot be grouped along (mx.quantize needs the last axis divisible by
