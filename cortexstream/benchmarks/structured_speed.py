@@ -24,10 +24,7 @@ from typing import Any, Callable, Sequence
 
 from cortexstream.benchmarks.common import NoEosTokenizer, percentile, release_engines
 from cortexstream.benchmarks.structured_measure import Completion, run_requests
-
-
-def eos_ids(tokenizer: Any) -> set[int]:
-    return set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+from cortexstream.models.eos import eos_ids
 
 
 def logits_width(model: Any, fallback: int) -> int:
@@ -127,4 +124,4 @@ def compile_and_mask(model: Any, tokenizer: Any, model_name: str, names: Sequenc
     return compile_row, mask_row
 
 
-__all__ = ["compile_and_mask", "eos_ids", "logits_width", "mask_cost"]
+__all__ = ["compile_and_mask", "logits_width", "mask_cost"]

@@ -11,6 +11,7 @@ from typing import Any
 from cortexstream.benchmarks.common import percentile
 from cortexstream.benchmarks.throughput_measure import alternate, compare_outputs, ratios, wall_summary
 from cortexstream.benchmarks.throughput_prompts import build_prompts
+from cortexstream.models.eos import eos_ids
 
 OURS = "cortexstream"
 REFERENCE = "mlx_lm"
@@ -63,8 +64,8 @@ def measure_cell(model: Any, tokenizer: Any, kind: str, concurrency: int, prompt
         "decode_tps": _median(m.result.stats.generation_tps for m in runs[REFERENCE]),
         "generated_tokens": sum(len(t) for t in runs[REFERENCE][0].result.token_ids),
     })
-    eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
-    outputs = compare_outputs(runs[OURS][0].result.token_ids, runs[REFERENCE][0].result.token_ids, eos_ids)
+    eos = eos_ids(tokenizer)
+    outputs = compare_outputs(runs[OURS][0].result.token_ids, runs[REFERENCE][0].result.token_ids, eos)
     cell_ratios = ratios(ours, reference)
     target = ratio_target(kind, concurrency)
     return {

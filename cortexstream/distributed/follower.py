@@ -33,6 +33,7 @@ from cortexstream.engine.runner import ModelRunner
 from cortexstream.engine.step_plan import StepPlan, StepResult
 from cortexstream.grammar.compiler import GrammarCompiler
 from cortexstream.kv.arena import KVArena
+from cortexstream.models.eos import eos_ids
 
 
 class RankEngine:
@@ -41,10 +42,9 @@ class RankEngine:
     def __init__(self, model: Any, tokenizer: Any, spec: OpenEngine) -> None:
         self.arena = KVArena(spec.arena)
         self.backend = ComputeBackend.for_engine(spec.small_batch_rows, model=model)
-        eos = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
         self.runner = ModelRunner(model, self.arena, self.backend, batch_prefill=spec.batch_prefill,
                                   mixed_prefill=spec.mixed_prefill,
-                                  constraints=GrammarCompiler(tokenizer, eos).constraint)
+                                  constraints=GrammarCompiler(tokenizer, eos_ids(tokenizer)).constraint)
 
     def execute(self, plan: StepPlan) -> StepResult:
         """As `Engine.step` runs a plan: the backend held for the step, and past it while a pass is in flight."""

@@ -46,6 +46,7 @@ from cortexstream.engine.speculative_config import parse_speculative
 from cortexstream.kv.arena import KVArena
 from cortexstream.engine.sizing import engine_arena
 from cortexstream.policies.parsing import parse_policy
+from cortexstream.models.eos import eos_ids
 
 
 class Engine:
@@ -103,7 +104,7 @@ class Engine:
             self._adaptive = AdaptivePrefillBudget(prefill_step_size)
             config = replace(config, prefill_tokens_while_decoding=self._adaptive.tokens())
         self.scheduler = Scheduler(self.block_manager, config)
-        self._eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+        self._eos_ids = eos_ids(tokenizer)
         self.grammars = GrammarCompiler(tokenizer, self._eos_ids)  # response_format / grammar -> token masks
         self.runner = ModelRunner(model, arena, self.backend, batch_prefill=batch_prefill,
                                   mixed_prefill=mixed_prefill, constraints=self.grammars.constraint,
