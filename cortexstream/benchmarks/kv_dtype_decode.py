@@ -26,7 +26,7 @@ from cortexstream.engine.engine import Engine
 from cortexstream.engine.sampling import SamplingParams
 
 
-def _prefilled_engine(model: Any, tokenizer: Any, prompts: list[list[int]], storage: Storage, max_tokens: int,
+def prefilled_engine(model: Any, tokenizer: Any, prompts: list[list[int]], storage: Storage, max_tokens: int,
                       warmup: int) -> Engine:
     batch = len(prompts)
     engine = Engine(model, NoEosTokenizer(tokenizer), kv_tokens=batch * (len(prompts[0]) + max_tokens + 32),
@@ -62,7 +62,7 @@ def decode_rows(model: Any, tokenizer: Any, storages: list[Storage], batch: int,
     try:
         for storage in storages:
             tic = time.perf_counter()
-            engines[storage.text] = _prefilled_engine(model, tokenizer, prompts, storage, max_tokens, warmup)
+            engines[storage.text] = prefilled_engine(model, tokenizer, prompts, storage, max_tokens, warmup)
             log(f"decode batch={batch} keys={keys} {storage.text}: prompts in ({time.perf_counter() - tic:.0f}s)")
         names = [s.text for s in storages]
         for r in range(rounds):
@@ -84,4 +84,4 @@ def decode_rows(model: Any, tokenizer: Any, storages: list[Storage], batch: int,
     return rows
 
 
-__all__ = ["decode_rows"]
+__all__ = ["decode_rows", "prefilled_engine"]
