@@ -5,6 +5,8 @@ A trial is a conversation on one prompt cache (`engine.policy_prompt_cache`, a p
   (`expect_prompt_end`) before it is fed, so a query-aware policy compresses once the question is in;
 - later_turn: the document alone is one prompt, told and fed (compressed at its end), then the question comes as a
   new prompt on the compressed cache, its end told before it is fed: the policy never saw it when it compressed.
+A policy that reconstructs (KVzip) repeats each prompt (and the answer tokens before it) once the prompt is fed,
+then compresses: in later_turn the document is compressed before the question exists.
 Further questions (multiquery) follow the previous answer in the same conversation, each a new prompt. Prompts go
 in chunks of `chunk` tokens, the policy acting after each chunk and each answer token; answers are greedy, at most
 `ANSWER_TOKENS`, scored by exact match of their first number.
@@ -27,6 +29,8 @@ from cortexstream.evaluation.answering import feed_chunks, greedy_tokens
 from cortexstream.benchmarks.retrieval_prompts import Trial
 from cortexstream.benchmarks.retrieval_settings import Placement
 from cortexstream.engine.policy_prompt_cache import attach_policy, fork_cache, policy_state_of
+from cortexstream.engine.reconstruction_pass import reconstruct
+from cortexstream.engine.reconstruction_prompt import reconstruction_prompt
 from cortexstream.kv.prompt_cache import make_prompt_cache
 from cortexstream.policies import KVPolicy, parse_policy
 
@@ -52,13 +56,20 @@ def run_trial(model: Any, tokenizer: Any, cache: list[Any], trial: Trial, placem
     """The conversation of one trial on `cache`, which holds the document's first `fed` tokens."""
     state = policy_state_of(cache)
     position = fed
+    # KVzip: after each prompt the model repeats what it has not repeated yet, then the cache is compressed
+    repeat = reconstruction_prompt(tokenizer) if state is not None and state.reconstruction is not None else None
+    unrepeated = list(trial.document[:fed])
 
     def prompt(ids: Sequence[int], logits: bool) -> mx.array | None:
         nonlocal position
         position += len(ids)
         if state is not None:
             state.expect_prompt_end(position)  # before feeding: nothing of this prompt is evicted blind
-        return feed_chunks(model, cache, list(ids), chunk, context, logits=logits)
+        out = feed_chunks(model, cache, list(ids), chunk, context, logits=logits)
+        if repeat is not None:
+            reconstruct(model, cache, unrepeated + list(ids), repeat, context)
+            unrepeated.clear()
+        return out
 
     pending: list[int] = list(trial.document[fed:])
     if placement is Placement.LATER_TURN:
@@ -70,6 +81,7 @@ def run_trial(model: Any, tokenizer: Any, cache: list[Any], trial: Trial, placem
         physical.append(physical_tokens(cache))
         tokens = greedy_tokens(model, tokenizer, cache, logits, context, len(code), ANSWER_TOKENS)
         position += len(tokens) - 1
+        unrepeated.extend(tokens[:-1])
         pending = tokens[-1:]  # the answer's last token opens the next prompt
         answers.append(tokenizer.decode(tokens).strip())
     right = [matches(a, c) for a, c in zip(answers, trial.answers)]

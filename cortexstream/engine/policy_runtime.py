@@ -24,6 +24,7 @@ from cortexstream.engine.attention_hook import (
 from cortexstream.engine.evict_merge import merged_values, write_values
 from cortexstream.engine.observation import observation_for
 from cortexstream.engine.query_statistics import QueryStatistics
+from cortexstream.engine.reconstruction import FRESH, ReconstructionScores
 from cortexstream.policies.base import KVPolicy
 from cortexstream.engine.rerotate import KeyRotator, find_rope, key_rotator, renumber
 
@@ -51,6 +52,8 @@ class PolicyState:
         self.observation = observation_for(policy)  # which queries vote, for policies with a window (SnapKV)
         self.queries: QueryStatistics | None = None  # the prompt's query statistics (ExpectedAttention)
         self.prompt_end: int | None = None
+        # KVzip: the reconstruction's maxima, and eviction held until it ran (`engine.reconstruction`)
+        self.reconstruction = ReconstructionScores(num_layers) if policy.reconstructs else None
 
     def expect_prompt_end(self, logical_end: int) -> None:
         """The prompt being prefilled ends at `logical_end`: for a policy with an observation window only its last
@@ -118,7 +121,8 @@ class PolicyState:
             if new:
                 fresh = np.broadcast_to(np.arange(offset - new, offset), (heads, new))
                 self.positions[layer] = np.concatenate([self.positions[layer], fresh], axis=1)
-                self.scores[layer] = np.concatenate([self.scores[layer], np.zeros((heads, new))], axis=1)
+                fill = 0.0 if self.reconstruction is None else FRESH
+                self.scores[layer] = np.concatenate([self.scores[layer], np.full((heads, new), fill)], axis=1)
                 self.bias[layer] = np.concatenate([self.bias[layer], np.zeros((heads, new), np.float32)], axis=1)
                 if layer == 0:
                     self.mass = np.concatenate([self.mass, np.ones(new)])
@@ -132,6 +136,9 @@ class PolicyState:
         """Sync, then let the policy evict and/or merge down to its budget. Returns the physical slots removed."""
         self.sync(seq)
         if self.observation is not None and not self.observation.may_evict(self.prompt_end, seq.logical_length):
+            return 0
+        if self.reconstruction is not None and not self.reconstruction.may_evict(self.prompt_end,
+                                                                                 seq.logical_length):
             return 0
         n = seq.num_tokens
         scores = np.stack(self.scores) if self.policy.needs_attention_scores else None
@@ -295,6 +302,7 @@ class PolicyState:
         other.observation = self.observation  # immutable: the policy's window
         other.prompt_end = self.prompt_end
         other.queries = self.queries.clone() if self.queries is not None else None
+        other.reconstruction = self.reconstruction.clone() if self.reconstruction is not None else None
         return other
 
 
@@ -318,7 +326,9 @@ class PolicyKVCache(ArenaKVCache):
         if bias is not None:
             mask = biased_mask(mask, bias, queries.shape[2], keys.shape[2], queries.dtype)
         state.add_queries(self.layer, queries[0], self.offset)
-        if state.policy.needs_attention_scores:
+        if state.reconstruction is not None:  # records during a reconstruction pass only
+            state.reconstruction.observe(self.layer, queries, keys, scale, mask, sinks)
+        elif state.policy.needs_attention_scores:
             first = state.voting_row(self.offset, queries.shape[2])
             if first is not None:
                 rows_mask = mask[..., first:, :] if first and isinstance(mask, mx.array) else mask
@@ -355,7 +365,8 @@ def batch_attention_hook(layer: int, lengths: np.ndarray, states: list[PolicySta
     `attend`: the batch's own attention (`BatchLayerCache.attend`); used for the output whenever no bias is
     added, so a batch that only records scores produces exactly the tokens of a batch without policies.
     """
-    rows = [b for b, s in enumerate(states) if s is not None and s.policy.needs_attention_scores]
+    rows = [b for b, s in enumerate(states)
+            if s is not None and s.policy.needs_attention_scores and s.reconstruction is None]
     index = mx.array(np.asarray(rows, dtype=np.int32))
     biased = [b for b, s in enumerate(states) if s is not None and s.has_bias()]
 

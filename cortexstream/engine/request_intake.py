@@ -1,9 +1,10 @@
 """A request's arguments checked and turned into a `Sequence` (what `Engine.add_request` queues).
 
 Everything a caller can get wrong is refused here, before anything is queued, with an error naming the argument:
-the sampling parameters, a grammar that cannot be enforced, a KV policy string, a sampler that is not callable, a
-request id in use, a prompt cache, a speculative decoding setting. A seeded sampled request gets its own seeded
-sampler, so its output does not depend on what else runs.
+the sampling parameters, a grammar that cannot be enforced, a KV policy string (or one that reconstructs its prompt,
+KVzip, with a prompt cache), a sampler that is not callable, a request id in use, a prompt cache, a speculative
+decoding setting. A KVzip request gets its reconstruction plan, its prompt from the engine's tokenizer. A seeded
+sampled request gets its own seeded sampler, so its output does not depend on what else runs.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Any, Callable
 
 from cortexstream.engine.bound_cache import BoundCache
 from cortexstream.engine.prompt import prompt_to_tokens
+from cortexstream.engine.reconstruction_plan import ReconstructionPlan
+from cortexstream.engine.reconstruction_prompt import reconstruction_prompt
 from cortexstream.engine.sampling import SamplingParams, sampling_from_kwargs
 from cortexstream.engine.seeded import seeded_sampler
 from cortexstream.engine.sequence import Sequence
@@ -55,12 +58,18 @@ def make_sequence(engine: Any, prompt: Any, sampling: SamplingParams, *, kv_poli
     ids = {} if request_id is None else {"request_id": request_id}
     if sampler is None and sampling.seed is not None and not sampling.greedy:  # repeatable whatever else runs
         sampler = seeded_sampler(sampling, sampling.seed)
+    if prompt_cache is not None and policy.reconstructs:
+        raise InvalidArgumentError(f"kv_policy: {policy.describe()!r} reconstructs the prompt between engine "
+                                   "steps, which a caller's prompt_cache does not take part in; use it without "
+                                   "prompt_cache (the engine's own KV)")
     if prompt_cache is not None:
         bound = BoundCache.bind(prompt_cache, engine.model, None if kv_policy is None else policy,
                                 len(tokens) + sampling.max_tokens, prompt_tokens=len(tokens))
         return Sequence(tokens, sampling, tenant=tenant, bound_cache=bound, kv_from_tokens=False, sampler=sampler,
                         **ids)
     seq = Sequence(tokens, sampling, tenant=tenant, kv_policy=policy, sampler=sampler, **ids)
+    if policy.reconstructs:  # KVzip: the model repeats the prompt before it decodes (engine/reconstruction_plan)
+        seq.reconstruction = ReconstructionPlan(reconstruction_prompt(engine.tokenizer).prefix, policy.chunk)
     if config is not None and speculates(seq):
         seq.speculation = SpeculationState(config)
     return seq

@@ -34,7 +34,8 @@ from cortexstream.engine.policy_runtime import PolicyState, batch_attention_hook
 from cortexstream.engine.prefill_batch import PrefillBatch, group_chunks
 from cortexstream.engine.request_sampler import ConstraintFactory, RequestSampler, SamplingFailed
 from cortexstream.engine.draft_verify import verify_draft
-from cortexstream.engine.step_plan import NewRequest, SampledToken, StepPlan, StepResult, WorkItem
+from cortexstream.engine.reconstruction_pass import score_item
+from cortexstream.engine.step_plan import NewRequest, SampledToken, StepPlan, StepResult, WorkItem, WorkKind
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_cache import ArenaKVCache
 from cortexstream.kv.block_io import import_blocks
@@ -142,7 +143,7 @@ class ModelRunner:
         decode = list(plan.decode)
         mixed = self._mixable(decode, plan.prefill) if self.mixed_prefill and decode else []
         riding = {id(item) for item in mixed}
-        separate = [item for item in plan.prefill if id(item) not in riding]
+        separate = [item for item in plan.prefill if id(item) not in riding] + list(plan.score)
         tic = time.perf_counter()
         self._prefill(separate, out)
         out.prefill_seconds = time.perf_counter() - tic
@@ -183,6 +184,10 @@ class ModelRunner:
             return self._bound_forward(request, tokens, item.sample)
         self.arena.grow_ahead()
         kv = self._kv(request, item)
+        if item.kind is WorkKind.SCORE:  # a reconstruction chunk: scores recorded, KV rolled back, nothing sampled
+            out.physical[item.request_id] = score_item(self.model, kv, request.policy, item.token_ids, item.compress,
+                                                       request.spec.max_total_tokens)
+            return None
         caches = self._caches(request, kv)
         if item.sample:
             logits = last_token_logits(self.model, tokens, caches)[0]

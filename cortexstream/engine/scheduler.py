@@ -16,10 +16,11 @@ the hook runs at the start of the next `schedule()` (between forward passes), th
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cortexstream.engine.block_manager import BlockManager
 from cortexstream.engine.finish_reason import FinishReason
+from cortexstream.engine.reconstruction_plan import plan_scoring, scoring
 from cortexstream.engine.sequence import Sequence, SequenceHook, SequenceStatus
 from cortexstream.engine.step_plan import ModelDraft, NewRequest, StepPlan, StepResult, WorkItem, WorkKind
 from cortexstream.engine.verify_cost import VerifyCostModel, timed_pass
@@ -177,8 +178,8 @@ class Scheduler:
     def may_pipeline(self) -> bool:
         """True when the next step can only decode: nothing to admit or prefill, and blocks enough for every
         running sequence to grow (and copy on write) without preempting anyone."""
-        if self.waiting or any(s.num_pending > 1 or (s.speculation is not None and s.speculation.wants_draft())
-                               for s in self.running):
+        if self.waiting or any(s.num_pending > 1 or scoring(s) or (s.speculation is not None and
+                                                                   s.speculation.wants_draft()) for s in self.running):
             return False  # speculation needs its last token read to draft from it
         # A sequence with room reserved for its next two tokens needs no block, unless it writes a shared one.
         allocator, bs = self.blocks.allocator, self.blocks.block_size
@@ -200,6 +201,7 @@ class Scheduler:
                          for block, payload in zip(done.blocks, done.payloads))
         budget = self.config.prefill_budget(decoding=any(s.num_pending == 1 for s in self.running),
                                             num_prefilling=sum(s.num_pending > 1 for s in self.running))
+        score, budget = plan_scoring(self.running, self.blocks, budget, self.config.prefill_step_size)  # KVzip
         prefill: list[tuple[Sequence, int]] = []
         for seq in self.running:
             # More than one pending token is prompt (or recompute after preemption); one is a decode step.
@@ -211,7 +213,7 @@ class Scheduler:
                     continue  # its blocks were allocated at admission; only copy-on-write can be short
                 prefill.append((seq, chunk))
                 budget -= chunk
-        prefilling = {id(s) for s, _ in prefill}
+        prefilling = {id(s) for s, _ in prefill} | {id(s) for s in self.running if scoring(s, score)}
         decode: list[Sequence] = []
         drafts: dict[int, tuple[int, ...]] = {}
         for seq in list(self.running):
@@ -238,7 +240,7 @@ class Scheduler:
                 decode = [s for s in decode if s is not victim]
             else:
                 decode.append(seq)
-        return self._plan(prefill, decode, restores, drafts), ended
+        return replace(self._plan(prefill, decode, restores, drafts), score=tuple(score)), ended
 
     @staticmethod
     def _draft(seq: Sequence) -> tuple[tuple[int, ...], ModelDraft | None]:
@@ -375,8 +377,9 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
-        if seq.speculation is not None:
-            seq.speculation.restart()
+        for state in (seq.speculation, seq.reconstruction):
+            if state is not None:
+                state.restart()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

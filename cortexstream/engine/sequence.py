@@ -95,6 +95,8 @@ class Sequence:
     sampler: Any = None
     # Speculative decoding state (`engine.speculation.SpeculationState`: drafter and adaptive length), or None.
     speculation: Any = None
+    # KVzip: the reconstruction chunks it runs after its prompt (`engine.reconstruction_plan.ReconstructionPlan`).
+    reconstruction: Any = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -26,6 +26,9 @@ from cortexstream.policies.base import KVPolicy
 class WorkKind(enum.Enum):
     PREFILL = "prefill"  # prompt tokens (or recompute after a preemption); samples when the prompt is done
     DECODE = "decode"  # exactly one token, always sampled
+    # A reconstruction chunk (KVzip, engine/reconstruction_pass.py): computed after the sequence's context, its
+    # attention to the context recorded, its KV rolled back; nothing sampled, the sequence's tokens unchanged.
+    SCORE = "score"
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class WorkItem:
     # them in the same pass, keeps the longest prefix the model agrees with and samples one more token.
     draft: tuple[int, ...] = ()
     model_draft: ModelDraft | None = None  # tokens the runner's draft model proposes instead (engine/draft_runner.py)
+    compress: bool = False  # a SCORE item that ends its reconstruction: the policy then evicts to its budget
 
     @property
     def num_tokens(self) -> int:
@@ -86,10 +90,11 @@ class StepPlan:
     num_blocks_used: int = 0  # one past the highest block id in use: the arena must back them
     # (block, payload) read back from the disk tier (kv/block_io.py layout), written before the copies
     restores: tuple[tuple[int, bytes], ...] = ()
+    score: tuple[WorkItem, ...] = ()  # reconstruction chunks (WorkKind.SCORE), each in a pass of its own
 
     @property
     def is_empty(self) -> bool:
-        return not (self.prefill or self.decode)
+        return not (self.prefill or self.decode or self.score)
 
 
 @dataclass(frozen=True)

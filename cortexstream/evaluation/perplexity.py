@@ -5,7 +5,8 @@ cache; after every chunk the policy evicts down to its budget, so later tokens a
 cache exactly as in generation. Within a chunk, the cache holds at most budget + chunk_size tokens (the "+ one
 prefill chunk" allowance), so chunk_size > 1 trades a slightly larger effective cache for speed. Without an
 evicting policy nothing is ever evicted and chunking does not change the result, so a large chunk is used.
-The policy's context (for fraction budgets) is the number of tokens scored.
+The policy's context (for fraction budgets) is the number of tokens scored. A policy that compresses a prompt only
+after the model repeated it (KVzip, `reconstructs`) is refused: a scored text has no prompt end to repeat.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ def token_nlls(
 
     policy = parse_policy(kv_policy)
     evicting = policy is not None and policy.evicts
+    if evicting and policy.reconstructs:
+        raise InvalidArgumentError(f"kv_policy: {policy.describe()!r} compresses a prompt once the model has repeated "
+                                   "it, after the prompt's end; perplexity scores a text with no prompt end, so "
+                                   "nothing would ever be compressed (use it with generate or the engine)")
     if chunk_size is None:
         chunk_size = 1 if evicting else FULL_CHUNK
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:

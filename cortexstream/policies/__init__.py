@@ -1,6 +1,7 @@
 """KV policies: `FullCache` (default), `StreamingLLM` (sinks + window), `H2O` (heavy hitters + recent), `SnapKV`
 (the prompt's last queries vote for the keys to keep), `ExpectedAttention` (keys scored by the attention a query
-drawn from the prompt's query distribution would pay them), and the merging policies (`merging`: `MeanPool`, the learned `Compressor` and `Sidecar`, `TokenMerging`).
+drawn from the prompt's query distribution would pay them), `KVzip` (keys scored by the attention a
+repetition of the context pays them: query-agnostic), and the merging policies (`merging`: `MeanPool`, the learned `Compressor` and `Sidecar`, `TokenMerging`).
 
 Attach one to a request with `kv_policy=` (an object or a string such as 'h2o:budget=0.2,sinks=4,recent=64');
 see `base` for budgets and the policy protocol. Policies only select; the runtime that holds per-sequence state and
@@ -12,6 +13,7 @@ from cortexstream.policies.compressor import Compressor
 from cortexstream.policies.d2o import D2O
 from cortexstream.policies.expected_attention import ExpectedAttention
 from cortexstream.policies.h2o import H2O
+from cortexstream.policies.kvzip import KVzip
 from cortexstream.policies.mean_pool import MeanPool
 from cortexstream.policies.parsing import parse_policy
 from cortexstream.policies.merging import Merged, MergingPolicy
@@ -20,5 +22,5 @@ from cortexstream.policies.snapkv import SnapKV
 from cortexstream.policies.streaming_llm import StreamingLLM
 from cortexstream.policies.token_merging import TokenMerging
 
-__all__ = ["Compressor", "D2O", "ExpectedAttention", "FullCache", "H2O", "KVPolicy", "MeanPool", "Merged", "MergingPolicy", "Sidecar",
+__all__ = ["Compressor", "D2O", "ExpectedAttention", "FullCache", "H2O", "KVPolicy", "KVzip", "MeanPool", "Merged", "MergingPolicy", "Sidecar",
            "SnapKV", "StreamingLLM", "TokenMerging", "parse_policy"]

@@ -76,6 +76,9 @@ class KVPolicy:
     - `observation_window`: None, or how many queries before the end of a prompt vote (SnapKV): the runtime
       records attention only from queries at or after `prompt_end - window` and evicts only once the prompt is
       complete (see `engine.observation`).
+    - `reconstructs`: once a prompt is complete the model is made to repeat it (KVzip): the runtime records the
+      most attention each key got from those reconstruction queries, and evicts only once that pass has run
+      (see `engine.reconstruction`).
     - `parse_keys`: keys accepted in the policy's string form (key -> kind, see `parsing`).
     """
 
@@ -87,6 +90,7 @@ class KVPolicy:
     rerotate = False
     needs_query_statistics = False
     merges_evicted = False
+    reconstructs = False
     observation_window: int | None = None
     parse_keys: ClassVar[dict[str, str]] = {}
 

@@ -30,6 +30,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "snapkv": ("cortexstream.policies.snapkv", "SnapKV"),
     "expected": ("cortexstream.policies.expected_attention", "ExpectedAttention"),
     "d2o": ("cortexstream.policies.d2o", "D2O"),
+    "kvzip": ("cortexstream.policies.kvzip", "KVzip"),
 }
 def _value(policy: str, key: str, text: str, kind: str) -> Any:
     if kind == "str":

@@ -1,0 +1,99 @@
+"""Reconstruction scores (KVzip, `policies.kvzip`): the most attention each cached key gets while the model
+repeats its context.
+
+A policy with `reconstructs` gets a `ReconstructionScores` in its `PolicyState`. Outside a reconstruction pass
+nothing is recorded (prompt chunks and decode steps add no scores). During one (`context` set to the number of
+physical slots that hold the context), the attention hook hands every layer's queries and keys here, and each
+context key's score becomes the maximum of its attention probability over the pass's queries and over the query
+heads of its GQA group (`attention_max`); a pass's maxima are folded into the state's scores with a maximum too, so
+a context scored in several chunks keeps, per key, the largest attention any chunk paid it. Slots added since the
+last reconstruction carry +inf (`FRESH`) until a pass scores them: the policy keeps them first.
+
+Eviction waits for the reconstruction: until the prompt being prefilled (`prompt_end`) has been reconstructed
+(`scored_end`), nothing is evicted. The passes themselves (running the model, rolling its K/V back) are
+`engine.reconstruction_pass`; the scheduler's side, which plans them as steps, is `engine.reconstruction_plan`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from cortexstream.engine.attention_hook import additive_mask
+
+FRESH = np.inf  # the score of a slot no reconstruction has scored yet
+
+
+def attention_max(queries: mx.array, keys: mx.array, scale: float, mask: Any = None,
+                  sinks: mx.array | None = None, query_block: int = 128) -> mx.array:
+    """The largest attention probability each key received from any query and any query head of its GQA group.
+
+    queries `[B, Hq, N, D]`, keys `[B, H, K, D]` (post-RoPE), mask as mlx-lm passes it. Returns float32
+    `[B, H, K]`. Same softmax as `attention_hook.attention_received` (which sums instead)."""
+    batch, q_heads, num_queries, dim = queries.shape
+    kv_heads, num_keys = keys.shape[1], keys.shape[2]
+    group = q_heads // kv_heads
+    k_t = keys.astype(mx.float32).swapaxes(-1, -2)
+    best = mx.zeros((batch, kv_heads, num_keys), mx.float32)
+    for start in range(0, num_queries, query_block):
+        stop = min(num_queries, start + query_block)
+        n = stop - start
+        q = (queries[:, :, start:stop].astype(mx.float32) * scale).reshape(batch, kv_heads, group * n, dim)
+        logits = (q @ k_t).reshape(batch, q_heads, n, num_keys)
+        block = additive_mask(mask, start, stop, num_queries, num_keys)
+        if block is not None:
+            logits = logits + block
+        if sinks is None:
+            probs = mx.softmax(logits, axis=-1, precise=True)
+        else:
+            norm = mx.logaddexp(mx.logsumexp(logits, axis=-1, keepdims=True),
+                                sinks.astype(mx.float32).reshape(1, q_heads, 1, 1))
+            probs = mx.exp(logits - norm)
+        best = mx.maximum(best, probs.reshape(batch, kv_heads, group * n, num_keys).max(axis=2))
+    return best
+
+
+class ReconstructionScores:
+    """The reconstruction side of one sequence's `PolicyState` (see the module docstring)."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.context: int | None = None  # physical context slots while a pass runs, else None (nothing recorded)
+        self.pending: list[mx.array | None] = [None] * num_layers
+        self.scored_end = 0  # logical end of the context the last completed reconstruction covered
+        self.num_passes = 0
+
+    def observe(self, layer: int, queries: mx.array, keys: mx.array, scale: float, mask: Any,
+                sinks: mx.array | None) -> None:
+        """The attention hook's call for one layer of a pass (ignored outside a reconstruction pass)."""
+        if self.context is None:
+            return
+        received = attention_max(queries, keys, scale, mask, sinks)[0, :, : self.context]
+        prior = self.pending[layer]
+        self.pending[layer] = received if prior is None else mx.maximum(prior, received)
+
+    def arrays(self) -> list[mx.array]:
+        return [p for p in self.pending if p is not None]
+
+    def fold(self, scores: list[np.ndarray]) -> None:
+        """Fold the pass's maxima into the per-layer scores `[H, n]` (in place): unscored slots start from 0."""
+        for layer, received in enumerate(self.pending):
+            if received is None:
+                continue
+            n = received.shape[-1]
+            head = scores[layer][:, :n]
+            head[np.isinf(head)] = 0.0
+            np.maximum(head, np.asarray(received, dtype=np.float64), out=head)
+            self.pending[layer] = None
+        self.num_passes += 1
+
+    def may_evict(self, prompt_end: int | None, logical_length: int) -> bool:
+        """Whether the context (up to the prompt being prefilled) has been reconstructed."""
+        end = logical_length if prompt_end is None else min(logical_length, prompt_end)
+        return self.scored_end >= end
+
+    def clone(self) -> "ReconstructionScores":
+        other = ReconstructionScores(len(self.pending))
+        other.scored_end, other.num_passes = self.scored_end, self.num_passes
+        return other

@@ -1,0 +1,79 @@
+"""KVzip (Kim et al., 2025): query-agnostic compression by context reconstruction.
+
+Once a prompt is complete, the model is made to repeat it: a reconstruction prompt ("Repeat the previous
+context exactly." as a user turn, then the context itself as the assistant's reply, teacher-forced) is run over
+the cache, in chunks of `chunk` context tokens, each chunk's queries attending to the whole cached context. A
+cached key's importance is the most attention it received from any reconstruction query (the maximum over the
+queries and over the query heads of its GQA group, not a sum); each (layer, KV head) keeps the first `sinks`
+tokens and its `budget - sinks` most important keys. The reconstruction's own K/V are scoring work, not context:
+the runtime rolls them back (`engine.reconstruction`). Since the scores come from the context alone, what is kept
+serves any later question, at the cost of about one more prefill of the context, paid once.
+
+Tokens added after a reconstruction (generated tokens, a later turn's prompt before its own reconstruction) carry
+no reconstruction score yet: they are kept ahead of every scored key, so a cache over its budget gives up its
+least important context first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from cortexstream.errors import InvalidArgumentError
+from cortexstream.policies.base import Budget, KVPolicy, check_budget, check_count, resolve_budget
+
+
+@dataclass(frozen=True)
+class KVzip(KVPolicy):
+    """Keep `budget` tokens (int, or a fraction of the context) per layer and KV head: sinks, then the keys the
+    context's reconstruction attended to most."""
+
+    budget: Budget = 0.33
+    sinks: int = 4
+    chunk: int = 2048
+
+    name = "kvzip"
+    evicts = True
+    needs_attention_scores = True
+    reconstructs = True
+    parse_keys: ClassVar[dict[str, str]] = {"budget": "budget", "sinks": "count", "chunk": "count"}
+
+    def __post_init__(self) -> None:
+        check_budget("budget", self.budget)
+        check_count("sinks", self.sinks, 0)
+        check_count("chunk", self.chunk, 1)
+        if isinstance(self.budget, int) and self.budget < self.minimum_budget:
+            raise InvalidArgumentError(f"KVzip: budget {self.budget} must be >= {self.minimum_budget} (sinks "
+                                       f"{self.sinks} + 1 scored key)")
+
+    @property
+    def minimum_budget(self) -> int:
+        return self.sinks + 1
+
+    def budget_tokens(self, context: int) -> int:
+        return max(resolve_budget(self.budget, context), self.minimum_budget)
+
+    def max_physical_tokens(self, max_total_tokens: int, chunk: int, prompt_tokens: int | None = None) -> int | None:
+        """The budget plus a pass, or the whole prompt plus a scoring chunk while it is prefilled and reconstructed
+        (it is compressed once the reconstruction ran)."""
+        bound = self.budget_tokens(max_total_tokens) + chunk
+        return bound if prompt_tokens is None else max(bound, prompt_tokens + chunk)
+
+    def select(self, num_physical: int, context: int, scores: np.ndarray | None) -> np.ndarray | None:
+        budget = self.budget_tokens(context)
+        if num_physical <= budget:
+            return None
+        if scores is None:
+            raise InvalidArgumentError("KVzip: reconstruction scores are required but were not collected")
+        layers, heads, n = scores.shape
+        if n != num_physical:
+            raise InvalidArgumentError(f"KVzip: {n} scores for {num_physical} physical tokens")
+        front = min(self.sinks, budget - 1)
+        chosen = np.argsort(-scores[:, :, front:], axis=-1, kind="stable")[..., : budget - front] + front
+        return np.concatenate([np.broadcast_to(np.arange(front), (layers, heads, front)),
+                               np.sort(chosen, axis=-1)], axis=-1)
+
+    def describe(self) -> str:
+        return f"kvzip:budget={self.budget},sinks={self.sinks},chunk={self.chunk}"
