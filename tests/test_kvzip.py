@@ -1,0 +1,262 @@
+"""KVzip: the policy object (string form, bad arguments, exactly `budget` per head), the reconstruction scores
+against a plain mlx-lm forward, a constructed case where the maximum (KVzip) keeps what the sum (H2O) drops, the
+reconstruction prompt, and the policy in the engine: scoring chunks planned as steps leave the sequence, its blocks
+and the prefix cache as if they never ran, a budget that keeps everything gives the full cache's tokens exactly,
+batched equals alone, and the places it cannot run refuse it by name."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache as mlx_lm_cache
+
+from cortexstream.engine.attention_hook import attention_received, original_sdpa
+from cortexstream.engine.engine import Engine
+from cortexstream.engine.policy_prompt_cache import make_policy_cache, policy_state_of
+from cortexstream.engine.reconstruction import attention_max
+from cortexstream.engine.reconstruction_pass import reconstruct, score_pass
+from cortexstream.engine.reconstruction_prompt import PLAIN_PREFIX, REQUEST, reconstruction_prompt
+from cortexstream.engine.step_plan import WorkKind
+from cortexstream.errors import InvalidArgumentError
+from cortexstream.evaluation.answering import feed_chunks
+from cortexstream.kv.prompt_cache import make_prompt_cache
+from cortexstream.policies import H2O, KVzip, parse_policy
+from test_policies_runtime import engine_run
+from tiny_models import random_token_ids
+
+
+# --- the policy object ------------------------------------------------------------------------------------------
+def test_string_forms_and_bad_parameters():
+    assert parse_policy("kvzip:budget=0.33,sinks=2,chunk=128") == KVzip(budget=0.33, sinks=2, chunk=128)
+    assert parse_policy("kvzip") == KVzip()
+    policy = KVzip(budget=64, chunk=32)
+    assert parse_policy(policy.describe()) == policy
+    for spec, words in [("kvzip:chunk=0", "chunk"), ("kvzip:budget=3", "budget 3"), ("kvzip:budget=1.5", "fraction"),
+                        ("kvzip:sinks=-1", "sinks"), ("kvzip:windw=3", "windw"), ("kvzip:chunk=2.5", "chunk")]:
+        with pytest.raises(InvalidArgumentError, match=words):
+            parse_policy(spec)
+
+
+def test_select_keeps_exactly_the_budget_per_head_sinks_then_the_highest_scores():
+    rng = np.random.default_rng(0)
+    scores = rng.random((2, 3, 50))
+    scores[1, 2, 40:] = np.inf  # slots no reconstruction scored yet come first
+    policy = KVzip(budget=12, sinks=2)
+    keep = policy.select(50, 1000, scores)
+    assert keep.shape == (2, 3, 12)
+    for layer in range(2):
+        for head in range(3):
+            want = sorted([0, 1] + (np.argsort(-scores[layer, head, 2:], kind="stable")[:10] + 2).tolist())
+            assert keep[layer, head].tolist() == want
+    assert keep[1, 2].tolist() == [0, 1] + list(range(40, 50))
+    assert policy.select(12, 1000, scores[..., :12]) is None  # within budget: nothing to do
+    assert policy.max_physical_tokens(1000, 16, prompt_tokens=900) == 916  # the prompt is held until repeated
+
+
+# --- scores: the maximum over reconstruction queries ------------------------------------------------------------
+def test_scores_equal_max_attention_of_the_reconstruction_queries_in_a_plain_forward(sharp):
+    """The policy cache's scores after one reconstruction pass equal a numpy computation from the queries and keys
+    a plain mlx-lm KVCache forward of the same tokens attends with."""
+    model, tokenizer = sharp
+    prompt, repeat = random_token_ids(40, seed=1), reconstruction_prompt(tokenizer).chunk_tokens(random_token_ids(40, seed=1)[:12])
+    cache = make_policy_cache(model, KVzip(budget=10, sinks=1))
+    state = policy_state_of(cache)
+    state.expect_prompt_end(40)
+    feed_chunks(model, cache, prompt, 40, 100)
+    score_pass(model, cache[0].sequence, state, repeat)
+    assert cache[0].sequence.num_tokens == 40 and cache[0].sequence.logical_length == 40  # rolled back
+
+    plain = mlx_lm_cache(model)
+    mx.eval(model(mx.array(prompt, dtype=mx.uint32)[None], cache=plain))
+    seen = {}
+    for layer, c in enumerate(plain):
+        def hook(q, k, v, scale, mask, sinks, layer=layer, c=c):
+            seen[layer] = (np.array(q.astype(mx.float32)), np.array(k.astype(mx.float32)), scale)
+            return original_sdpa(q, k, v, c, scale=scale, mask=mask, sinks=sinks)
+        c.attention_hook = hook
+    mx.eval(model(mx.array(repeat, dtype=mx.uint32)[None], cache=plain))
+    for layer, (q, k, scale) in seen.items():
+        q, k = q[0], k[0]  # [Hq, m, D], [H, 40 + m, D]
+        heads, m, keys = k.shape[0], q.shape[1], k.shape[1]
+        logits = np.einsum("hmd,hkd->hmk", q, np.repeat(k, q.shape[0] // heads, axis=0)) * scale
+        logits[:, np.arange(keys)[None, :] > 40 + np.arange(m)[:, None]] = -np.inf  # causal, after the context
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        want = probs.reshape(heads, -1, keys)[:, :, :40].max(axis=1)
+        np.testing.assert_allclose(state.scores[layer], want, rtol=2e-3, atol=2e-5)
+    assert len(seen) == len(cache)
+
+
+def test_maximum_keeps_the_key_one_query_needs_where_the_sum_keeps_the_hubs():
+    """One head, orthonormal keys. 200 reconstruction queries each spread over 20 hub keys, one query looks hard at
+    a planted key. Summed (H2O) the hubs win; by the maximum (KVzip) the planted key stands out."""
+    n, dim, planted = 240, 256, 150
+    keys = mx.array(np.eye(n, dim, dtype=np.float32)[None, None])
+    eye = np.eye(n, dim, dtype=np.float32)
+    hubs = list(range(20, 40))
+    spread = 3.0 * eye[hubs].sum(axis=0)
+    queries = np.stack([spread] * 200 + [10.0 * eye[planted]])[None, None]
+    queries = mx.array(queries)
+    budget = 16
+    by_max = np.asarray(attention_max(queries, keys, 1.0)[0])[None]
+    by_sum = np.asarray(attention_received(queries, keys, 1.0)[0])[None]
+    kvzip = KVzip(budget=budget, sinks=4).select(n, n, by_max)
+    h2o = H2O(budget=budget, sinks=4, recent=0).select(n, n, by_sum)
+    assert planted in kvzip[0, 0].tolist()
+    assert planted not in h2o[0, 0].tolist()
+    assert set(h2o[0, 0, 4:].tolist()) <= set(hubs)
+
+
+def test_the_reconstruction_prompt():
+    class Plain:
+        def encode(self, text, add_special_tokens=True):
+            return [ord(c) for c in text]
+
+    assert reconstruction_prompt(Plain()).prefix == tuple(ord(c) for c in PLAIN_PREFIX)
+
+    class Chat(Plain):
+        chat_template = "x"
+
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+            text = "<s>[system]" + "".join(f"[{m['role']}]{m['content']}[end]" for m in messages)
+            return text + ("[assistant]" if add_generation_prompt else "")
+
+    assert reconstruction_prompt(Chat()).prefix == tuple(ord(c) for c in f"[user]{REQUEST}[end][assistant]")
+
+
+# --- in the engine ------------------------------------------------------------------------------------------------
+def run(engine, rid):
+    """Step to the end; per step: (plan's score items of rid, seq counters, table length, blocks used, cached)."""
+    plans, rows, tokens = [], [], []
+    engine.plan_listener = plans.append
+    while engine.has_unfinished:
+        tokens += [out.token for out in engine.step() if out.token is not None and out.request_id == rid]
+        seq = engine.scheduler.lookup(rid)
+        items = [item for item in plans[-1].score if item.request_id == rid]
+        if seq is not None:
+            rows.append((items, seq.num_computed, seq.num_physical, tuple(seq.all_ids), len(seq.block_table),
+                         engine.arena.allocator.num_used_blocks, engine.block_manager.num_cached_blocks))
+    return rows, tokens, plans
+
+
+def test_scoring_chunks_leave_the_sequence_and_its_blocks_as_if_they_never_ran(sharp):
+    model, tokenizer = sharp
+    engine = Engine(model, tokenizer, kv_tokens=4096, prefill_step_size=96)
+    other = engine.add_request(random_token_ids(64, seed=5), max_tokens=12)  # a full-cache neighbour, cached
+    policy = KVzip(budget=40, sinks=4, chunk=24)
+    rid = engine.add_request(random_token_ids(100), max_tokens=6, kv_policy=policy)
+    rows, tokens, plans = run(engine, rid)
+    scoring = [r for r in rows if r[0]]
+    prefix = reconstruction_prompt(tokenizer).prefix
+    assert len(scoring) == -(-100 // 24)  # one item per step, chunk tokens of the context each
+    assert all(item.kind is WorkKind.SCORE and item.token_ids[: len(prefix)] == prefix for r in scoring for item in r[0])
+    assert [r[0][0].compress for r in scoring] == [False] * (len(scoring) - 1) + [True]
+    before = rows[rows.index(scoring[0]) - 1]
+    for items, computed, physical, ids, table, used, cached in scoring[:-1]:
+        assert (computed, physical, ids) == before[1:4]  # the sequence's tokens and counters did not move
+        assert table == -(-physical // 16) and used == before[5] and cached == before[6]  # surplus blocks freed
+    last = scoring[-1]
+    assert last[2] == policy.budget_tokens(106) and last[4] == -(-last[2] // 16)  # compressed, blocks freed
+    assert all(not p.decode or all(i.request_id != rid for i in p.decode) for p in plans if p.score)
+    assert len(tokens) == 6 and engine.arena.allocator.num_used_blocks == engine.block_manager.num_cached_blocks
+
+
+def test_per_head_budget_after_compression_and_no_prefix_cache_for_the_scoring_tokens(sharp):
+    model, tokenizer = sharp
+    engine = Engine(model, tokenizer, kv_tokens=4096, prefill_step_size=128)
+    prompt = random_token_ids(90, seed=2)
+    engine.add_request(prompt, max_tokens=2)
+    while engine.has_unfinished:
+        engine.step()
+    cached = engine.block_manager.num_cached_blocks
+    assert cached > 0
+    policy = KVzip(budget=30, chunk=64)
+    rid = engine.add_request(prompt, max_tokens=3, kv_policy=policy)
+    seen = []
+    while engine.has_unfinished:
+        engine.step()
+        seq, state = engine.scheduler.lookup(rid), engine.runner.policy_view(rid)
+        if seq is not None:
+            assert seq.num_cached_prefix == 0  # an evicting policy takes no prefix-cache hits
+        if state is not None and state.reconstruction.scored_end:
+            seen.append([p.shape for p in state.positions])
+    assert seen and all(shape == (tokenizer_heads(engine), policy.budget_tokens(93)) for s in seen for shape in s)
+    assert engine.block_manager.num_cached_blocks == cached  # nothing registered, nothing lost
+
+
+def tokenizer_heads(engine):
+    return engine.arena.config.num_kv_heads
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_budget_that_keeps_everything_gives_the_full_caches_tokens(sharp, temperature):
+    """The scoring passes run (their KV written and rolled back, their logits discarded, the sampler untouched), but
+    nothing is evicted: tokens and logprobs equal the run without a policy."""
+    model, tokenizer = sharp
+    prompt = random_token_ids(70, seed=3)
+    outs = []
+    for policy in (None, KVzip(budget=200, chunk=32)):
+        engine = Engine(model, tokenizer, kv_tokens=2048, prefill_step_size=128, mixed_prefill=False)
+        rid = engine.add_request(prompt, max_tokens=10, kv_policy=policy, temperature=temperature, seed=7)
+        tokens, logprobs, passes = [], [], 0
+        while engine.has_unfinished:
+            for out in engine.step():
+                if out.token is not None:
+                    tokens.append(out.token)
+                    logprobs.append(np.array(out.logprobs))
+            state = engine.runner.policy_view(rid)
+            passes = max(passes, state.reconstruction.num_passes if state is not None else 0)
+        outs.append((tokens, np.stack(logprobs), passes))
+    assert outs[1][2] == 3 and outs[0][2] == 0
+    assert outs[0][0] == outs[1][0]
+    np.testing.assert_allclose(outs[0][1], outs[1][1], atol=1e-5)
+
+
+def test_batched_equals_alone(sharp):
+    """Greedy tokens and logprobs of each request in one run with the others equal its run alone (the scoring
+    chunks of two KVzip requests share steps with each other and with a decoding full-cache request); once
+    compressed, each stays at its budget."""
+    model, tokenizer = sharp
+    prompts = [random_token_ids(60, seed=s) for s in range(3)]
+    policies = [KVzip(budget=30, chunk=32), KVzip(budget=0.4, sinks=2, chunk=64), None]
+    tokens, logprobs, physical, _ = engine_run(model, tokenizer, prompts, policies, max_tokens=12,
+                                               prefill_step_size=256)
+    for i, (prompt, policy) in enumerate(zip(prompts, policies)):
+        alone_tokens, alone_logprobs, _, _ = engine_run(model, tokenizer, [prompt], [policy], max_tokens=12,
+                                                        prefill_step_size=256)
+        assert tokens[i] == alone_tokens[0] and len(tokens[i]) == 12, policy
+        np.testing.assert_allclose(logprobs[i], alone_logprobs[0], atol=2e-4)
+        if policy is not None:
+            held = [p for p, _ in physical[i]]
+            assert held[0] == 60 and held[-1] == policy.budget_tokens(72), held  # whole, then compressed
+
+
+# --- the direct path and the places that refuse it ----------------------------------------------------------------
+def test_direct_path_holds_the_prompt_until_it_is_repeated(sharp):
+    model, tokenizer = sharp
+    policy = KVzip(budget=30, chunk=16)
+    cache = make_policy_cache(model, policy)
+    state = policy_state_of(cache)
+    ids = random_token_ids(80)
+    state.expect_prompt_end(80)
+    feed_chunks(model, cache, ids, 16, 100)
+    assert cache[0].size() == 80  # nothing evicted before the reconstruction
+    assert reconstruct(model, cache, ids, reconstruction_prompt(tokenizer), 100) == 50
+    assert cache[0].size() == 30 and cache[0].offset == 80 and state.reconstruction.num_passes == 5
+    with pytest.raises(InvalidArgumentError, match="chunk"):
+        reconstruct(model, cache, ids, reconstruction_prompt(tokenizer), 100, chunk=0)
+
+
+def test_refused_where_no_reconstruction_can_run(sharp):
+    from cortexstream.evaluation.perplexity import perplexity, token_nlls
+
+    model, tokenizer = sharp
+    with pytest.raises(InvalidArgumentError, match="kvzip.*perplexity"):
+        token_nlls(model, random_token_ids(20), "kvzip:budget=8")
+    with pytest.raises(InvalidArgumentError, match="kvzip.*perplexity"):
+        perplexity(model, tokenizer, "some text to score, long enough", "kvzip:budget=8")
+    engine = Engine(model, tokenizer, kv_tokens=1024)
+    with pytest.raises(InvalidArgumentError, match="kvzip.*prompt_cache"):
+        engine.add_request(random_token_ids(10), max_tokens=2, kv_policy="kvzip:budget=8",
+                           prompt_cache=make_prompt_cache(model))
