@@ -11,7 +11,8 @@ appears after the first tokens). On a real model (Qwen2.5-Coder-0.5B), with prom
 (one greedy stream and 8 concurrent requests), "real_long" (one prompt beyond 4k tokens), "real_streaming" (a
 position-based policy that evicts), "real_int8" (the same 8 requests on an int8 KV arena). "soak" (tiny model):
 30 greedy requests of mixed lengths on a small arena that forces preemption, every seventh aborted after 5
-tokens; rank 0 also writes every rank's BlockLedger digest. "local" runs single and
+tokens; rank 0 also writes every rank's BlockLedger digest. "policies", "prefix", "fork": per-head KV policies,
+the prefix cache and n > 1 (tests/distributed_kv_scenarios.py). "local" runs single and
 batch in one process without ranks, "local:SCENARIOS" those scenarios: the reference. Rank 0 also reports its
 weights' bytes and its arena's KV bytes per token.
 """
@@ -23,6 +24,7 @@ import sys
 import time
 
 import cortexstream
+import distributed_kv_scenarios as kv_scenarios
 from cortexstream.distributed import DistributedSession
 from cortexstream.engine.engine import Engine
 
@@ -70,6 +72,8 @@ def engine_settings(scenarios: str) -> dict:
     """The engine of a run: the real-model scenarios need room for 8 requests and the long prompt."""
     if scenarios == "soak":
         return SOAK_ENGINE
+    if any(name in kv_scenarios.SCENARIOS for name in scenarios.split(",")):
+        return {"kv_tokens": 2048, "max_num_seqs": 4, **kv_scenarios.FIXED_CHUNKS}
     if "real" not in scenarios:
         return {"kv_tokens": 2048, "max_num_seqs": 4}
     return {"kv_tokens": LONG_PROMPT + 2048, "max_num_seqs": 8, "kv_dtype": "int8" if "int8" in scenarios else None}
@@ -106,7 +110,10 @@ def footprint(model, engine) -> dict:
             "kv_bytes_per_token": engine.arena.config.bytes_per_token}
 
 
-def run(model, tokenizer, engine_for, scenario: str) -> dict:
+def run(model, tokenizer, engine_for, scenario: str, copies=lambda: 0) -> dict:
+    """`copies()`: the copy-on-write pairs the engine's plans carried so far (for "fork")."""
+    if scenario in kv_scenarios.SCENARIOS:
+        return kv_scenarios.run(model, tokenizer, engine_for(4), scenario, copies)
     if scenario.startswith("real"):
         return real(model, tokenizer, engine_for, scenario)
     if scenario == "soak":
@@ -163,10 +170,12 @@ def main() -> int:
     if scenario.startswith("local"):  # one process, no ranks: the reference output
         names = scenario.split(":", 1)[1] if ":" in scenario else "single,batch"
         settings = engine_settings(names)
-        result, engines = {}, []
+        result, engines, plans = {}, [], []
         for name in names.split(","):
             engines.append(Engine(model, tokenizer, **settings))
-            result.update(run(model, tokenizer, lambda n: engines[-1], name))
+            engines[-1].plan_listener = plans.append
+            result.update(run(model, tokenizer, lambda n: engines[-1], name,
+                              lambda: sum(len(plan.copies) for plan in plans)))
         result.update(footprint(model, engines[-1]))
         json.dump(result, open(out_path, "w"))
         return 0
@@ -190,7 +199,7 @@ def main() -> int:
 
         result = {}
         for name in scenario.split(","):
-            result.update(run(model, tokenizer, engine_for, name))
+            result.update(run(model, tokenizer, engine_for, name, lambda: ranks.leader.ledger.copies))
         result["kv_heads"] = model.layers[0].self_attn.n_kv_heads
         result.update(footprint(model, engines[0]))
     result["digests"] = ranks.rank_digests()  # after the `with`: every rank reported at Stop

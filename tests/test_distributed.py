@@ -7,7 +7,8 @@
 - an idle rank 0 keeps the others waiting past the timeout (heartbeats);
 - a rank that is killed or stopped (SIGSTOP: it hangs) ends the other with an error naming it, within the timeout;
 - `cortexstream serve` on two ranks answers, idles past the timeout, and both ranks stop with it (SIGTERM);
-- under `serve`, a request naming a KV policy the ranks cannot share gets a 400 naming `kv_policy`; a rank that
+- under `serve`, a request naming a KV policy the ranks cannot share gets a 400 naming `kv_policy`, one with a
+  per-head policy runs, a repeated prompt is served from the prefix cache and `n` forks seeded completions; a rank that
   dies or hangs turns /health and every new or in-flight request into a 503 with the reason, then rank 0 exits 1;
 - a soak of 30 requests with preemption and aborts leaves both ranks with the same block-operation digest;
 - what cannot be split or shared is refused with the reason (tests/test_distributed_parts.py).
@@ -239,11 +240,26 @@ def test_cortexstream_serve_on_two_ranks_answers_and_both_ranks_stop_with_it(rin
     procs, http_port, answer = start_server(ring, split_model)
     try:
         assert answer["usage"]["completion_tokens"] == 8
-        # A request naming a KV policy the ranks cannot share is refused alone, naming the field.
+        # A request naming a KV policy the ranks cannot share is refused alone, naming the field; one that selects
+        # per KV head runs.
         status, refused = http(http_port, "/v1/completions", {"prompt": "hello", "max_tokens": 4,
-                                                              "kv_policy": "h2o:budget=0.5"})
+                                                              "kv_policy": "tome"})
         assert status == 400 and refused["error"]["param"] == "kv_policy", refused
-        assert "needs_attention_scores" in refused["error"]["message"]
+        assert "merges slots" in refused["error"]["message"]
+        long = "the cat sat on the mat and then " * 4  # 100+ tokens: whole blocks for the prefix cache
+        status, evicting = http(http_port, "/v1/completions", {"prompt": long, "max_tokens": 8, "temperature": 0,
+                                                               "kv_policy": "h2o:budget=16,sinks=2"})
+        assert status == 200 and evicting["usage"]["completion_tokens"] == 8, evicting
+        # The same prompt twice: the second is served from rank 0's prefix cache, with the same text.
+        first, second = (http(http_port, "/v1/completions", {"prompt": long, "max_tokens": 8, "temperature": 0})
+                         for _ in range(2))
+        assert first[0] == second[0] == 200 and first[1]["choices"][0]["text"] == second[1]["choices"][0]["text"]
+        assert second[1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16, second
+        # n > 1: three seeded completions forked from one prompt, the same on a second request.
+        forked = [http(http_port, "/v1/completions", {"prompt": long, "max_tokens": 8, "n": 3, "temperature": 0.9,
+                                                      "seed": 5}) for _ in range(2)]
+        assert forked[0][0] == forked[1][0] == 200 and len(forked[0][1]["choices"]) == 3, forked[0]
+        assert [c["text"] for c in forked[0][1]["choices"]] == [c["text"] for c in forked[1][1]["choices"]]
         status, again = http(http_port, "/v1/completions", {"prompt": "hello world", "max_tokens": 8,
                                                             "temperature": 0})
         assert status == 200 and again["choices"][0]["text"] == answer["choices"][0]["text"]

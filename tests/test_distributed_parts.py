@@ -33,12 +33,21 @@ def test_heads_that_do_not_divide_are_refused_naming_the_counts():
     assert "no model.shard" in shard_problem(object(), 2)
 
 
-def test_only_policies_that_decide_from_positions_are_shared():
-    assert policy_problem(parse_policy(None)) is None
-    assert policy_problem(parse_policy("streaming:sinks=4,window=64")) is None
-    for spec, why in (("h2o:budget=0.5", "needs_attention_scores"), ("snapkv:budget=0.5", "needs_attention_scores")):
+def test_policies_that_decide_from_positions_or_select_per_head_are_shared_and_the_rest_refused_saying_why():
+    for spec in (None, "streaming:sinks=4,window=64", "h2o:budget=0.5", "expected:budget=0.5", "d2o:budget=0.5"):
+        assert policy_problem(parse_policy(spec)) is None, spec
+    refused = (("snapkv:budget=0.5", ("needs_attention_scores", "observation_window",
+                                      "does not declare a per-head selection (selects_per_head)")),
+               ("meanpool", ("merges", "merges slots")), ("tome", ("merges", "uses_logit_bias", "merges slots")))
+    for spec, whys in refused:
         problem = policy_problem(parse_policy(spec))
-        assert problem is not None and why in problem and "each rank's own KV heads" in problem
+        assert problem is not None and "each rank's own KV heads" in problem, spec
+        assert all(why in problem for why in whys), problem
+
+    class PerHeadToMe(type(parse_policy("tome"))):
+        selects_per_head = True
+
+    assert "merges slots" in policy_problem(PerHeadToMe())  # a per-head claim does not let a merge through
 
 
 def _new(request_id: str, sampling: SamplingParams, **kw) -> NewRequest:
@@ -54,7 +63,7 @@ def test_the_encoder_refuses_what_cannot_be_sent_and_names_it():
     cases = [
         (StepPlan(new_requests=(_new("a", greedy, sampler=lambda lp: mx.argmax(lp, axis=-1)),)), "sampler"),
         (StepPlan(new_requests=(_new("a", greedy, bound_cache=object()),)), "prompt_cache"),
-        (StepPlan(new_requests=(_new("a", greedy, kv_policy=parse_policy("h2o:budget=0.5")),)), "kv_policy"),
+        (StepPlan(new_requests=(_new("a", greedy, kv_policy=parse_policy("snapkv:budget=0.5")),)), "kv_policy"),
         (StepPlan(restores=((0, b"x"),)), "kv_disk"),
     ]
     for plan, name in cases:
@@ -114,7 +123,8 @@ def test_launch_detection(monkeypatch, tmp_path):
 def test_engines_the_ranks_cannot_share_are_refused(tiny, tmp_path):
     model, tokenizer = tiny
     assert engine_problem(Engine(model, tokenizer, kv_tokens=256)) is None
-    assert "needs_attention_scores" in engine_problem(Engine(model, tokenizer, kv_tokens=256, kv_policy="h2o:budget=0.5"))
+    assert engine_problem(Engine(model, tokenizer, kv_tokens=256, kv_policy="h2o:budget=0.5")) is None
+    assert "selects_per_head" in engine_problem(Engine(model, tokenizer, kv_tokens=256, kv_policy="snapkv:budget=0.5"))
     assert "kv_disk" in engine_problem(Engine(model, tokenizer, kv_tokens=256, kv_disk=str(tmp_path / "disk")))
 
 
@@ -141,12 +151,13 @@ class FakeChannel:
         return LeaderState.SENT
 
 
-def _recorded(tiny) -> tuple[Engine, list[StepPlan], dict[str, list[int]]]:
+def _recorded(tiny, kv_policy: str | None = None,
+              prompts=([5, 9, 30, 2], [7, 7, 100])) -> tuple[Engine, list[StepPlan], dict[str, list[int]]]:
     model, tokenizer = tiny
-    engine = Engine(model, tokenizer, kv_tokens=512, max_num_seqs=2, pipeline=False)
+    engine = Engine(model, tokenizer, kv_tokens=512, max_num_seqs=2, pipeline=False, kv_policy=kv_policy)
     plans: list[StepPlan] = []
     engine.plan_listener = plans.append
-    for prompt in ([5, 9, 30, 2], [7, 7, 100]):
+    for prompt in prompts:
         engine.add_request(prompt, SamplingParams(max_tokens=6))
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished:
@@ -188,6 +199,21 @@ def test_a_follower_that_sampled_another_token_stops_saying_so(tiny):
     wrong = replace(item, token_ids=((item.token_ids[0] + 1) % 256,))
     plans[at] = replace(plans[at], decode=tuple(wrong if d is item else d for d in plans[at].decode))
     with pytest.raises(DistributedError, match="the ranks diverged"):
+        _follow(tiny, engine, plans)
+
+
+def test_a_follower_whose_policy_kept_other_slot_counts_than_rank_0s_stops_saying_so(tiny):
+    prompts = ([(7 * j) % 200 + 3 for j in range(30)], list(range(10, 40)))
+    engine, plans, tokens = _recorded(tiny, "h2o:budget=12,sinks=2", prompts)
+    assert engine.stats()["evicted_tokens"] > 0
+    channel, sampled = _follow(tiny, engine, plans)  # the same evictions: the same slots
+    assert sampled == tokens and not channel.failures
+    # A plan that starts a request from one slot fewer than the policy left it (as if rank 0 evicted more).
+    at = next(i for i, plan in enumerate(plans) if i and any(item.physical_start < item.start for item in plan.decode))
+    item = next(item for item in plans[at].decode if item.physical_start < item.start)
+    moved = replace(item, physical_start=item.physical_start - 1)
+    plans[at] = replace(plans[at], decode=tuple(moved if d is item else d for d in plans[at].decode))
+    with pytest.raises(DistributedError, match="the ranks evicted differently"):
         _follow(tiny, engine, plans)
 
 

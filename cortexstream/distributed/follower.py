@@ -5,7 +5,9 @@ Per `OpenEngine` a rank builds what the engine on rank 0 has beside its schedule
 and a `ModelRunner`. Each `RunStep` is executed as rank 0's engine executes it (the sharded model's all-sums pair
 the ranks' forward passes), with the step's random seed when it has one. Sampling is the same everywhere (the
 logits after the last all-sum are the same on every rank), and a decode item that carries the token rank 0 read
-is checked against the token this rank sampled: a difference stops the ranks with an error naming both.
+is checked against the token this rank sampled: a difference stops the ranks with an error naming both. So is a
+request whose KV policy evicts: the KV slots each plan says it starts from (what rank 0's policy left) must be
+what this rank's policy left, since rank 0 allocates the blocks for every rank.
 
 A rank answers each message with the last step it has computed (the previous step's tokens are evaluated when the
 next message is handled, so a rank builds the next step while its last one computes, as rank 0 does). A watchdog
@@ -69,6 +71,8 @@ class Follower:
         self._decoder = PlanDecoder()
         self.ledger = BlockLedger()  # every block operation this rank executed (reported to rank 0 at Stop)
         self._last: dict[str, mx.array] = {}  # request id -> the token this rank sampled last for it (lazy)
+        self._evicting: set[str] = set()  # requests whose KV policy evicts
+        self._physical: dict[str, int] = {}  # such a request -> KV slots this rank left it at its last step
         self._pending: tuple[int, list[mx.array]] | None = None  # (step, its tokens) not yet evaluated
         self.done = 0  # every step up to this one is computed
         self._busy_since: float | None = None
@@ -141,6 +145,7 @@ class Follower:
         if message.seed is not None:
             mx.random.seed(message.seed)
         result = engine.execute(plan)
+        self._record_physical(plan, result)
         self._settle()
         tokens = []
         for sampled in result.sampled:
@@ -151,7 +156,19 @@ class Follower:
             self.on_result(result)
 
     def _check(self, plan: StepPlan) -> None:
-        """Each decode item that names its input token (the token rank 0 read) against this rank's sample."""
+        """Each decode item that names its input token (the token rank 0 read) against this rank's sample, and
+        each item of a request with an evicting KV policy: the KV slots it starts from (`physical_start`, what
+        rank 0's policy left) against what this rank's left, since rank 0's block tables assume every rank kept
+        as many."""
+        for request_id in (*plan.dropped, *(spec.request_id for spec in plan.new_requests)):
+            self._physical.pop(request_id, None)
+            self._evicting.discard(request_id)
+        self._evicting.update(spec.request_id for spec in plan.new_requests if spec.kv_policy.evicts)
+        for item in (*plan.prefill, *plan.decode):
+            mine = self._physical.pop(item.request_id, None)
+            if mine is not None and mine != item.physical_start:
+                raise DistributedError(f"rank {self.rank} kept {mine} KV slots for request {item.request_id!r} "
+                                       f"where rank 0 kept {item.physical_start}: the ranks evicted differently")
         for item in plan.decode:
             mine = self._last.get(item.request_id)
             if not item.token_ids or mine is None:
@@ -160,6 +177,13 @@ class Follower:
             if token != item.token_ids[0]:
                 raise DistributedError(f"rank {self.rank} sampled token {token} for request {item.request_id!r} "
                                        f"where rank 0 sampled {item.token_ids[0]}: the ranks diverged")
+
+    def _record_physical(self, plan: StepPlan, result: StepResult) -> None:
+        """The KV slots each evicting request holds after this step (what it wrote, less what its policy removed)."""
+        for item in (*plan.prefill, *plan.decode):
+            if item.request_id in self._evicting and not item.draft and item.model_draft is None:
+                self._physical[item.request_id] = result.physical.get(item.request_id,
+                                                                      item.physical_start + item.num_tokens)
 
     def _settle(self) -> None:
         """Evaluate the last step's tokens; it is then computed."""

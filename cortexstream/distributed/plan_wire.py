@@ -9,9 +9,13 @@ Almost all of a plan is plain data already. What is not:
   samples such a request and every rank seeds with it before running the step (`PlanEncoder.encode`'s flag);
 - a caller's own sampler callable, a caller's prompt cache, disk-tier restores (rank 0's disk holds only its own
   KV heads) and draft-model speculation cannot be sent: refused with a DistributedError naming the option;
-- KV policies that choose what to evict from attention scores, query statistics or key similarity would decide
-  differently on each rank (each sees only its own heads): refused. Policies that decide from positions alone
-  (StreamingLLM's sinks + window) make the same choice on every rank.
+- KV policies decide on each rank from what that rank sees. Policies that decide from positions alone (StreamingLLM's
+  sinks + window) make the same choice on every rank. Policies that select per KV head (`selects_per_head`: H2O,
+  Expected Attention, D2O) do too: each rank holds whole KV heads and the query heads of their GQA groups, so each
+  head keeps the slots it keeps in one process, and the count kept, fixed by the budget, is the same on every head
+  and rank (so are the block tables). Refused: policies that share one selection across a layer's heads, keep a
+  count that depends on score values, or merge slots (a merge is not a selection; the learned compressor and
+  sidecar are chosen by the model's KV head count, which a rank does not hold), and any not declared per head.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from cortexstream.policies.base import KVPolicy
 
 # Capabilities of a policy whose eviction depends on what one rank's heads see.
 RANK_LOCAL_CAPABILITIES = ("needs_attention_scores", "needs_query_statistics", "merges", "merges_evicted",
-                           "uses_logit_bias")
+                           "uses_logit_bias", "reconstructs")
+# Merging slots (and their logit biases): refused even when a policy declares its selection per head.
+SLOT_MERGING_CAPABILITIES = ("merges", "uses_logit_bias")
 
 
 def policy_problem(policy: KVPolicy) -> str | None:
@@ -38,9 +44,13 @@ def policy_problem(policy: KVPolicy) -> str | None:
         local.append("observation_window")
     if not policy.evicts or not local:
         return None
-    return (f"kv_policy {policy.describe()!r} chooses what to evict from what each rank's own KV heads see "
-            f"({', '.join(local)}), so the ranks would evict different tokens; use a position-based policy "
-            "(streaming) or none on several ranks")
+    merging = [name for name in SLOT_MERGING_CAPABILITIES if getattr(policy, name, False)]
+    if policy.selects_per_head and not merging:
+        return None
+    why = "merges slots" if merging else "does not declare a per-head selection (selects_per_head)"
+    return (f"kv_policy {policy.describe()!r} decides what to keep from what each rank's own KV heads see "
+            f"({', '.join(local)}) and {why}, so the ranks could keep different tokens; use a policy that "
+            "selects per KV head (h2o, expected, d2o), a position-based one (streaming) or none on several ranks")
 
 
 def is_seeded_sampler(sampler: Any) -> bool:

@@ -76,6 +76,7 @@ class KVPolicy:
     - `observation_window`: None, or how many queries before the end of a prompt vote (SnapKV): the runtime
       records attention only from queries at or after `prompt_end - window` and evicts only once the prompt is
       complete (see `engine.observation`).
+    - `selects_per_head`: each (layer, KV head) keeps a budget-fixed count of slots from its own GQA group's scores.
     - `reconstructs`: once a prompt is complete the model is made to repeat it (KVzip): the runtime records the
       most attention each key got from those reconstruction queries, and evicts only once that pass has run
       (see `engine.reconstruction`).
@@ -92,6 +93,7 @@ class KVPolicy:
     merges_evicted = False
     reconstructs = False
     observation_window: int | None = None
+    selects_per_head = False
     parse_keys: ClassVar[dict[str, str]] = {}
 
     def budget_tokens(self, context: int) -> int | None:

@@ -17,6 +17,9 @@ class D2O(H2O):
 
     name = "d2o"
     merges_evicted = True
+    # H2O's per-head choice; a dropped slot folds into a kept slot of its own head (keys and values of that head
+    # only), which changes values, never the counts.
+    selects_per_head = True
     parse_keys: ClassVar[dict[str, str]] = {"budget": "budget", "sinks": "count", "recent": "count",
                                             "keep_prefix": "count", "threshold": "float"}
 

@@ -26,6 +26,9 @@ class ExpectedAttention(H2O):
     name = "expected"
     needs_attention_scores = False
     needs_query_statistics = True
+    # Per KV head too: a key's score is a softmax over the keys per query head of its group, from that head's own
+    # query statistics, averaged over the group only (`engine.query_statistics`); H2O's fixed counts.
+    selects_per_head = True
     parse_keys: ClassVar[dict[str, str]] = {"budget": "budget", "sinks": "count", "recent": "count",
                                             "keep_prefix": "count", "future": "count"}
 

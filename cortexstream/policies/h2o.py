@@ -32,6 +32,9 @@ class H2O(KVPolicy):
     name = "h2o"
     evicts = True
     needs_attention_scores = True
+    # Each KV head ranks its own slots by the attention of its GQA group's queries (a softmax per query head), and
+    # the count kept depends only on the budget and the lengths.
+    selects_per_head = True
     parse_keys: ClassVar[dict[str, str]] = {"budget": "budget", "sinks": "count", "recent": "count",
                                             "keep_prefix": "count"}
 
