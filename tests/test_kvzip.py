@@ -143,7 +143,7 @@ def run(engine, rid):
 def test_scoring_chunks_leave_the_sequence_and_its_blocks_as_if_they_never_ran(sharp):
     model, tokenizer = sharp
     engine = Engine(model, tokenizer, kv_tokens=4096, prefill_step_size=96)
-    other = engine.add_request(random_token_ids(64, seed=5), max_tokens=12)  # a full-cache neighbour, cached
+    engine.add_request(random_token_ids(64, seed=5), max_tokens=1)  # a full-cache neighbour: its blocks cached
     policy = KVzip(budget=40, sinks=4, chunk=24)
     rid = engine.add_request(random_token_ids(100), max_tokens=6, kv_policy=policy)
     rows, tokens, plans = run(engine, rid)
@@ -260,3 +260,38 @@ def test_refused_where_no_reconstruction_can_run(sharp):
     with pytest.raises(InvalidArgumentError, match="kvzip.*prompt_cache"):
         engine.add_request(random_token_ids(10), max_tokens=2, kv_policy="kvzip:budget=8",
                            prompt_cache=make_prompt_cache(model))
+
+
+def test_forked_completions_and_a_preempted_request_each_reconstruct(sharp):
+    """n > 1 completions fork before the prompt's last token: every child repeats its context and is compressed.
+    A request preempted mid-reconstruction is recomputed and reconstructs from the start."""
+    from cortexstream.engine.sampling import SamplingParams
+
+    model, tokenizer = sharp
+    policy = KVzip(budget=24, chunk=32)
+    engine = Engine(model, tokenizer, kv_tokens=2048, prefill_step_size=128)
+    engine.fork(random_token_ids(50), SamplingParams(max_tokens=4), ["a", "b", "c"], kv_policy=policy)
+    finals = {}
+    while engine.has_unfinished:
+        engine.step()
+        for rid in "abc":
+            state = engine.runner.policy_view(rid)
+            if state is not None:
+                finals[rid] = (state.reconstruction.num_passes, state.num_tokens)
+    assert finals == {rid: (2, policy.budget_tokens(54)) for rid in "abc"}
+
+    engine = Engine(model, tokenizer, kv_tokens=2048, prefill_step_size=128)
+    rid = engine.add_request(random_token_ids(50), max_tokens=4, kv_policy=policy)
+    while not engine.scheduler.running or engine.scheduler.running[0].reconstruction.num_items == 0:
+        engine.step()
+    seq = engine.scheduler.running[0]
+    engine.scheduler._preempt(seq)  # noqa: SLF001 - what the scheduler does when a decode needs the blocks
+    assert seq.reconstruction.scored == 0 and not seq.reconstruction.done
+    physical = []
+    while engine.has_unfinished:
+        engine.step()
+        state = engine.runner.policy_view(rid)
+        if state is not None and state.reconstruction.scored_end:
+            physical.append(state.num_tokens)
+    assert len(seq.output_ids) == 4 and seq.reconstruction.done and seq.num_preemptions == 1
+    assert physical and set(physical) == {policy.budget_tokens(54)}  # recomputed, reconstructed, compressed

@@ -60,6 +60,8 @@ def add_forking_request(
                 continue
             child_spec = child_sampling(sampling, index)
             child = engine.spawn_child(seq, child_id, child_spec)
+            if seq.reconstruction is not None:  # KVzip: the child repeats its own context before decoding
+                child.reconstruction = seq.reconstruction.fresh()
             install_seeded_sampler(engine, child_id, child_spec)
             if on_child is not None:
                 on_child(child_id, child)

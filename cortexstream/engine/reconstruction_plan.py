@@ -1,7 +1,7 @@
 """The scheduler's side of a reconstruction (KVzip, `policies.kvzip`): which scoring chunks a sequence runs next.
 
 A sequence whose policy reconstructs carries a `ReconstructionPlan` (`Sequence.reconstruction`). Once its prompt is
-computed and its first token read, the plan is due: each step the scheduler plans one `WorkKind.SCORE` item for
+computed, the plan is due: each step the scheduler plans one `WorkKind.SCORE` item for
 it (`plan_scoring`) and no decode, until every token of the context (the sequence's computed tokens) has been
 repeated once; the last item says `compress`, and the next step decodes on the compressed cache. A score item's
 tokens are the reconstruction prefix and the next chunk of the context, sized to the policy's `chunk` and to the
@@ -35,9 +35,13 @@ class ReconstructionPlan:
         self.num_items = 0
 
     def due(self, seq: Any) -> bool:
-        """Whether `seq` should run a scoring chunk now: its prompt computed, its last sampled token read."""
-        return (not self.done and seq.num_pending == 1 and not seq.num_inflight
-                and seq.num_computed >= len(seq.prompt_ids))
+        """Whether `seq` should run a scoring chunk now: its prompt computed (its next token, read or still in
+        flight, is not part of the context)."""
+        return not self.done and seq.num_pending == 1 and seq.num_computed >= len(seq.prompt_ids)
+
+    def fresh(self) -> "ReconstructionPlan":
+        """A new plan with the same prefix and chunk (a forked sequence reconstructs its own context)."""
+        return ReconstructionPlan(self.prefix, self.chunk)
 
     def restart(self) -> None:
         """The sequence lost its KV (preempted): it is recomputed, then reconstructed from the start."""
