@@ -295,3 +295,16 @@ def test_forked_completions_and_a_preempted_request_each_reconstruct(sharp):
             physical.append(state.num_tokens)
     assert len(seq.output_ids) == 4 and seq.reconstruction.done and seq.num_preemptions == 1
     assert physical and set(physical) == {policy.budget_tokens(54)}  # recomputed, reconstructed, compressed
+
+
+def test_the_server_takes_kvzip_as_a_request_policy(sharp):
+    from server_harness import LiveServer
+
+    model, tokenizer = sharp
+    with LiveServer(model, tokenizer, kv_tokens=2048) as live:
+        out = live.client().completions.create(model="tiny", prompt=random_token_ids(80), max_tokens=4,
+                                               extra_body={"kv_policy": "kvzip:budget=32,chunk=40"})
+        assert out.usage.completion_tokens == 4
+        bad = live.client().with_options(max_retries=0)
+        with pytest.raises(Exception, match="chunk"):
+            bad.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"kv_policy": "kvzip:chunk=0"})

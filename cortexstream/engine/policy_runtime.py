@@ -353,7 +353,8 @@ def biased_mask(mask: Any, bias: mx.array, num_queries: int, num_keys: int, dtyp
 
 
 def needs_batch_hook(states: list[PolicyState | None]) -> bool:
-    return any(s is not None and (s.policy.needs_attention_scores or s.has_bias()) for s in states)
+    return any(s is not None and ((s.policy.needs_attention_scores and s.reconstruction is None) or s.has_bias())
+               for s in states)
 
 
 def batch_attention_hook(layer: int, lengths: np.ndarray, states: list[PolicyState | None],

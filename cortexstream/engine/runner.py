@@ -11,6 +11,8 @@ KV policies: a request whose policy evicts gets a `PolicyState`. After each of i
 chunk or the decode step, never inside one, so a chunk's causal mask is never broken) the runner evaluates the
 logits first (no lazy graph may still read the slots the eviction rewrites in place), lets the policy evict, and
 reports the request's new physical length in the result; the block manager frees the blocks past it.
+A reconstruction chunk (`WorkKind.SCORE`, KVzip) runs in a pass of its own like a prefill chunk: its attention is
+recorded, its KV rolled back, and the physical length reported (engine/reconstruction_pass.py).
 
 Each forward pass over the arena first lets it grow one layer ahead (`KVArena.grow_ahead`), so a growing arena's
 copies and page faults are spread over steps instead of stalling one.
