@@ -308,3 +308,11 @@ def test_the_server_takes_kvzip_as_a_request_policy(sharp):
         bad = live.client().with_options(max_retries=0)
         with pytest.raises(Exception, match="chunk"):
             bad.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"kv_policy": "kvzip:chunk=0"})
+
+
+def test_a_prefill_step_too_small_for_the_prefix_is_refused_by_name(sharp):
+    model, tokenizer = sharp
+    engine = Engine(model, tokenizer, kv_tokens=1024, prefill_step_size=16)
+    assert len(reconstruction_prompt(tokenizer).prefix) >= 16
+    with pytest.raises(InvalidArgumentError, match="prefill_step_size 16"):
+        engine.add_request(random_token_ids(40), max_tokens=2, kv_policy="kvzip:budget=8")

@@ -69,7 +69,13 @@ def make_sequence(engine: Any, prompt: Any, sampling: SamplingParams, *, kv_poli
                         **ids)
     seq = Sequence(tokens, sampling, tenant=tenant, kv_policy=policy, sampler=sampler, **ids)
     if policy.reconstructs:  # KVzip: the model repeats the prompt before it decodes (engine/reconstruction_plan)
-        seq.reconstruction = ReconstructionPlan(reconstruction_prompt(engine.tokenizer).prefix, policy.chunk)
+        prefix = reconstruction_prompt(engine.tokenizer).prefix
+        step = engine.scheduler.config.prefill_step_size
+        if len(prefix) >= step:
+            raise InvalidArgumentError(f"kv_policy: {policy.describe()!r} repeats the prompt after a "
+                                       f"{len(prefix)}-token prefix, which leaves no room in a pass of "
+                                       f"prefill_step_size {step} tokens; raise prefill_step_size")
+        seq.reconstruction = ReconstructionPlan(prefix, policy.chunk)
     if config is not None and speculates(seq):
         seq.speculation = SpeculationState(config)
     return seq
