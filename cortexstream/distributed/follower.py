@@ -42,7 +42,8 @@ class RankEngine:
     """One engine's runner on this rank."""
 
     def __init__(self, model: Any, tokenizer: Any, spec: OpenEngine) -> None:
-        self.arena = KVArena(spec.arena)
+        # Key centers come from this rank's own heads (kv_center.py), not rank 0's.
+        self.arena = KVArena(spec.arena.with_key_centers(model) if spec.arena.key_centers is not None else spec.arena)
         self.backend = ComputeBackend.for_engine(spec.small_batch_rows, model=model)
         self.runner = ModelRunner(model, self.arena, self.backend, batch_prefill=spec.batch_prefill,
                                   mixed_prefill=spec.mixed_prefill,

@@ -80,7 +80,8 @@ def fork_cache(prompt_cache: list[Any]) -> list[Any]:
     seq = prompt_cache[0].sequence
     cfg = seq.arena.config
     copy = private_sequence(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.value_head_dim,
-                            max(seq.capacity, 1), cfg.dtype, cfg.block_size, kv_dtype=cfg.kv_dtype)
+                            max(seq.capacity, 1), cfg.dtype, cfg.block_size, kv_dtype=cfg.kv_dtype,
+                            key_centers=cfg.key_centers)
     for layer in range(cfg.num_layers):
         length = seq.lengths[layer]
         if length:

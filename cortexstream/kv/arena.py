@@ -72,8 +72,10 @@ class KVArena:
         storage = config.storage
         self.key_type, self.value_type = storage.key, storage.value
         group = storage.group_size
+        centers = config.key_centers or [None] * config.num_layers  # kv_center.py
         self.keys: list[Side] = [new_side(storage.key, heads, slots, config.head_dim, dtype, group,
-                                          storage.key_rotated) for _ in range(config.num_layers)]
+                                          storage.key_rotated, None if c is None else mx.array(c, dtype=dtype))
+                                 for c in centers]
         self.values: list[Side] = [new_side(storage.value, heads, slots, config.value_head_dim, dtype, group,
                                             storage.value_rotated) for _ in range(config.num_layers)]
         mx.eval(self.arrays())

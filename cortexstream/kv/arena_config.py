@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cortexstream.errors import InvalidArgumentError
+from cortexstream.kv.kv_center import CENTER_NAME, KeyCenters, check_key_centers, model_key_centers
 from cortexstream.kv.kv_dtype import KVDtype, StorageType
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -25,6 +26,9 @@ class ArenaConfig:
     # Quantized storage of K and/or V (None: both stored as `dtype`). `dtype` stays the float type rows arrive
     # and are read back in; a float side of a quantized arena is stored in it. See `storage`.
     kv_dtype: KVDtype | None = None
+    # Per layer and KV head, what a quantized key side subtracts before storing (kv_center.py; `for_model` takes
+    # the model's key bias); None: keys stored as they are. Only with quantized keys.
+    key_centers: KeyCenters | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "num_blocks", "block_size"):
@@ -37,6 +41,11 @@ class ArenaConfig:
             raise InvalidArgumentError(f"ArenaConfig.dtype: {self.dtype!r} must be one of {', '.join(_ITEMSIZE)}")
         if self.kv_dtype is not None:
             self._check_kv_dtype(self.kv_dtype)
+        if self.key_centers is not None:
+            if not self.storage.key.quantized:
+                raise InvalidArgumentError("ArenaConfig.key_centers: only a quantized key side is centered; this "
+                                           f"arena stores keys as {self.storage.key.value}")
+            check_key_centers(self.key_centers, self.num_layers, self.num_kv_heads, self.head_dim)
 
     def _check_kv_dtype(self, kv: KVDtype) -> None:
         if not isinstance(kv, KVDtype):
@@ -70,7 +79,13 @@ class ArenaConfig:
     @property
     def cache_key(self) -> str:
         """What decides a block's stored bytes (prefix-cache hashes, saved prompt caches)."""
-        return self.storage.cache_key
+        return self.storage.cache_key + (f",center={CENTER_NAME}" if self.key_centers is not None else "")
+
+    def with_key_centers(self, model: Any) -> "ArenaConfig":
+        """This config with the centers `model` gives (its key bias, kv_center.py) when keys are quantized; for a
+        rank after the model was split, whose heads are its own."""
+        centers = model_key_centers(model, self.num_kv_heads, self.head_dim) if self.storage.key.quantized else None
+        return replace(self, key_centers=centers)
 
     @property
     def value_head_dim(self) -> int:
@@ -142,7 +157,7 @@ class ArenaConfig:
                     f"num_bytes: {num_bytes!r} is smaller than one block ({probe.bytes_per_block} bytes)"
                 )
             blocks = num_bytes // probe.bytes_per_block
-        return cls(layers, kv_heads, head_dim, blocks, block_size, dtype, kv_dtype=storage)
+        return cls(layers, kv_heads, head_dim, blocks, block_size, dtype, kv_dtype=storage).with_key_centers(model)
 
 
 def check_arena_storage(arena: Any, model: Any, kv_dtype: str | KVDtype | None,

@@ -32,12 +32,13 @@ def as_dtype(array: mx.array, dtype: mx.Dtype) -> mx.array:
 
 
 def new_side(kind: StorageType, heads: int, slots: int, dim: int, float_type: mx.Dtype, group_size: int,
-             rotated: bool = False) -> Side:
+             rotated: bool = False, center: mx.array | None = None) -> Side:
     """Zeroed storage for `slots` slots of `heads` heads of width `dim` (a quantized side stored rotated when
-    `rotated`, kv_rotation.py)."""
+    `rotated`, kv_rotation.py, and centered by `center` `[H, D]` when given, kv_center.py; a float side ignores
+    `center`: it stores values as they are)."""
     if kind.quantized:
         signs = mx.array(rotation_signs(dim)) if rotated else None
-        return QuantizedRows.zeros(heads, slots, dim, kind.bits, group_size, float_type, signs)
+        return QuantizedRows.zeros(heads, slots, dim, kind.bits, group_size, float_type, signs, center)
     return mx.zeros((1, heads, slots, dim), MX_FLOAT[kind])
 
 
@@ -131,7 +132,7 @@ def strided_side(side: Side, batch_size: int, layout: tuple[int, int], width: in
 
     if isinstance(side, QuantizedRows):
         return CodeView(view(side.packed), view(side.scales), view(side.biases), side.bits, side.group_size,
-                        side.rotation)
+                        side.rotation, side.center)
     return view(side)
 
 

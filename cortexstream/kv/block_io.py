@@ -92,7 +92,8 @@ def import_blocks(arena: KVArena, blocks: Sequence[int], payloads: Sequence[byte
                 stored.append(part.transpose(1, 0, 2, 3).reshape(1, heads, n * bs, width))
                 offset += size
             if isinstance(side, QuantizedRows):
-                put_side(side, slots, QuantizedRows(*stored, side.bits, side.group_size, side.rotation))
+                put_side(side, slots, QuantizedRows(*stored, side.bits, side.group_size, side.rotation,
+                                                    side.center))
             else:
                 put_side(side, slots, stored[0])
     mx.eval(arena.arrays())

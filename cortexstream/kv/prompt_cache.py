@@ -6,6 +6,7 @@ import json
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from cortexstream.atomic_files import atomic_write
 from cortexstream.errors import InvalidArgumentError, ModelLoadError
@@ -14,11 +15,14 @@ from cortexstream.kv.arena_cache import ArenaKVCache
 from cortexstream.kv.arena_config import (
     ArenaConfig, check_arena_storage, device_memory_bytes, model_kv_shape, resolve_storage,
 )
+from cortexstream.kv.kv_center import CENTER_NAME, KeyCenters, check_key_centers
 from cortexstream.kv.kv_dtype import KVDtype, StorageType
 from cortexstream.kv.kv_rotation import ROTATION_NAME, rotation_signs
 from cortexstream.kv.quantized_blocks import QuantizedRows
 from cortexstream.kv.memory_check import check_kv_fits
-from cortexstream.kv.prompt_cache_check import FORMAT, METADATA_KEY, check_prompt_cache_file, check_user_metadata
+from cortexstream.kv.prompt_cache_check import (
+    FORMAT, METADATA_KEY, PromptCacheInfo, check_prompt_cache_file, check_user_metadata,
+)
 from cortexstream.kv.sequence_kv import SequenceKV, private_sequence
 from cortexstream.models.safetensors_check import check_safetensors
 
@@ -50,7 +54,7 @@ def make_prompt_cache(
         probe = ArenaConfig(layers, kv_heads, head_dim, 1, 16, dtype, kv_dtype=storage)
         check_kv_fits(max_tokens or DEFAULT_PRIVATE_TOKENS, probe.bytes_per_token, "max_tokens", device_memory_bytes())
         seq = private_sequence(layers, kv_heads, head_dim, head_dim, max_tokens or DEFAULT_PRIVATE_TOKENS, dtype,
-                               kv_dtype=storage)
+                               kv_dtype=storage, key_centers=probe.with_key_centers(model).key_centers)
     else:
         check_arena_storage(arena, model, kv_dtype, kv_group_size)
         layers, kv_heads, head_dim, _ = model_kv_shape(model)
@@ -85,6 +89,8 @@ def save_prompt_cache(path: str, cache: list[ArenaKVCache], metadata: dict[str, 
                 if isinstance(stored, QuantizedRows):
                     for part, array in zip(("packed", "scales", "biases"), stored.arrays()):
                         arrays[f"{layer}.{side}.{part}"] = array
+                    if stored.center is not None:  # only keys are centered (kv_center.py)
+                        arrays[f"{layer}.{side}.center"] = stored.center[0, :, 0, :].astype(mx.float32)
                 else:
                     arrays[f"{layer}.{side}"] = stored
         else:
@@ -97,6 +103,8 @@ def save_prompt_cache(path: str, cache: list[ArenaKVCache], metadata: dict[str, 
     }
     if seq.arena.quantized:
         info["kv_dtype"] = storage_metadata(seq.arena.config.storage)
+        if seq.arena.config.key_centers is not None:
+            info["kv_dtype"]["key_center"] = CENTER_NAME
     atomic_write(path, lambda tmp: mx.save_safetensors(tmp, arrays, metadata={METADATA_KEY: json.dumps(info), **user}))
 
 
@@ -108,26 +116,30 @@ def load_prompt_cache(
     if not isinstance(path, str):
         raise InvalidArgumentError(f"path: expected a file path, got {type(path).__name__}")
     info = check_prompt_cache_file(path, check_safetensors(path))
+    try:
+        arrays, metadata = mx.load(path, return_metadata=True)
+    except (ValueError, RuntimeError) as exc:
+        raise ModelLoadError(f"{path}: cannot read prompt cache tensors: {exc}") from exc
+    centers = saved_key_centers(path, arrays, info)
     if arena is None:
         seq = private_sequence(info.num_layers, info.kv_heads, info.head_dim, info.v_head_dim, max(info.lengths),
-                               info.dtype, kv_dtype=info.kv_dtype)
+                               info.dtype, kv_dtype=info.kv_dtype, key_centers=centers)
     else:
         cfg = arena.config
         if (info.num_layers, info.kv_heads, info.head_dim) != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
             raise ModelLoadError(
                 f"{path}: cache is {info.num_layers} layers x {info.kv_heads} KV heads x {info.head_dim}, the arena "
                 f"is {cfg.num_layers} x {cfg.num_kv_heads} x {cfg.head_dim}")
-        stored = info.kv_dtype.cache_key if info.kv_dtype is not None else info.dtype
+        stored = info.cache_key
         wanted = cfg.cache_key if cfg.quantized else cfg.dtype
         if stored != wanted:
             raise ModelLoadError(
                 f"{path}: the cache stores K/V as {stored}, the arena as {wanted}: load it into an arena of the same "
                 "kv_dtype (or without an arena: it gets a private one of its own kind)")
+        if centers != cfg.key_centers:
+            raise ModelLoadError(f"{path}: the cache's keys are centered by another model's key bias than the "
+                                 "arena's (kv_center.py): it was saved from a different model")
         seq = SequenceKV(arena, owner=0)
-    try:
-        arrays, metadata = mx.load(path, return_metadata=True)
-    except (ValueError, RuntimeError) as exc:
-        raise ModelLoadError(f"{path}: cannot read prompt cache tensors: {exc}") from exc
     caches = [ArenaKVCache(seq, layer) for layer in range(info.num_layers)]
     if info.kv_dtype is not None:
         seq.ensure_capacity(max(info.lengths))
@@ -136,7 +148,8 @@ def load_prompt_cache(
             layer_cache.state = (arrays[f"{layer}.keys"], arrays[f"{layer}.values"])
         else:
             rows = [stored_rows(arrays, f"{layer}.{side}", kind, info.kv_dtype.group_size,
-                                rotation_of(info.kv_dtype, kind, dim))
+                                rotation_of(info.kv_dtype, kind, dim),
+                                arrays.get(f"{layer}.{side}.center") if side == "keys" else None)
                     for side, kind, dim in (("keys", info.kv_dtype.key, info.head_dim),
                                             ("values", info.kv_dtype.value, info.v_head_dim))]
             seq.arena.put_rows(layer, seq.arena.slots_array(seq.blocks, info.lengths[layer]), *rows)
@@ -160,11 +173,25 @@ def rotation_of(storage: KVDtype, kind: StorageType, dim: int) -> mx.array | Non
 
 
 def stored_rows(arrays: dict[str, mx.array], name: str, kind: StorageType, group_size: int,
-                rotation: mx.array | None = None) -> QuantizedRows | mx.array:
+                rotation: mx.array | None = None, center: mx.array | None = None) -> QuantizedRows | mx.array:
     """One side of one layer of a saved quantized cache as the arena stores it (shapes were checked against the
     metadata by `check_prompt_cache_file`)."""
     if not kind.quantized:
         return arrays[name]
     packed, scales, biases = (arrays[f"{name}.{part}"] for part in ("packed", "scales", "biases"))
     return QuantizedRows(packed, scales, biases, kind.bits, group_size,
-                         None if rotation is None else rotation.astype(scales.dtype))
+                         None if rotation is None else rotation.astype(scales.dtype),
+                         None if center is None else center.astype(scales.dtype))
+
+
+def saved_key_centers(path: str, arrays: dict[str, mx.array], info: PromptCacheInfo) -> KeyCenters | None:
+    """The key centers a saved cache's keys were stored with (None when they were not centered)."""
+    if not info.key_centered:
+        return None
+    centers = tuple(tuple(tuple(float(x) for x in row) for row in np.array(arrays[f"{layer}.keys.center"]))
+                    for layer in range(info.num_layers))
+    try:
+        check_key_centers(centers, info.num_layers, info.kv_heads, info.head_dim)
+    except InvalidArgumentError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from None
+    return centers

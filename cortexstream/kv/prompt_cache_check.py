@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cortexstream.errors import InvalidArgumentError, ModelLoadError
+from cortexstream.kv.kv_center import CENTER_NAME
 from cortexstream.kv.kv_rotation import ROTATION_NAME, Rotation
 from cortexstream.kv.kv_dtype import KVDtype, StorageType
 from cortexstream.models.safetensors_check import SafetensorsLayout
@@ -33,15 +34,27 @@ class PromptCacheInfo:
     v_head_dim: int
     dtype: str  # "float32", "float16" or "bfloat16": the floats rows are read in
     kv_dtype: KVDtype | None = None  # quantized storage of the saved rows (None: floats of `dtype`)
+    key_centered: bool = False  # keys stored centered (kv_center.py); the centers are "<layer>.keys.center"
+
+    @property
+    def cache_key(self) -> str:
+        """The stored rows' kind as `ArenaConfig.cache_key` spells an arena's."""
+        if self.kv_dtype is None:
+            return self.dtype
+        return self.kv_dtype.cache_key + (f",center={CENTER_NAME}" if self.key_centered else "")
 
 
 def storage_from_metadata(path: str, raw: Any) -> KVDtype:
     """The `kv_dtype` entry `save_prompt_cache` writes for a quantized cache, as a KVDtype."""
     fields = ("key", "value", "group_size", "float_type")
     rotation_fields = ("rotation", "rotation_matrix")  # absent in files written before rotated storage: none
-    if not isinstance(raw, dict) or set(raw) not in (set(fields), set(fields + rotation_fields)):
+    allowed = (set(fields), set(fields + rotation_fields), set(fields + rotation_fields + ("key_center",)))
+    if not isinstance(raw, dict) or set(raw) not in allowed:
         raise ModelLoadError(f"{path}: prompt cache metadata 'kv_dtype' must have exactly {', '.join(fields)} "
-                             f"(and {', '.join(rotation_fields)}), got {raw!r:.80}")
+                             f"(and {', '.join(rotation_fields)}, and key_center), got {raw!r:.80}")
+    if raw.get("key_center", CENTER_NAME) != CENTER_NAME:
+        raise ModelLoadError(f"{path}: prompt cache keys are centered by {raw['key_center']!r:.40}, this version "
+                             f"centers by {CENTER_NAME!r}: the cache cannot be read")
     try:
         storage = KVDtype(StorageType(raw["key"]), StorageType(raw["value"]), StorageType(raw["float_type"]),
                           raw["group_size"], raw.get("rotation", Rotation.OFF))
@@ -108,7 +121,12 @@ def check_prompt_cache_file(path: str, layout: SafetensorsLayout) -> PromptCache
     layers = info.get("num_layers")
     stored = {name for name in layout.tensors}
     storage = storage_from_metadata(path, info["kv_dtype"]) if "kv_dtype" in info else None
+    centered = storage is not None and "key_center" in info["kv_dtype"]
+    if centered and not storage.key.quantized:
+        raise ModelLoadError(f"{path}: prompt cache metadata says keys are centered, but they are stored as "
+                             f"{storage.key.value}")
     per_layer = 2 if storage is None else sum(3 if k.quantized else 1 for k in (storage.key, storage.value))
+    per_layer += int(centered)
     if type(layers) is not int or not 1 <= layers or per_layer * layers != len(stored):
         raise ModelLoadError(f"{path}: prompt cache metadata 'num_layers' is {layers!r:.40}, but the file holds "
                              f"{len(stored)} tensors ({per_layer} per layer)")
@@ -143,7 +161,13 @@ def check_prompt_cache_file(path: str, layout: SafetensorsLayout) -> PromptCache
             storage.check_head_dims(head_dim, v_head_dim)
         except InvalidArgumentError as exc:
             raise ModelLoadError(f"{path}: prompt cache 'kv_dtype' does not fit its tensors: {exc}") from None
-    return PromptCacheInfo(layers, lengths, offsets, kv_heads, head_dim, v_head_dim, dtype, storage)
+    for layer in range(layers) if centered else ():
+        tensor = layout.tensors.get(f"{layer}.keys.center")
+        if tensor is None or tuple(tensor.shape) != (kv_heads, head_dim) or tensor.dtype != "F32":
+            raise ModelLoadError(f"{path}: prompt cache '{layer}.keys.center' is "
+                                 f"{'missing' if tensor is None else f'{tensor.dtype} {tensor.shape}'}, expected "
+                                 f"a float32 [{kv_heads}, {head_dim}] array (the keys are centered)")
+    return PromptCacheInfo(layers, lengths, offsets, kv_heads, head_dim, v_head_dim, dtype, storage, centered)
 
 
 def check_user_metadata(path: str, metadata: Any) -> dict[str, str]:

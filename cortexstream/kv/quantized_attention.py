@@ -11,7 +11,9 @@ Two ways to read the codes (bench/results/kv_quant_attention.md has the measurem
 
 A side may also be float rows (`k=int8,v=float16` keeps V in floats): that side is a plain matmul.
 Rotated sides (kv_rotation.py) are read as stored: the query is rotated into the keys' space and the output out of
-the values' space (one `[D, D]` product per query row), never the L stored rows.
+the values' space (one `[D, D]` product per query row), never the L stored rows. Centered sides (kv_center.py) too:
+keys centered by a vector shared by all of a head's keys shift each query's scores alike, which softmax ignores;
+a centered value side's output gets its center added back (the probabilities sum to one).
 It lives beside the codec (kv/) because it reads `QuantizedRows`; it is plain MLX, the same on every device.
 Outputs agree with SDPA over the dequantized rows to float rounding (test_quantized_attention.py).
 """
@@ -22,7 +24,7 @@ from typing import Any, Union
 
 import mlx.core as mx
 
-from cortexstream.kv.quantized_blocks import CodeView, QuantizedRows, rotate, unrotate
+from cortexstream.kv.quantized_blocks import CodeView, QuantizedRows, rotate, uncenter, unrotate
 
 Rows = Union[mx.array, QuantizedRows, CodeView]
 _CODES = (QuantizedRows, CodeView)
@@ -37,6 +39,20 @@ def _rotation(rows: Rows) -> mx.array | None:
     return rows.rotation if isinstance(rows, _CODES) else None
 
 
+def _out_of_values(out: mx.array, values: Rows) -> mx.array:
+    """Attention output computed in the values' stored space, back in theirs (un-rotated, center added)."""
+    if not isinstance(values, _CODES):
+        return out
+    out = unrotate(out, values.rotation)
+    if values.center is None:
+        return out
+    center = values.center  # [1, H, 1, D]
+    if out.ndim == 4 and out.shape[1] != center.shape[1]:  # [B, Hq, 1, D] outputs: query head h*G+g reads KV head h
+        group = out.shape[1] // center.shape[1]
+        center = mx.repeat(center, group, axis=1)
+    return uncenter(out, center)
+
+
 def decode_attention(queries: mx.array, keys: Rows, values: Rows, scale: float, mask: Any = None,
                      dequantize: bool = False) -> mx.array:
     """Attention of `queries` `[B, Hq, 1, D]` over `keys`/`values` (`[B, H, L, D]` floats or `QuantizedRows` of
@@ -46,7 +62,7 @@ def decode_attention(queries: mx.array, keys: Rows, values: Rows, scale: float, 
     if dequantize or not (isinstance(keys, _CODES) or isinstance(values, _CODES)):
         out = mx.fast.scaled_dot_product_attention(queries, _floats(keys, queries.dtype),
                                                    _floats(values, queries.dtype), scale=scale, mask=mask)
-        return unrotate(out, _rotation(values))
+        return _out_of_values(out, values)
     batch, q_heads, num_queries, dim = queries.shape
     heads = keys.num_heads if isinstance(keys, _CODES) else keys.shape[1]
     if num_queries != 1 or q_heads % heads:
@@ -62,7 +78,7 @@ def decode_attention(queries: mx.array, keys: Rows, values: Rows, scale: float, 
         else:
             scores = scores + mask.astype(scores.dtype)
     probs = mx.softmax(scores, axis=-1, precise=True)
-    out = unrotate(_matmul(probs.astype(queries.dtype), values, transpose=False), _rotation(values))  # [B, H, G, DV]
+    out = _out_of_values(_matmul(probs.astype(queries.dtype), values, transpose=False), values)  # [B, H, G, DV]
     return out.reshape(batch, q_heads, 1, -1).astype(queries.dtype)
 
 
@@ -80,14 +96,15 @@ def decode_attention_per_head(queries: mx.array, keys: Rows, values: Rows, scale
         scores = _matmul(q[head], _head(keys, head), transpose=True)  # [G, L]
         probs = mx.softmax(scores, axis=-1, precise=True).astype(queries.dtype)
         outs.append(_matmul(probs, _head(values, head), transpose=False))  # [G, DV]
-    return unrotate(mx.stack(outs), _rotation(values)).reshape(1, q_heads, 1, -1).astype(queries.dtype)
+    out = _out_of_values(mx.stack(outs)[None], values)  # [1, H, G, DV]
+    return out.reshape(1, q_heads, 1, -1).astype(queries.dtype)
 
 
 def _head(rows: Rows, head: int) -> Rows:
     """One KV head's rows `[L, ...]` of a single sequence's `[1, H, L, ...]` rows (views, no copy)."""
     if isinstance(rows, _CODES):
         return CodeView(rows.packed[0, head], rows.scales[0, head], rows.biases[0, head], rows.bits,
-                        rows.group_size, rows.rotation)
+                        rows.group_size, rows.rotation)  # center: applied to the stacked output
     return rows[0, head]
 
 

@@ -21,6 +21,12 @@ kv_rotation.py): `write` rotates rows before quantizing and `dequantize` rotates
 the true values; `dequantize_stored` gives the rotated values, for readers that rotate the query instead
 (quantized_attention.py). Moving codes (`gather`, `put`, `take_per_head`) never rotates anything.
 
+Centering: a container may also subtract a fixed vector per KV head (`center`, `[H, D]`) before it rotates and
+quantizes, and add it back when it dequantizes (kv_center.py says why: models with a key bias, Qwen2's, have key
+channels far larger than the rest, which a shared per-group scale cannot resolve). Readers of stored values
+(`dequantize_stored`, attention over codes) see centered values: for keys that shifts every score of a query by the
+same amount, which softmax ignores; a value side's output gets the center added back (quantized_attention.py).
+
 Note on accuracy: MLX's affine quantizer anchors each group at its endpoint of larger magnitude and rounds the
 step so that zero is exactly representable, so the far endpoint can be clipped: the error per value is up to
 `(max - min) / 2**bits` (about a full step), not the half step `(max - min) / (2**bits - 1) / 2` of a plain
@@ -102,19 +108,20 @@ class CodeView(NamedTuple):
     bits: int
     group_size: int
     rotation: mx.array | None = None  # the signs of the rotation rows are stored in (None: as they are)
+    center: mx.array | None = None  # `[1, H, 1, D]` subtracted before storing (None: nothing)
 
     @property
     def num_heads(self) -> int:
         return self.packed.shape[1]
 
     def dequantize_stored(self, dtype: mx.Dtype) -> mx.array:
-        """The stored values (rotated when the rows are)."""
+        """The stored values (centered and rotated when the rows are)."""
         return mx.dequantize(self.packed, self.scales, self.biases, group_size=self.group_size, bits=self.bits,
                              dtype=dtype)
 
     def dequantize(self, dtype: mx.Dtype) -> mx.array:
-        """The rows' values (un-rotated)."""
-        return unrotate(self.dequantize_stored(dtype), self.rotation)
+        """The rows' values (un-rotated, center added back)."""
+        return uncenter(unrotate(self.dequantize_stored(dtype), self.rotation), self.center)
 
 
 def rotate(rows: mx.array, signs: mx.array | None) -> mx.array:
@@ -132,6 +139,11 @@ def unrotate(rows: mx.array, signs: mx.array | None) -> mx.array:
     return mx.hadamard_transform(rows, scale=1.0 / math.sqrt(rows.shape[-1])) * signs.astype(rows.dtype)
 
 
+def uncenter(rows: mx.array, center: mx.array | None) -> mx.array:
+    """Stored-space rows (after un-rotating) with the container's center added back."""
+    return rows if center is None else rows + center.astype(rows.dtype)
+
+
 class QuantizedRows:
     """Packed codes with their per-group scales and biases for `num_slots` slots of every KV head of one layer.
 
@@ -139,7 +151,7 @@ class QuantizedRows:
     when nothing else holds them)."""
 
     def __init__(self, packed: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int,
-                 rotation: mx.array | None = None) -> None:
+                 rotation: mx.array | None = None, center: mx.array | None = None) -> None:
         _check_codec(bits, group_size)
         if packed.dtype != mx.uint32:
             raise InvalidArgumentError(f"packed: dtype {packed.dtype} must be uint32")
@@ -159,7 +171,14 @@ class QuantizedRows:
             raise InvalidArgumentError(f"scales: dtype {scales.dtype} must be a float type")
         if rotation is not None and tuple(rotation.shape) != (dim,):
             raise InvalidArgumentError(f"rotation: shape {tuple(rotation.shape)} must be [{dim}] (the head dim)")
+        if center is not None:
+            if tuple(center.shape) == (packed.shape[1], dim):
+                center = center[None, :, None, :]
+            if tuple(center.shape) != (1, packed.shape[1], 1, dim):
+                raise InvalidArgumentError(f"center: shape {tuple(center.shape)} must be [{packed.shape[1]}, {dim}] "
+                                           "(KV heads, head dim)")
         self.rotation = rotation
+        self.center = center
         self.packed = packed
         self.scales = scales
         self.biases = biases
@@ -169,10 +188,10 @@ class QuantizedRows:
     @classmethod
     def zeros(
         cls, num_heads: int, num_slots: int, dim: int, bits: int, group_size: int, dtype: mx.Dtype,
-        rotation: mx.array | None = None,
+        rotation: mx.array | None = None, center: mx.array | None = None,
     ) -> "QuantizedRows":
         """Preallocated storage for `num_slots` slots of `num_heads` heads of width `dim`; scales in `dtype`; rows
-        stored rotated when `rotation` (signs) is given."""
+        stored rotated when `rotation` (signs) is given, centered when `center` (`[H, D]`) is."""
         _check_codec(bits, group_size)
         for name, value in (("num_heads", num_heads), ("num_slots", num_slots), ("dim", dim)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -187,13 +206,22 @@ class QuantizedRows:
             bits,
             group_size,
             None if rotation is None else rotation.astype(dtype),
+            None if center is None else center.astype(dtype),
         )
 
     @classmethod
-    def from_rows(cls, rows: mx.array, bits: int, group_size: int,
-                  rotation: mx.array | None = None) -> "QuantizedRows":
+    def from_rows(cls, rows: mx.array, bits: int, group_size: int, rotation: mx.array | None = None,
+                  center: mx.array | None = None) -> "QuantizedRows":
         """Quantize float rows `[1, H, S, D]` into a new container (scales in the rows' dtype)."""
-        return cls(*quantize_rows(rotate(rows, rotation), bits, group_size), bits, group_size, rotation)
+        empty = cls.zeros(rows.shape[1], 1, rows.shape[-1], bits, group_size, rows.dtype, rotation, center)
+        return cls(*quantize_rows(empty.to_stored(rows), bits, group_size), bits, group_size, empty.rotation,
+                   empty.center)
+
+    def to_stored(self, rows: mx.array) -> mx.array:
+        """Float rows `[..., H, n, D]` in the space they are quantized in: centered, then rotated."""
+        if self.center is not None:
+            rows = rows - self.center.astype(rows.dtype)
+        return rotate(rows, self.rotation)
 
     @property
     def num_heads(self) -> int:
@@ -225,7 +253,7 @@ class QuantizedRows:
             parts = [a[:, :, index, :] for a in (self.packed, self.scales, self.biases)]
         else:
             parts = [mx.take(a, index, axis=2) for a in (self.packed, self.scales, self.biases)]
-        return QuantizedRows(*parts, self.bits, self.group_size, self.rotation)
+        return QuantizedRows(*parts, self.bits, self.group_size, self.rotation, self.center)
 
     def write(self, slots: Slots, rows: mx.array) -> None:
         """Quantize float rows `[1, H, n, D]` and store them at `slots` (n of them, distinct), in place."""
@@ -238,7 +266,7 @@ class QuantizedRows:
             raise InvalidArgumentError(f"rows: shape {tuple(rows.shape)} must be {expected} for these slots")
         if rows.dtype != self.dtype:
             rows = rows.astype(self.dtype)  # scales come out in the input's dtype; keep the container's
-        packed, scales, biases = quantize_rows(rotate(rows, self.rotation), self.bits, self.group_size)
+        packed, scales, biases = quantize_rows(self.to_stored(rows), self.bits, self.group_size)
         self.packed[:, :, index, :] = packed
         self.scales[:, :, index, :] = scales
         self.biases[:, :, index, :] = biases
@@ -254,6 +282,8 @@ class QuantizedRows:
                 f"{self.num_heads} heads")
         if (rows.rotation is None) != (self.rotation is None):
             raise InvalidArgumentError("rows: stored rotated and unrotated rows cannot be mixed in one container")
+        if (rows.center is None) != (self.center is None):
+            raise InvalidArgumentError("rows: centered and uncentered rows cannot be mixed in one container")
         index = self._index(slots)
         self.packed[:, :, index, :] = rows.packed
         self.scales[:, :, index, :] = rows.scales.astype(self.dtype)
@@ -266,39 +296,41 @@ class QuantizedRows:
             raise InvalidArgumentError(f"slots: shape {tuple(slots.shape)} must be [heads={self.num_heads}, n]")
         index = slots[None, :, :, None]
         parts = [mx.take_along_axis(a, index, axis=2) for a in (self.packed, self.scales, self.biases)]
-        return QuantizedRows(*parts, self.bits, self.group_size, self.rotation)
+        return QuantizedRows(*parts, self.bits, self.group_size, self.rotation, self.center)
 
     def padded(self, extra_slots: int) -> "QuantizedRows":
         """A container with `extra_slots` more (zero) slots at the end; lazy, like the float arena's `mx.pad`."""
         widths = [(0, 0), (0, 0), (0, extra_slots), (0, 0)]
         return QuantizedRows(*(mx.pad(a, widths) for a in (self.packed, self.scales, self.biases)), self.bits,
-                             self.group_size, self.rotation)
+                             self.group_size, self.rotation, self.center)
 
     def arrays(self) -> list[mx.array]:
         """The three arrays (for `mx.eval`)."""
         return [self.packed, self.scales, self.biases]
 
     def dequantize(self, dtype: mx.Dtype | None = None) -> mx.array:
-        """All rows as floats `[1, H, S, D]`, in `dtype` (default: the scales' float type), un-rotated."""
-        return unrotate(self.dequantize_stored(dtype), self.rotation)
+        """All rows as floats `[1, H, S, D]`, in `dtype` (default: the scales' float type), un-rotated and
+        un-centered."""
+        return uncenter(unrotate(self.dequantize_stored(dtype), self.rotation), self.center)
 
     def dequantize_stored(self, dtype: mx.Dtype | None = None) -> mx.array:
-        """All rows as stored (rotated when the container rotates), in `dtype`."""
+        """All rows as stored (centered and rotated when the container is), in `dtype`."""
         return dequantize_rows(
             self.packed, self.scales, self.biases, self.bits, self.group_size, dtype or self.dtype
         )
 
     def view(self) -> CodeView:
         """The container's arrays as a CodeView (what attention reads)."""
-        return CodeView(self.packed, self.scales, self.biases, self.bits, self.group_size, self.rotation)
+        return CodeView(self.packed, self.scales, self.biases, self.bits, self.group_size, self.rotation,
+                        self.center)
 
     def read_back(self, rows: mx.array, dtype: mx.Dtype) -> mx.array:
         """Float rows `[..., D]` as this container would return them after storing them (the codec is per row, so
         this equals a write followed by a read)."""
-        rows = rotate(rows if rows.dtype == self.dtype else rows.astype(self.dtype), self.rotation)
+        rows = self.to_stored(rows if rows.dtype == self.dtype else rows.astype(self.dtype))
         packed, scales, biases = affine_quantize(rows, self.bits, self.group_size)
         stored = mx.dequantize(packed, scales, biases, group_size=self.group_size, bits=self.bits, dtype=dtype)
-        return unrotate(stored, self.rotation)
+        return uncenter(unrotate(stored, self.rotation), self.center)
 
     def _index(self, slots: Slots) -> Union[slice, mx.array]:
         """`slots` as a slice or an int32 index. Python and numpy slot lists are range-checked; an mx.array index

@@ -8,6 +8,7 @@ attention mask (from layer 0's cache) for every layer.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 import mlx.core as mx
@@ -18,6 +19,7 @@ from cortexstream.kernels.evict_gather import compact_layer
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_config import ArenaConfig
 from cortexstream.kv.arena_sides import write_side
+from cortexstream.kv.kv_center import KeyCenters
 from cortexstream.kv.kv_dtype import KVDtype
 
 
@@ -147,8 +149,7 @@ class SequenceKV:
         old = self.arena
         cfg = old.config
         blocks = max(cfg.blocks_for_tokens(num_tokens), 2 * cfg.num_blocks)
-        arena = KVArena(ArenaConfig(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, blocks, cfg.block_size,
-                                    cfg.dtype, cfg.v_head_dim, cfg.kv_dtype), preallocate=True)
+        arena = KVArena(replace(cfg, num_blocks=blocks), preallocate=True)
         new_blocks = arena.allocator.allocate(cfg.blocks_for_tokens(num_tokens), owner=self.owner, contiguous=True)
         used = self.num_tokens
         for layer in range(cfg.num_layers):  # stored rows move as they are (a quantized arena's are not requantized)
@@ -294,14 +295,14 @@ class SequenceKV:
 
 def private_sequence(
     num_layers: int, kv_heads: int, head_dim: int, v_head_dim: int, num_tokens: int, dtype: str,
-    block_size: int = 16, kv_dtype: KVDtype | None = None,
+    block_size: int = 16, kv_dtype: KVDtype | None = None, key_centers: KeyCenters | None = None,
 ) -> SequenceKV:
     """A sequence in an arena of its own, sized for `num_tokens` and regrown (doubling) when exceeded.
-    `kv_dtype`: quantized storage (None: `dtype` floats)."""
+    `kv_dtype`: quantized storage (None: `dtype` floats); `key_centers`: see ArenaConfig."""
     dtype = dtype.split(".")[-1]
     blocks = max(1, -(-max(num_tokens, 1) // block_size))
     config = ArenaConfig(num_layers, kv_heads, head_dim, blocks, block_size, dtype,
-                         None if v_head_dim == head_dim else v_head_dim, kv_dtype)
+                         None if v_head_dim == head_dim else v_head_dim, kv_dtype, key_centers)
     # Preallocated: the sequence takes the whole arena at once (below), so growing it would only add a copy.
     seq = SequenceKV(KVArena(config, preallocate=True), owner=0, contiguous=True, private=True)
     seq.ensure_capacity(num_tokens)
