@@ -21,7 +21,8 @@ from cortexstream.engine.sampling import SamplingParams
 
 SCENARIOS = ("policies", "prefix", "fork")
 FIXED_CHUNKS = {"prefill_tokens_while_decoding": 16}
-POLICIES = ("h2o:budget=24,sinks=2", "expected:budget=24,sinks=2,recent=4", "d2o:budget=24,sinks=2,threshold=0")
+POLICIES = ("h2o:budget=24,sinks=2", "expected:budget=24,sinks=2,recent=4", "d2o:budget=24,sinks=2,threshold=0",
+            "snapkv:budget=24,sinks=2,window=8")
 POLICY_PROMPTS = [list(range(10, 60)), [5, 17, 99, 42, 7] * 9, [(7 * j) % 200 + 3 for j in range(37)]]
 LONG_PROMPT = [(11 * j) % 250 + 3 for j in range(80)]  # 5 full blocks of 16
 SHARED_PREFIX = [(13 * j) % 240 + 5 for j in range(64)]

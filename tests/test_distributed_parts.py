@@ -34,10 +34,11 @@ def test_heads_that_do_not_divide_are_refused_naming_the_counts():
 
 
 def test_policies_that_decide_from_positions_or_select_per_head_are_shared_and_the_rest_refused_saying_why():
-    for spec in (None, "streaming:sinks=4,window=64", "h2o:budget=0.5", "expected:budget=0.5", "d2o:budget=0.5"):
+    for spec in (None, "streaming:sinks=4,window=64", "h2o:budget=0.5", "expected:budget=0.5", "d2o:budget=0.5",
+                 "snapkv:budget=0.5"):
         assert policy_problem(parse_policy(spec)) is None, spec
-    refused = (("snapkv:budget=0.5", ("needs_attention_scores", "observation_window",
-                                      "does not declare a per-head selection (selects_per_head)")),
+    refused = (("kvzip:budget=0.5", ("needs_attention_scores", "reconstructs",
+                                     "does not declare a per-head selection (selects_per_head)")),
                ("meanpool", ("merges", "merges slots")), ("tome", ("merges", "uses_logit_bias", "merges slots")))
     for spec, whys in refused:
         problem = policy_problem(parse_policy(spec))
@@ -63,7 +64,7 @@ def test_the_encoder_refuses_what_cannot_be_sent_and_names_it():
     cases = [
         (StepPlan(new_requests=(_new("a", greedy, sampler=lambda lp: mx.argmax(lp, axis=-1)),)), "sampler"),
         (StepPlan(new_requests=(_new("a", greedy, bound_cache=object()),)), "prompt_cache"),
-        (StepPlan(new_requests=(_new("a", greedy, kv_policy=parse_policy("snapkv:budget=0.5")),)), "kv_policy"),
+        (StepPlan(new_requests=(_new("a", greedy, kv_policy=parse_policy("kvzip:budget=0.5")),)), "kv_policy"),
         (StepPlan(restores=((0, b"x"),)), "kv_disk"),
     ]
     for plan, name in cases:
@@ -124,7 +125,8 @@ def test_engines_the_ranks_cannot_share_are_refused(tiny, tmp_path):
     model, tokenizer = tiny
     assert engine_problem(Engine(model, tokenizer, kv_tokens=256)) is None
     assert engine_problem(Engine(model, tokenizer, kv_tokens=256, kv_policy="h2o:budget=0.5")) is None
-    assert "selects_per_head" in engine_problem(Engine(model, tokenizer, kv_tokens=256, kv_policy="snapkv:budget=0.5"))
+    assert engine_problem(Engine(model, tokenizer, kv_tokens=256, kv_policy="snapkv:budget=0.5")) is None
+    assert "selects_per_head" in engine_problem(Engine(model, tokenizer, kv_tokens=256, kv_policy="kvzip:budget=0.5"))
     assert "kv_disk" in engine_problem(Engine(model, tokenizer, kv_tokens=256, kv_disk=str(tmp_path / "disk")))
 
 

@@ -50,7 +50,7 @@ def policy_problem(policy: KVPolicy) -> str | None:
     why = "merges slots" if merging else "does not declare a per-head selection (selects_per_head)"
     return (f"kv_policy {policy.describe()!r} decides what to keep from what each rank's own KV heads see "
             f"({', '.join(local)}) and {why}, so the ranks could keep different tokens; use a policy that "
-            "selects per KV head (h2o, expected, d2o), a position-based one (streaming) or none on several ranks")
+            "selects per KV head (h2o, expected, d2o, snapkv), a position-based one (streaming) or none on several ranks")
 
 
 def is_seeded_sampler(sampler: Any) -> bool:

@@ -61,6 +61,7 @@ class SnapKV(KVPolicy):
     name = "snapkv"
     evicts = True
     needs_attention_scores = True
+    selects_per_head = True  # votes pooled along one head's keys, a budget-fixed count per (layer, KV head)
     parse_keys: ClassVar[dict[str, str]] = {"budget": "budget", "window": "count", "kernel": "count",
                                             "pooling": "str", "sinks": "count"}
 
