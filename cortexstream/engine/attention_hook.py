@@ -22,7 +22,7 @@ hook; padding is hidden by the batch's boolean mask).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import mlx.core as mx
 
@@ -49,19 +49,15 @@ def additive_mask(mask: Any, start: int, stop: int, num_queries: int, num_keys: 
     return block
 
 
-def attention_received(queries: mx.array, keys: mx.array, scale: float, mask: Any = None,
-                       sinks: mx.array | None = None, query_block: int = 128) -> mx.array:
-    """Attention probability each key received, summed over queries and over each GQA group's query heads.
-
-    queries `[B, Hq, N, D]`, keys `[B, H, K, D]` (post-RoPE, as the model attends), mask as mlx-lm passes it
-    (None, "causal", bool or additive array). Returns float32 `[B, H, K]`. One plain batched matmul per block
-    (the group's query heads stacked as rows) and a fused softmax: about the cost of the SDPA itself.
-    """
+def attention_blocks(queries: mx.array, keys: mx.array, scale: float, mask: Any = None,
+                     sinks: mx.array | None = None, query_block: int = 128) -> Iterator[mx.array]:
+    """The attention probabilities of `query_block` queries at a time, float32 `[B, H, G * n, K]` (each KV head's
+    GQA group of query heads stacked as rows): the softmax the model computes, for callers that reduce it per key
+    (`attention_received` sums, `reconstruction.attention_max` takes the maximum)."""
     batch, q_heads, num_queries, dim = queries.shape
     kv_heads, num_keys = keys.shape[1], keys.shape[2]
     group = q_heads // kv_heads
     k_t = keys.astype(mx.float32).swapaxes(-1, -2)  # [B, H, D, K]
-    total = mx.zeros((batch, kv_heads, num_keys), mx.float32)
     for start in range(0, num_queries, query_block):
         stop = min(num_queries, start + query_block)
         n = stop - start
@@ -76,5 +72,18 @@ def attention_received(queries: mx.array, keys: mx.array, scale: float, mask: An
             norm = mx.logaddexp(mx.logsumexp(logits, axis=-1, keepdims=True),
                                 sinks.astype(mx.float32).reshape(1, q_heads, 1, 1))
             probs = mx.exp(logits - norm)
-        total = total + probs.reshape(batch, kv_heads, group * n, num_keys).sum(axis=2)
+        yield probs.reshape(batch, kv_heads, group * n, num_keys)
+
+
+def attention_received(queries: mx.array, keys: mx.array, scale: float, mask: Any = None,
+                       sinks: mx.array | None = None, query_block: int = 128) -> mx.array:
+    """Attention probability each key received, summed over queries and over each GQA group's query heads.
+
+    queries `[B, Hq, N, D]`, keys `[B, H, K, D]` (post-RoPE, as the model attends), mask as mlx-lm passes it
+    (None, "causal", bool or additive array). Returns float32 `[B, H, K]`. One plain batched matmul per block
+    (the group's query heads stacked as rows) and a fused softmax: about the cost of the SDPA itself.
+    """
+    total = mx.zeros((keys.shape[0], keys.shape[1], keys.shape[2]), mx.float32)
+    for probs in attention_blocks(queries, keys, scale, mask, sinks, query_block):
+        total = total + probs.sum(axis=2)
     return total

@@ -21,7 +21,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from cortexstream.engine.attention_hook import additive_mask
+from cortexstream.engine.attention_hook import attention_blocks
 
 FRESH = np.inf  # the score of a slot no reconstruction has scored yet
 
@@ -32,26 +32,9 @@ def attention_max(queries: mx.array, keys: mx.array, scale: float, mask: Any = N
 
     queries `[B, Hq, N, D]`, keys `[B, H, K, D]` (post-RoPE), mask as mlx-lm passes it. Returns float32
     `[B, H, K]`. Same softmax as `attention_hook.attention_received` (which sums instead)."""
-    batch, q_heads, num_queries, dim = queries.shape
-    kv_heads, num_keys = keys.shape[1], keys.shape[2]
-    group = q_heads // kv_heads
-    k_t = keys.astype(mx.float32).swapaxes(-1, -2)
-    best = mx.zeros((batch, kv_heads, num_keys), mx.float32)
-    for start in range(0, num_queries, query_block):
-        stop = min(num_queries, start + query_block)
-        n = stop - start
-        q = (queries[:, :, start:stop].astype(mx.float32) * scale).reshape(batch, kv_heads, group * n, dim)
-        logits = (q @ k_t).reshape(batch, q_heads, n, num_keys)
-        block = additive_mask(mask, start, stop, num_queries, num_keys)
-        if block is not None:
-            logits = logits + block
-        if sinks is None:
-            probs = mx.softmax(logits, axis=-1, precise=True)
-        else:
-            norm = mx.logaddexp(mx.logsumexp(logits, axis=-1, keepdims=True),
-                                sinks.astype(mx.float32).reshape(1, q_heads, 1, 1))
-            probs = mx.exp(logits - norm)
-        best = mx.maximum(best, probs.reshape(batch, kv_heads, group * n, num_keys).max(axis=2))
+    best = mx.zeros((keys.shape[0], keys.shape[1], keys.shape[2]), mx.float32)
+    for probs in attention_blocks(queries, keys, scale, mask, sinks, query_block):
+        best = mx.maximum(best, probs.max(axis=2))
     return best
 
 
