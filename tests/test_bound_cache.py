@@ -109,7 +109,7 @@ def test_a_stop_string_completed_by_the_final_flush_finishes_as_stop(tiny):
 
     engine = Engine(model, tokenizer, kv_tokens=256, block_size=4)
     rid = engine.add_request([5, 6, 7], max_tokens=3, stop=["zz"])
-    engine._states[rid].text = HeldBack()
+    engine._outputs._states[rid].text = HeldBack()
     results = {}
     while engine.has_unfinished:
         collect(engine.step(), results)

@@ -29,7 +29,7 @@ def run(model, tokenizer, pipeline, requests, abort_at=None, **engine_kwargs):
                 entry["logprobs"].append(np.array(out.logprobs))
             entry["text"] += out.text
             entry["reason"] = out.finish_reason or entry["reason"]
-        inflight_steps += bool(engine._inflight)
+        inflight_steps += engine.has_in_flight
         step += 1
     assert engine.arena.allocator.num_used_blocks == engine.block_manager.num_cached_blocks
     assert all(seq.num_inflight == 0 for seq in engine.scheduler.running)

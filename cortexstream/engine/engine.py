@@ -2,7 +2,8 @@
 
 The scheduler owns every request's state and emits a `StepPlan`; the runner executes it and returns a `StepResult`;
 the engine applies the result through the scheduler (tokens read, text and stop conditions, prefix-cache blocks,
-finishing) and hands back one `RequestOutput` per token. See engine/step_plan.py for the contract.
+finishing: engine/step_outputs.py) and hands back one `RequestOutput` per token. See engine/step_plan.py for the
+contract.
 
 Pipelined decode (`pipeline=True`, the default). Reading a sampled token (`.item()`) waits for the whole forward
 pass, and building the next step's graph costs milliseconds of Python per step. So a decode step is launched
@@ -30,16 +31,17 @@ from cortexstream.engine import kv_edits
 from cortexstream.engine.disk_tier import open_disk_tier
 from cortexstream.engine.draft_runner import load_drafter
 from cortexstream.engine.chunk_budget import AdaptivePrefillBudget
-from cortexstream.engine.finish_reason import FinishReason
 from cortexstream.engine.runner import ModelRunner
-from cortexstream.engine.scheduler import Scheduler, SchedulerConfig
+from cortexstream.engine.scheduler import Scheduler
+from cortexstream.engine.scheduler_config import SchedulerConfig
 from cortexstream.engine.sequence import Sequence, SequenceHook
 from cortexstream.engine.snapshot import EngineView, engine_stats, take_snapshot
+from cortexstream.engine.step_outputs import StepOutputs
 from cortexstream.engine.step_plan import StepPlan, StepResult
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.grammar.compiler import GrammarCompiler
 from cortexstream.engine.single_thread import single_threaded
-from cortexstream.engine.request_state import RequestOutput, RequestText
+from cortexstream.engine.request_state import RequestOutput
 from cortexstream.engine.request_intake import make_sequence, resolve_sampling
 from cortexstream.engine.sampling import SamplingParams
 from cortexstream.engine.speculative_config import parse_speculative
@@ -109,9 +111,8 @@ class Engine:
         self.runner = ModelRunner(model, arena, self.backend, batch_prefill=batch_prefill,
                                   mixed_prefill=mixed_prefill, constraints=self.grammars.constraint,
                                   drafter=load_drafter(self.speculative, model, tokenizer, arena))
-        self._states: dict[str, RequestText] = {}
-        self.num_generated_tokens = 0
-        self.num_prompt_tokens_computed = 0
+        # Per-request text, tokens in flight, and the outputs results become (engine/step_outputs.py).
+        self._outputs = StepOutputs(self.scheduler, self.block_manager, tokenizer, self._eos_ids)
         # Wall time spent in prefill chunks vs decode batches (each evaluated before the clock is read).
         self.prefill_time = 0.0
         self.decode_time = 0.0
@@ -119,9 +120,6 @@ class Engine:
         self.pipeline = pipeline
         # Called with every plan before the runner executes it (a recorder, a replaying second runner).
         self.plan_listener: Callable[[StepPlan], None] | None = None
-        # request id -> (sequence, lazy sampled token [1], lazy logprobs [V]) of the decode step in flight
-        self._inflight: dict[str, tuple[Sequence, mx.array, mx.array]] = {}
-        self._failures: list[RequestOutput] = []  # requests ended by a failed sampler during this step
 
     # --- requests ---------------------------------------------------------------------------------------------
     @single_threaded
@@ -145,14 +143,14 @@ class Engine:
         `speculative`: "ngram:k=4,n=3" (prompt lookup), "off", or None for the engine's default."""
         seq = make_sequence(self, prompt, resolve_sampling(sampling, sampling_kwargs), kv_policy=kv_policy,
                             tenant=tenant, request_id=request_id, prompt_cache=prompt_cache, sampler=sampler,
-                            speculative=speculative, in_use=self._states.__contains__)
-        self._states[seq.request_id] = RequestText(seq, self.tokenizer, self._eos_ids)
+                            speculative=speculative, in_use=self._outputs.in_use)
+        self._outputs.track(seq)
         self.scheduler.add(seq)
         return seq.request_id
 
     @single_threaded
     def abort(self, request_id: str) -> bool:
-        self._inflight.pop(request_id, None)
+        self._outputs.forget_in_flight(request_id)
         return self.scheduler.abort(request_id) is not None
 
     @single_threaded
@@ -200,12 +198,12 @@ class Engine:
 
     def spawn_child(self, parent: Sequence, child_id: str, sampling: SamplingParams) -> Sequence:
         """A running copy of `parent` sharing its computed blocks (for a fork hook, between steps)."""
-        if child_id in self._states:
+        if self._outputs.in_use(child_id):
             raise InvalidArgumentError(f"request_id: '{child_id}' is already in use")
         child = Sequence(list(parent.prompt_ids), sampling, request_id=child_id, tenant=parent.tenant,
                          kv_policy=parent.kv_policy, arrival_time=parent.arrival_time)
         child.speculation = None if parent.speculation is None else parent.speculation.fresh()
-        self._states[child_id] = RequestText(child, self.tokenizer, self._eos_ids)
+        self._outputs.track(child)
         self.scheduler.fork(parent, child)
         return child
 
@@ -228,11 +226,19 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._inflight)
+        return self.scheduler.has_unfinished or self._outputs.has_in_flight
 
     @property
     def has_in_flight(self) -> bool:
-        return bool(self._inflight)
+        return self._outputs.has_in_flight
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return self._outputs.num_generated_tokens
+
+    @property
+    def num_prompt_tokens_computed(self) -> int:
+        return self._outputs.num_prompt_tokens_computed
 
     # --- the step ---------------------------------------------------------------------------------------------
     @single_threaded
@@ -260,19 +266,16 @@ class Engine:
 
     def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        if self._inflight and not (self.pipeline and self.scheduler.may_pipeline()):
-            outputs.extend(self._drain())
+        if self._outputs.has_in_flight and not (self.pipeline and self.scheduler.may_pipeline()):
+            outputs.extend(self._outputs.drain())
         plan, ended = self.scheduler.schedule()
-        outputs.extend(self._final_output(seq) for seq in ended)
-        for request_id in plan.dropped:
-            entry = self._inflight.pop(request_id, None)
-            if entry is not None and not entry[0].is_finished:  # may_pipeline rules this out; never lose a token
-                raise RuntimeError(f"internal: request '{request_id}' preempted with a token in flight")
+        outputs.extend(self._outputs.final_output(seq) for seq in ended)
+        self._outputs.check_dropped(plan.dropped)
         if self.plan_listener is not None:
             self.plan_listener(plan)
-        had_in_flight, tic = bool(self._inflight), time.perf_counter()
+        had_in_flight, tic = self._outputs.has_in_flight, time.perf_counter()
         result = self.runner.execute(plan)
-        outputs.extend(self._apply(plan, result))
+        outputs.extend(self._outputs.apply(plan, result))
         self.prefill_time += result.prefill_seconds
         decode_seconds = None
         if plan.decode or had_in_flight:
@@ -281,47 +284,10 @@ class Engine:
         self.num_decode_tokens += len(plan.decode)
         self._adapt(plan, result, decode_seconds)
         if not self.pipeline:
-            outputs.extend(self._drain())
+            outputs.extend(self._outputs.drain())
         if self.disk is not None:
             self.disk.after_step()
-        outputs.extend(self._failures)
-        self._failures = []
-        return outputs
-
-    def _apply(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        """Record what the runner did: failures, physical lengths, prompt blocks, tokens read and in flight."""
-        proposed = {item.request_id: item.num_tokens - 1 for item in plan.decode if item.draft or item.model_draft}
-        for request_id, reason in result.errors.items():
-            state = self._states.get(request_id)
-            if state is not None and not state.seq.is_finished:
-                self._fail(state.seq, reason)
-        for request_id, num_physical in result.physical.items():
-            state = self._states.get(request_id)
-            if state is not None and not state.seq.is_finished:
-                self.scheduler.set_physical(state.seq, num_physical)
-        for item in plan.prefill:
-            self.num_prompt_tokens_computed += len(item.token_ids)
-            state = self._states.get(item.request_id)
-            if state is not None and state.seq.hook is None and not state.seq.kv_policy.evicts:
-                # Full prompt blocks enter the prefix cache as soon as they are computed, so a request
-                # waiting on the same prefix starts from them (see BlockManager.waits_for_shared_prefix).
-                self.block_manager.register_full_blocks(state.seq)
-        outputs = []
-        for sampled in result.sampled:
-            state = self._states.get(sampled.request_id)
-            if sampled.ready and state is not None and not state.seq.is_finished:
-                if sampled.request_id in result.accepted:  # a verified draft: its kept tokens, then one more
-                    self.scheduler.accept_drafts(state.seq, proposed[sampled.request_id],
-                                                 result.accepted[sampled.request_id])
-                outputs.extend(self._emit_tokens(state.seq, sampled))
-        previous, self._inflight = self._inflight, {}
-        outputs.extend(self._resolve(previous))
-        for sampled in result.sampled:
-            state = self._states.get(sampled.request_id)
-            if sampled.ready or state is None or state.seq.is_finished:
-                continue  # the token it was launched on ended the request: discard this one
-            self.scheduler.set_in_flight(state.seq, 1)
-            self._inflight[sampled.request_id] = (state.seq, sampled.token, sampled.logprobs)
+        outputs.extend(self._outputs.take_failures())
         return outputs
 
     def _adapt(self, plan: StepPlan, result: StepResult, decode_seconds: float | None) -> None:
@@ -332,62 +298,6 @@ class Engine:
                                                decode_seconds, bool(plan.decode), self.runner.mixed_prefill)
             if budget != self.scheduler.config.prefill_tokens_while_decoding:
                 self.scheduler.config = replace(self.scheduler.config, prefill_tokens_while_decoding=budget)
-
-    def _drain(self) -> list[RequestOutput]:
-        """Read and apply every token in flight."""
-        entries, self._inflight = self._inflight, {}
-        return self._resolve(entries)
-
-    def _resolve(self, entries: dict[str, tuple[Sequence, mx.array, mx.array]]) -> list[RequestOutput]:
-        if not entries:
-            return []
-        mx.eval([token for _, token, _ in entries.values()])
-        outputs = []
-        for seq, token, logprobs in entries.values():
-            if seq.is_finished or seq.request_id not in self._states:
-                continue
-            outputs.append(self._emit(seq, int(token.item()), logprobs))
-        return outputs
-
-    def _emit_tokens(self, seq: Sequence, sampled: Any) -> list[RequestOutput]:
-        """Emit a read sample's tokens in order (several for a verified draft) until one ends the request."""
-        outputs = []
-        tokens = sampled.token.reshape(-1).tolist()
-        for i, token_id in enumerate(tokens):
-            logprobs = sampled.logprobs[i] if sampled.logprobs.ndim == 2 else sampled.logprobs
-            outputs.append(self._emit(seq, token_id, logprobs))
-            if seq.is_finished:
-                break
-        return outputs
-
-    def _fail(self, seq: Sequence, reason: str) -> None:
-        """End a running request with finish_reason "error"; its output goes out with this step's."""
-        self._inflight.pop(seq.request_id, None)
-        self.scheduler.finish(seq, FinishReason.ERROR, reason)
-        self._failures.append(self._final_output(seq))
-
-    def _emit(self, seq: Sequence, token_id: int, logprobs: mx.array) -> RequestOutput:
-        """Append one read token to its request: text, stop conditions, prefix-cache blocks, finishing."""
-        state = self._states[seq.request_id]
-        self.scheduler.record_token(seq, token_id, time.perf_counter())
-        self.num_generated_tokens += 1
-        text, reason = state.accept(token_id)
-        if not seq.kv_policy.evicts:
-            # An evicting sequence's blocks stay private: a shared block would have to be copied on write
-            # by the next eviction, which may find no free block.
-            self.block_manager.register_full_blocks(seq)
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-            del self._states[seq.request_id]
-        return RequestOutput(
-            seq.request_id, token_id, text, logprobs, len(seq.prompt_ids), len(seq.output_ids), reason,
-            ttft=seq.first_token_time - seq.arrival_time, stop_string=state.text.stop_string,
-        )
-
-    def _final_output(self, seq: Sequence) -> RequestOutput:
-        self._states.pop(seq.request_id, None)
-        return RequestOutput(seq.request_id, None, "", None, len(seq.prompt_ids), len(seq.output_ids),
-                             seq.finish_reason, seq.error)
 
     # --- views ------------------------------------------------------------------------------------------------
     @single_threaded
