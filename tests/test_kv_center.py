@@ -184,3 +184,50 @@ def test_saved_centered_cache_round_trips_and_refuses_other_centers(tmp_path):
     uncentered = KVArena(ArenaConfig(2, 2, 32, 16, 16, kv_dtype=parse_kv_dtype("int4", 32, model_dtype="float32")))
     with pytest.raises(ModelLoadError, match="stores K/V as"):
         load_prompt_cache(path, arena=uncentered)
+
+
+def test_auto_does_not_rotate_centered_keys_but_rotates_the_rest():
+    """AUTO rotates 4-bit sides except centered keys; rotate=on still rotates them; the cache key names the sides."""
+    model = qwen_like()
+    auto = ArenaConfig.for_model(model, num_tokens=64, kv_dtype="int4", kv_group_size=32)
+    assert auto.storage.centered_keys and not auto.storage.key_rotated and auto.storage.value_rotated
+    assert ",rot=hadamard1:v," in auto.cache_key + ","
+    forced = ArenaConfig.for_model(model, num_tokens=64, kv_dtype="int4,rotate=on", kv_group_size=32)
+    assert forced.storage.key_rotated and ",rot=hadamard1:kv" in forced.cache_key
+    plain = ArenaConfig.for_model(tiny_model(seed=1, head_dim=32), num_tokens=64, kv_dtype="int4", kv_group_size=32)
+    assert not plain.storage.centered_keys and plain.storage.key_rotated  # no key bias: rotated as before
+    # the arena's key side follows the rule
+    from cortexstream.kv.arena import KVArena
+
+    arena = KVArena(auto)
+    assert arena.keys[0].rotation is None and arena.values[0].rotation is not None
+    from dataclasses import replace
+
+    with pytest.raises(InvalidArgumentError, match="centered_keys"):
+        replace(parse_kv_dtype("k=float32,v=int4", 32, model_dtype="float32"), centered_keys=True)
+
+
+def test_saved_cache_records_its_rotated_sides_and_old_centered_int4_files_are_refused(tmp_path):
+    import json
+
+    from cortexstream.kv.prompt_cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+
+    model = qwen_like()
+    cache = make_prompt_cache(model, kv_dtype="int4", kv_group_size=32)
+    model(mx.array([list(range(3, 30))]), cache=cache)
+    path = str(tmp_path / "c.safetensors")
+    save_prompt_cache(path, cache)
+    arrays, metadata = mx.load(path, return_metadata=True)
+    key = next(k for k in metadata if "kv_dtype" in metadata[k])
+    info = json.loads(metadata[key])
+    assert info["kv_dtype"]["rotated"] == "v"
+    for layer in range(2):  # what was written is what is read back: keys unrotated, values rotated
+        assert mx.array_equal(load_prompt_cache(path)[layer].state[0], cache[layer].state[0]).item()
+    for rewrite, match in ((lambda d: d.pop("rotated"), "earlier version"),
+                           (lambda d: d.update(rotated="kv"), "rotated")):
+        edited = json.loads(metadata[key])
+        rewrite(edited["kv_dtype"])
+        other = str(tmp_path / f"edited_{match.replace(' ', '_')}.safetensors")
+        mx.save_safetensors(other, arrays, metadata={**metadata, key: json.dumps(edited)})
+        with pytest.raises(ModelLoadError, match=match):
+            load_prompt_cache(other)

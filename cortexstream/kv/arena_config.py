@@ -41,6 +41,10 @@ class ArenaConfig:
             raise InvalidArgumentError(f"ArenaConfig.dtype: {self.dtype!r} must be one of {', '.join(_ITEMSIZE)}")
         if self.kv_dtype is not None:
             self._check_kv_dtype(self.kv_dtype)
+        if (self.kv_dtype is not None and self.kv_dtype.key.quantized
+                and self.kv_dtype.centered_keys != (self.key_centers is not None)):
+            # The storage says whether its keys are centered (it decides their rotation): follow key_centers.
+            object.__setattr__(self, "kv_dtype", replace(self.kv_dtype, centered_keys=self.key_centers is not None))
         if self.key_centers is not None:
             if not self.storage.key.quantized:
                 raise InvalidArgumentError("ArenaConfig.key_centers: only a quantized key side is centered; this "

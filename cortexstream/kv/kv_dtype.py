@@ -16,7 +16,9 @@ Group sizes are 32 or 64: `mx.quantize` supports 32, 64 and 128 and needs the la
 by the group; 128 would not divide the 64-wide heads of small models. 64 is the default, as in mlx-lm's
 `QuantizedKVCache`.
 
-Quantized sides may be stored rotated (`kv_rotation.py`): by default 4-bit sides are, 8-bit ones are not; the
+Quantized sides may be stored rotated (`kv_rotation.py`): by default (AUTO) 4-bit sides are, 8-bit ones are not,
+and nor are keys stored centered (`kv_center.py`): once a model's key bias is taken out, what is left of its keys is
+quantized better as it is than rotated (Qwen2.5-Coder-0.5B, 4-bit keys: bench/results/kv_key_schemes.md). The
 spelling takes `rotate=on|off|auto` as a last part ("int4,rotate=off", "k=int8,v=int4,rotate=on").
 """
 
@@ -92,6 +94,9 @@ class KVDtype:
     float_type: StorageType
     group_size: int = DEFAULT_GROUP_SIZE
     rotation: Rotation = Rotation.AUTO  # which quantized sides are stored rotated (kv_rotation.py)
+    # Keys stored centered by the model's key bias (kv_center.py). Set by ArenaConfig from its key_centers, not
+    # spelled by users: AUTO does not rotate centered keys.
+    centered_keys: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rotation", rotation(self.rotation, "kv_dtype (rotate)"))
@@ -103,25 +108,33 @@ class KVDtype:
                 f"kv_group_size: {self.group_size!r} is not supported; choose one of "
                 f"{', '.join(map(str, GROUP_SIZES))}"
             )
+        if type(self.centered_keys) is not bool or (self.centered_keys and not self.key.quantized):
+            raise InvalidArgumentError(f"kv_dtype (centered_keys): {self.centered_keys!r}: only a quantized key side "
+                                       "is stored centered")
 
     @property
     def quantized(self) -> bool:
         """True when K or V (or both) is stored quantized."""
         return self.key.quantized or self.value.quantized
 
-    def rotates(self, kind: StorageType) -> bool:
-        """Whether a side stored as `kind` is stored rotated."""
+    def rotates(self, kind: StorageType, *, centered: bool = False) -> bool:
+        """Whether a side stored as `kind` (and `centered`, for keys) is stored rotated."""
         if not kind.quantized or self.rotation == Rotation.OFF:
             return False
-        return self.rotation == Rotation.ON or kind == StorageType.INT4
+        return self.rotation == Rotation.ON or (kind == StorageType.INT4 and not centered)
 
     @property
     def key_rotated(self) -> bool:
-        return self.rotates(self.key)
+        return self.rotates(self.key, centered=self.centered_keys)
 
     @property
     def value_rotated(self) -> bool:
         return self.rotates(self.value)
+
+    @property
+    def rotated_sides(self) -> str:
+        """Which sides are stored rotated: "", "k", "v" or "kv"."""
+        return "".join(name for name, on in (("k", self.key_rotated), ("v", self.value_rotated)) if on)
 
     @property
     def key_bits(self) -> int:
@@ -150,15 +163,16 @@ class KVDtype:
     def cache_key(self) -> str:
         """Everything that decides the stored bytes of a block, for prefix-cache hashes and saved-cache metadata."""
         group = f",group={self.group_size}" if self.quantized else ""
-        rotated = "".join(name for name, on in (("k", self.key_rotated), ("v", self.value_rotated)) if on)
+        rotated = self.rotated_sides
         turned = f",rot={ROTATION_NAME}:{rotated}" if rotated else ""
         return f"{self.sides_text}{group},float={self.float_type.value}{turned}"
 
     def check_head_dims(self, head_dim: int, v_head_dim: int | None = None) -> None:
         """Refuse head dims a quantized side cannot be grouped along (mx.quantize needs the last axis divisible by
         the group size) or, for a rotated side, rotate (kv_rotation.py)."""
-        dims = (("head_dim", head_dim, self.key), ("v_head_dim", v_head_dim or head_dim, self.value))
-        for name, dim, kind in dims:
+        dims = (("head_dim", head_dim, self.key, self.key_rotated),
+                ("v_head_dim", v_head_dim or head_dim, self.value, self.value_rotated))
+        for name, dim, kind, rotated in dims:
             if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
                 raise InvalidArgumentError(f"{name}: {dim!r} must be a positive integer")
             if kind.quantized and dim % self.group_size:
@@ -168,7 +182,7 @@ class KVDtype:
                     f"kv_group_size: {self.group_size} does not divide the model's {name} {dim} "
                     f"({kind.value} groups run along the head dim); {hint}"
                 )
-            if self.rotates(kind) and not rotation_supported(dim):
+            if rotated and not rotation_supported(dim):
                 raise InvalidArgumentError(
                     f"kv_dtype: {self.text!r} stores {kind.value} rotated, which needs a power-of-two head dim; the "
                     f"model's {name} is {dim}: add ,rotate=off"

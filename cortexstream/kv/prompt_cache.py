@@ -148,10 +148,11 @@ def load_prompt_cache(
             layer_cache.state = (arrays[f"{layer}.keys"], arrays[f"{layer}.values"])
         else:
             rows = [stored_rows(arrays, f"{layer}.{side}", kind, info.kv_dtype.group_size,
-                                rotation_of(info.kv_dtype, kind, dim),
+                                rotation_of(rotated, dim),
                                 arrays.get(f"{layer}.{side}.center") if side == "keys" else None)
-                    for side, kind, dim in (("keys", info.kv_dtype.key, info.head_dim),
-                                            ("values", info.kv_dtype.value, info.v_head_dim))]
+                    for side, kind, dim, rotated in (
+                        ("keys", info.kv_dtype.key, info.head_dim, info.kv_dtype.key_rotated),
+                        ("values", info.kv_dtype.value, info.v_head_dim, info.kv_dtype.value_rotated))]
             seq.arena.put_rows(layer, seq.arena.slots_array(seq.blocks, info.lengths[layer]), *rows)
             seq.lengths[layer] = info.lengths[layer]
         layer_cache.offset = info.offsets[layer]
@@ -164,12 +165,12 @@ def storage_metadata(storage: KVDtype) -> dict[str, object]:
     """How a saved quantized cache's rows are stored (read back by `prompt_cache_check.storage_from_metadata`)."""
     return {"key": storage.key.value, "value": storage.value.value, "group_size": storage.group_size,
             "float_type": storage.float_type.value, "rotation": storage.rotation.value,
-            "rotation_matrix": ROTATION_NAME}
+            "rotation_matrix": ROTATION_NAME, "rotated": storage.rotated_sides}
 
 
-def rotation_of(storage: KVDtype, kind: StorageType, dim: int) -> mx.array | None:
-    """The rotation (signs) a side stored as `kind` under `storage` is stored in, None when it is not."""
-    return mx.array(rotation_signs(dim)) if storage.rotates(kind) else None
+def rotation_of(rotated: bool, dim: int) -> mx.array | None:
+    """The rotation (signs) of a side of width `dim` stored `rotated`, None when it is not."""
+    return mx.array(rotation_signs(dim)) if rotated else None
 
 
 def stored_rows(arrays: dict[str, mx.array], name: str, kind: StorageType, group_size: int,

@@ -48,18 +48,28 @@ def storage_from_metadata(path: str, raw: Any) -> KVDtype:
     """The `kv_dtype` entry `save_prompt_cache` writes for a quantized cache, as a KVDtype."""
     fields = ("key", "value", "group_size", "float_type")
     rotation_fields = ("rotation", "rotation_matrix")  # absent in files written before rotated storage: none
-    allowed = (set(fields), set(fields + rotation_fields), set(fields + rotation_fields + ("key_center",)))
+    allowed = [set(fields), set(fields + rotation_fields), set(fields + rotation_fields + ("key_center",))]
+    allowed += [names | {"rotated"} for names in allowed[1:]]  # "rotated": the sides, written since it can vary
     if not isinstance(raw, dict) or set(raw) not in allowed:
         raise ModelLoadError(f"{path}: prompt cache metadata 'kv_dtype' must have exactly {', '.join(fields)} "
-                             f"(and {', '.join(rotation_fields)}, and key_center), got {raw!r:.80}")
+                             f"(and {', '.join(rotation_fields)}, key_center, rotated), got {raw!r:.80}")
     if raw.get("key_center", CENTER_NAME) != CENTER_NAME:
         raise ModelLoadError(f"{path}: prompt cache keys are centered by {raw['key_center']!r:.40}, this version "
                              f"centers by {CENTER_NAME!r}: the cache cannot be read")
     try:
         storage = KVDtype(StorageType(raw["key"]), StorageType(raw["value"]), StorageType(raw["float_type"]),
-                          raw["group_size"], raw.get("rotation", Rotation.OFF))
-    except (ValueError, InvalidArgumentError) as exc:
+                          raw["group_size"], raw.get("rotation", Rotation.OFF), centered_keys="key_center" in raw)
+    except (ValueError, InvalidArgumentError, TypeError) as exc:
         raise ModelLoadError(f"{path}: prompt cache metadata 'kv_dtype' {raw!r:.80} is not valid: {exc}") from None
+    # Files written before "rotated" was recorded rotated centered 4-bit keys too (AUTO does not, since): their
+    # layout cannot be told from this version's, so they are refused rather than read wrong.
+    written = raw.get("rotated")
+    if written is None and storage.centered_keys and storage.rotation == Rotation.AUTO and storage.key.bits == 4:
+        raise ModelLoadError(f"{path}: prompt cache of centered 4-bit keys saved by an earlier version (they were "
+                             "stored rotated, this version stores them as they are): save it again")
+    if written is not None and written != storage.rotated_sides:
+        raise ModelLoadError(f"{path}: prompt cache metadata says sides {written!r:.10} are rotated, this version "
+                             f"rotates {storage.rotated_sides!r} for {storage.text!r}: the cache cannot be read")
     if not storage.quantized:
         raise ModelLoadError(f"{path}: prompt cache metadata 'kv_dtype' quantizes nothing ({raw!r:.80})")
     if (storage.key_rotated or storage.value_rotated) and raw.get("rotation_matrix") != ROTATION_NAME:
