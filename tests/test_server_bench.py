@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from cortexstream.benchmarks.serve_client import RequestRecord, WorkloadRun
-from cortexstream.benchmarks.serve_report import markdown, ratios, summarize
+from cortexstream.benchmarks.serve_report import (
+    SPECULATIVE_SYSTEM, markdown, ratios, servers_compared, summarize)
 from cortexstream.benchmarks.serve_workloads import build_workloads, shared_system_chat
 
 
@@ -38,6 +39,26 @@ def test_summary_ratios_and_markdown():
                              "systems": {"cortexstream": ours, "mlx_lm": theirs}, "ratios": r}]}
     text = markdown(result)
     assert "| cortexstream | 1.00 | 11.0 | 750 |" in text and "target >= 1.5x: met" in text
+    assert text.startswith("# Serving benchmark: cortexstream serve vs mlx_lm.server\n")
+    only = dict(result, workloads=[dict(result["workloads"][0], systems={"cortexstream": ours}, ratios=None)])
+    assert markdown(only).startswith("# Serving benchmark: cortexstream serve\n")
+
+
+def test_the_title_names_the_servers_that_ran():
+    """Peers in the memory-bound section are named too; one that did not start is not; no "vs" when only
+    CortexStream ran."""
+    workload = {"name": "unrelated", "systems": {"cortexstream": {}, "mlx_lm": {}}}
+    runs = [{"system": "cortexstream"}, {"system": "mlx_lm"}, {"system": "mlx_vlm"}, {"system": "rapid_mlx"},
+            {"system": "vllm_mlx", "error": "did not start"}]
+    result = {"workloads": [workload], "memory_bound": {"runs": runs}}
+    assert servers_compared(result) == "cortexstream serve vs mlx_lm.server, mlx_vlm.server, rapid-mlx"
+    runs[-1].pop("error")
+    assert servers_compared(result).endswith(", rapid-mlx, vllm-mlx")
+    assert servers_compared({"workloads": [], "memory_bound": {"runs": runs[2:]}}) == \
+        "mlx_vlm.server, rapid-mlx, vllm-mlx"
+    alone = {"workloads": [{"systems": {"cortexstream": {}, SPECULATIVE_SYSTEM: {}}}]}
+    assert servers_compared(alone) == "cortexstream serve vs cortexstream serve --speculative"
+    assert servers_compared({"workloads": [{"systems": {"cortexstream": {}}}]}) == "cortexstream serve"
 
 
 def test_bench_serve_quick_smoke_end_to_end(tiny_gguf, tmp_path):

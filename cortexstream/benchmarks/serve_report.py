@@ -9,6 +9,7 @@ import numpy as np
 
 from cortexstream.benchmarks.serve_client import WorkloadRun
 from cortexstream.benchmarks.serve_memory_report import memory_markdown, plot_memory
+from cortexstream.benchmarks.serve_processes import Peer
 
 # workload -> (min output tok/s ratio, max p50 TTFT ratio or None), cortexstream / mlx_lm.server
 TARGETS = {"shared_system_chat": (1.5, 0.5), "multi_turn": (1.3, None), "unrelated": (1.0, None)}
@@ -73,8 +74,37 @@ def _fmt(value: Any, scale: float = 1.0, digits: int = 2) -> str:
     return "n/a" if value is None else f"{value * scale:.{digits}f}"
 
 
+OURS = "cortexstream serve"
+
+
+def system_name(system: str) -> str:
+    """How the report names a server (a workload's system key, a memory-bound run's `system`): its command."""
+    if system == "cortexstream":
+        return OURS
+    if system == SPECULATIVE_SYSTEM:
+        return f"{OURS} --speculative"
+    if system == "mlx_lm":
+        return "mlx_lm.server"
+    peers = {peer.value: peer for peer in Peer}
+    return peers[system].script if system in peers else system
+
+
+def servers_compared(result: dict[str, Any]) -> str:
+    """The report's title names every server that ran, in the order they first ran: "cortexstream serve vs X, Y"
+    (a memory-bound run that did not start is left out)."""
+    ran = [system for workload in result["workloads"] for system in workload["systems"]]
+    memory = result.get("memory_bound")
+    if memory:
+        ran += [run["system"] for run in memory["runs"] if "error" not in run]
+    names = list(dict.fromkeys(system_name(system) for system in ran))
+    others = ", ".join(name for name in names if name != OURS)
+    if OURS not in names:
+        return others or "no server ran"
+    return f"{OURS} vs {others}" if others else OURS
+
+
 def markdown(result: dict[str, Any]) -> str:
-    lines = ["# Serving benchmark: cortexstream serve vs mlx_lm.server", "",
+    lines = [f"# Serving benchmark: {servers_compared(result)}", "",
              f"Machine: {result['machine']}. Model: {result['model']} (same weights for every server: the GGUF "
              f"converted with `cortexstream convert`), greedy decoding, streaming over HTTP. Seed {result['seed']}."
              + (" **Quick smoke run: not a measurement.**" if result["quick"] else ""), ""]
@@ -123,7 +153,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         plot_memory(memory, *axes[-1])
     if result["workloads"]:
         _plot_workloads(result, *axes[0])
-    fig.suptitle(f"cortexstream serve vs mlx_lm.server ({result['model']}, {result['machine']})", fontsize=9)
+    fig.suptitle(f"{servers_compared(result)} ({result['model']}, {result['machine']})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
