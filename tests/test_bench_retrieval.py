@@ -110,6 +110,35 @@ def test_policy_strings_expand_per_budget_and_the_full_cache_once():
         "'full;snapkv:budget={b},window=8;h2o:budget=0.3'"  # --quick sets the budgets
 
 
+def _settings(*argv: str) -> RetrievalSettings:
+    import argparse
+
+    from cortexstream.benchmarks.retrieval import add_arguments
+    from cortexstream.benchmarks.retrieval_settings import from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return from_args(parser.parse_args(list(argv)))
+
+
+def test_quick_keeps_the_tasks_and_placements_given_and_its_own_otherwise():
+    quick = _settings("--quick")
+    assert quick.tasks == (Task.PASSKEY, Task.NEEDLE) and quick.placements == tuple(Placement)
+    assert len(quick.cells()) == 2 * 2 * len(quick.policy_cells()) and quick.contexts == (512,)
+    later = _settings("--quick", "--placements", "later_turn")
+    assert later.tasks == (Task.PASSKEY, Task.NEEDLE) and later.contexts == (512,) and later.trials == 3
+    assert {placement for _, placement, _, _ in later.cells()} == {Placement.LATER_TURN}
+    assert len(later.cells()) == len(quick.cells()) // 2
+    multikey = _settings("--quick", "--tasks", "multikey,passkey")
+    assert [(t, pl) for t, pl, _, p in multikey.cells() if p.spec == "full"] == [
+        (Task.MULTIKEY, Placement.SAME_PROMPT), (Task.MULTIKEY, Placement.LATER_TURN),
+        (Task.PASSKEY, Placement.SAME_PROMPT), (Task.PASSKEY, Placement.LATER_TURN)]
+    assert command_line(later, True) == "cortexstream bench retrieval --quick --placements later_turn"
+    assert _settings().tasks == tuple(Task) and _settings().placements == tuple(Placement)
+    with pytest.raises(InvalidArgumentError, match="--placements: 'nowhere' is not among"):
+        _settings("--quick", "--placements", "nowhere")  # checked, no longer dropped by --quick
+
+
 def test_a_whole_tiny_run_writes_cells_ratios_and_targets(tiny, heap, tmp_path):
     settings = RetrievalSettings(tasks=("passkey", "multiquery"), policies=("full", "h2o:budget={b}",
                                  "snapkv:budget={b},window=8"), budgets=(0.2, 0.33), contexts=(400,), trials=2,

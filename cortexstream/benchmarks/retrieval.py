@@ -97,8 +97,7 @@ def run(settings: RetrievalSettings = RetrievalSettings(), model_source: str | N
     os.makedirs(out_dir, exist_ok=True)
     results = ResultStore(os.path.join(out_dir, f"{name}.json"), NAME, recorded, PARTS, resume=resume)
     started = time.perf_counter()
-    todo = [(task, placement, context, p) for task in s.tasks for placement in s.placements for context in s.contexts
-            for p in policy_cells]
+    todo = s.cells()
     done = sum(results.has("cells", **key(*cell)) for cell in todo)
     trials_of: dict[tuple, list] = {}
     with tqdm(total=len(todo), initial=done, desc="retrieval cells", unit="cell", disable=not progress) as bar:
@@ -150,7 +149,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `cortexstream bench retrieval` (and `python -m cortexstream.benchmarks.retrieval`)."""
     add_size_arguments(parser)
     add_run_options(parser, "smoke run: passkey and needle, both placements, 512 tokens, 3 trials, budget 0.2 "
-                    "(retrieval_quick.*)")
+                    "(retrieval_quick.*); --tasks and --placements given are kept")
     parser.epilog = ("--model qwen2.5-coder-0.5b: the verified benchmark asset (fetched from a checkout with "
                      "`python -m bench.assets`)")
 

@@ -30,6 +30,9 @@ class Placement(str, Enum):
     LATER_TURN = "later_turn"    # the document compressed alone; the question arrives in the next turn
 
 
+QUICK_TASKS = (Task.PASSKEY, Task.NEEDLE)  # --quick's tasks unless --tasks is given
+
+
 @dataclass(frozen=True)
 class PolicyCell:
     """One policy string of a run: `spec` as parsed, `template` as given, `budget` the fraction it was given
@@ -93,10 +96,16 @@ class RetrievalSettings:
                 cells.append(PolicyCell(template, spec, budget))
         return cells
 
+    def cells(self) -> list[tuple[Task, Placement, int, PolicyCell]]:
+        """Every cell the run measures, in the order it measures them: task, placement, context, policy."""
+        policy_cells = self.policy_cells()
+        return [(task, placement, context, p) for task in self.tasks for placement in self.placements
+                for context in self.contexts for p in policy_cells]
+
     def quick(self) -> "RetrievalSettings":
         """A smoke run of a few minutes: passkey and needle, both placements, 512 tokens, 3 trials, budget 20%."""
-        return replace(self, tasks=(Task.PASSKEY, Task.NEEDLE), placements=tuple(Placement), budgets=(0.2,),
-                       contexts=(512,), trials=3)
+        return replace(self, tasks=QUICK_TASKS, placements=tuple(Placement), budgets=(0.2,), contexts=(512,),
+                       trials=3)
 
 
 def _members(values: tuple, kind: type[Enum], option: str) -> tuple:
@@ -115,12 +124,14 @@ def _members(values: tuple, kind: type[Enum], option: str) -> tuple:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The sizes as options (defaults: `RetrievalSettings`)."""
+    """The sizes as options (defaults: `RetrievalSettings`). --tasks and --placements default to None, so that
+    `--quick` can tell them given (kept) from not given (its own)."""
     d = RetrievalSettings()
-    parser.add_argument("--tasks", default=",".join(t.value for t in d.tasks),
-                        help=f"comma-separated among {', '.join(t.value for t in Task)}")
-    parser.add_argument("--placements", default=",".join(p.value for p in d.placements),
-                        help=f"comma-separated among {', '.join(p.value for p in Placement)}")
+    parser.add_argument("--tasks", default=None,
+                        help=f"comma-separated among {', '.join(t.value for t in Task)} (default: all; with --quick: "
+                             f"{','.join(t.value for t in QUICK_TASKS)})")
+    parser.add_argument("--placements", default=None,
+                        help=f"comma-separated among {', '.join(p.value for p in Placement)} (default: all)")
     parser.add_argument("--policies", default=";".join(d.policies),
                         help="semicolon-separated policy strings; {b} is replaced by each budget (a string "
                              "without it runs once)")
@@ -135,16 +146,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def from_args(args: argparse.Namespace) -> RetrievalSettings:
-    """The settings the options ask for (`--quick`: its smoke-run sizes)."""
+    """The settings the options ask for (`--quick`: its smoke-run sizes, but the --tasks and --placements given)."""
     from cortexstream.benchmarks.common import policy_specs
     from cortexstream.cli.number_lists import fraction_list, int_list, name_list
 
+    given = {name: name_list(text) for name, text in (("tasks", args.tasks), ("placements", args.placements))
+             if text is not None}
     settings = RetrievalSettings(
-        tasks=name_list(args.tasks), placements=name_list(args.placements), policies=policy_specs(args.policies),
-        budgets=fraction_list(args.budgets, "--budgets"), contexts=int_list(args.contexts, "--contexts", 256),
-        trials=args.trials, chunk=args.chunk, seed=args.seed)
-    return settings.quick() if args.quick else settings
+        policies=policy_specs(args.policies), budgets=fraction_list(args.budgets, "--budgets"),
+        contexts=int_list(args.contexts, "--contexts", 256), trials=args.trials, chunk=args.chunk, seed=args.seed,
+        **given)
+    return replace(settings.quick(), **given) if args.quick else settings
 
 
-__all__ = ["BUDGET_FIELD", "DEFAULT_POLICIES", "Placement", "PolicyCell", "RetrievalSettings", "Task",
-           "add_arguments", "from_args"]
+__all__ = ["BUDGET_FIELD", "DEFAULT_POLICIES", "QUICK_TASKS", "Placement", "PolicyCell", "RetrievalSettings",
+           "Task", "add_arguments", "from_args"]
