@@ -30,10 +30,12 @@ from tiny_models import random_token_ids
 def test_string_forms_and_bad_parameters():
     assert parse_policy("kvzip:budget=0.33,sinks=2,chunk=128") == KVzip(budget=0.33, sinks=2, chunk=128)
     assert parse_policy("kvzip") == KVzip()
+    assert parse_policy("kvzip:kernel=7") == KVzip(kernel=7)
     policy = KVzip(budget=64, chunk=32)
     assert parse_policy(policy.describe()) == policy
     for spec, words in [("kvzip:chunk=0", "chunk"), ("kvzip:budget=3", "budget 3"), ("kvzip:budget=1.5", "fraction"),
-                        ("kvzip:sinks=-1", "sinks"), ("kvzip:windw=3", "windw"), ("kvzip:chunk=2.5", "chunk")]:
+                        ("kvzip:sinks=-1", "sinks"), ("kvzip:windw=3", "windw"), ("kvzip:chunk=2.5", "chunk"),
+                        ("kvzip:kernel=4", "kernel 4 must be odd"), ("kvzip:kernel=0", "kernel")]:
         with pytest.raises(InvalidArgumentError, match=words):
             parse_policy(spec)
 
@@ -52,6 +54,19 @@ def test_select_keeps_exactly_the_budget_per_head_sinks_then_the_highest_scores(
     assert keep[1, 2].tolist() == [0, 1] + list(range(40, 50))
     assert policy.select(12, 1000, scores[..., :12]) is None  # within budget: nothing to do
     assert policy.max_physical_tokens(1000, 16, prompt_tokens=900) == 916  # the prompt is held until repeated
+
+
+def test_kernel_keeps_the_neighbours_of_a_peak_and_does_not_spread_unscored_slots():
+    """With kernel=5 a single high score keeps the two keys either side of it, where kernel=1 keeps only the peak
+    and the next highest scattered keys; a fresh (+inf) slot is kept but does not lift its neighbours."""
+    scores = np.full((1, 1, 40), 0.1)
+    scores[0, 0, [7, 23, 31]] = [0.2, 0.3, 0.25]  # scattered runners-up
+    scores[0, 0, 15] = 1.0  # the peak
+    scores[0, 0, 39] = np.inf
+    plain = KVzip(budget=6, sinks=1).select(40, 1000, scores)[0, 0].tolist()
+    pooled = KVzip(budget=6, sinks=1, kernel=5).select(40, 1000, scores)[0, 0].tolist()
+    assert plain == [0, 7, 15, 23, 31, 39]
+    assert pooled == [0, 13, 14, 15, 16, 39]  # ties among the peak's window broken by position (stable)
 
 
 # --- scores: the maximum over reconstruction queries ------------------------------------------------------------

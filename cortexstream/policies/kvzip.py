@@ -9,6 +9,10 @@ tokens and its `budget - sinks` most important keys. The reconstruction's own K/
 the runtime rolls them back (`engine.reconstruction`). Since the scores come from the context alone, what is kept
 serves any later question, at the cost of about one more prefill of the context, paid once.
 
+With `kernel` > 1 a key's score is the most any key within `kernel // 2` places of it received (max pooling along
+the head's keys, as SnapKV pools its votes): a sentence fact is read through its neighbours, and keeping only the
+single tokens the reconstruction peaked on loses the words around them. `kernel=1` is the paper's selection.
+
 Tokens added after a reconstruction (generated tokens, a later turn's prompt before its own reconstruction) carry
 no reconstruction score yet: they are kept ahead of every scored key, so a cache over its budget gives up its
 least important context first.
@@ -23,6 +27,7 @@ import numpy as np
 
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.policies.base import Budget, KVPolicy, check_budget, check_count, resolve_budget
+from cortexstream.policies.snapkv import Pooling, pool_scores
 
 
 @dataclass(frozen=True)
@@ -33,17 +38,22 @@ class KVzip(KVPolicy):
     budget: Budget = 0.33
     sinks: int = 4
     chunk: int = 2048
+    kernel: int = 1
 
     name = "kvzip"
     evicts = True
     needs_attention_scores = True
     reconstructs = True
-    parse_keys: ClassVar[dict[str, str]] = {"budget": "budget", "sinks": "count", "chunk": "count"}
+    parse_keys: ClassVar[dict[str, str]] = {"budget": "budget", "sinks": "count", "chunk": "count",
+                                            "kernel": "count"}
 
     def __post_init__(self) -> None:
         check_budget("budget", self.budget)
         check_count("sinks", self.sinks, 0)
         check_count("chunk", self.chunk, 1)
+        check_count("kernel", self.kernel, 1)
+        if self.kernel % 2 == 0:
+            raise InvalidArgumentError(f"KVzip: kernel {self.kernel} must be odd (a window centred on each key)")
         if isinstance(self.budget, int) and self.budget < self.minimum_budget:
             raise InvalidArgumentError(f"KVzip: budget {self.budget} must be >= {self.minimum_budget} (sinks "
                                        f"{self.sinks} + 1 scored key)")
@@ -71,9 +81,11 @@ class KVzip(KVPolicy):
         if n != num_physical:
             raise InvalidArgumentError(f"KVzip: {n} scores for {num_physical} physical tokens")
         front = min(self.sinks, budget - 1)
-        chosen = np.argsort(-scores[:, :, front:], axis=-1, kind="stable")[..., : budget - front] + front
+        fresh = np.isinf(scores)  # not scored yet: kept first, and not spread to their neighbours by pooling
+        pooled = np.where(fresh, scores, pool_scores(np.where(fresh, 0.0, scores), self.kernel, Pooling.MAX))
+        chosen = np.argsort(-pooled[:, :, front:], axis=-1, kind="stable")[..., : budget - front] + front
         return np.concatenate([np.broadcast_to(np.arange(front), (layers, heads, front)),
                                np.sort(chosen, axis=-1)], axis=-1)
 
     def describe(self) -> str:
-        return f"kvzip:budget={self.budget},sinks={self.sinks},chunk={self.chunk}"
+        return f"kvzip:budget={self.budget},sinks={self.sinks},chunk={self.chunk},kernel={self.kernel}"
