@@ -29,7 +29,12 @@ def test_summary_ratios_and_markdown():
                    RequestRecord(sent=0.0, first_token=1.0, last_token=2.0, output_tokens=11),
                    RequestRecord(sent=0.0, error="HTTP 500")]
     ours = summarize(run, peak_rss=2**30)
-    assert ours["failed"] == 1 and ours["output_tokens_per_s"] == 11.0
+    assert ours["failed"] == 1 and ours["output_tokens_per_s"] == 11.0 and ours["empty_replies"] == 0
+    # a stream that ended with no text is an empty reply, one that neither sent text nor ended is a failure
+    with_empty = WorkloadRun(started=0.0, finished=2.0, records=run.records + [
+        RequestRecord(sent=0.0, done=True), RequestRecord(sent=0.0)])
+    other = summarize(with_empty, peak_rss=2**30)
+    assert other["failed"] == 2 and other["empty_replies"] == 1 and other["ttft_p50_s"] == 0.75
     assert ours["tpot_p50_s"] == 0.1 and ours["ttft_p50_s"] == 0.75
     theirs = dict(ours, output_tokens_per_s=5.5, ttft_p50_s=3.0, peak_rss_mib=2048.0)
     r = ratios("shared_system_chat", ours, theirs)

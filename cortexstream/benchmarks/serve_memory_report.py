@@ -66,7 +66,8 @@ def _row(run: dict[str, Any]) -> str:
              _fmt(run.get("kv_tokens"), 1, 0), _fmt(run["running_peak"], 1, 0), _fmt(run["running_mean"], 1, 1),
              _fmt(run["streaming_peak"], 1, 0), _fmt(run["streaming_mean"], 1, 1),
              _fmt(run["output_tokens_per_s"], 1, 1), _fmt(run["ttft_p50_s"], 1e3, 0), _fmt(run["ttft_p95_s"], 1e3, 0),
-             str(run["completed"]), str(run["failed"]), _fmt(run["peak_rss_mib"], 1, 0)]
+             str(run["completed"]) + (f" ({run['empty_replies']} empty)" if run.get("empty_replies") else ""),
+             str(run["failed"]), _fmt(run["peak_rss_mib"], 1, 0)]
     return "| " + " | ".join(cells) + " |"
 
 

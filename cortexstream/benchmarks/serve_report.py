@@ -20,14 +20,18 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def summarize(run: WorkloadRun, peak_rss: int) -> dict[str, Any]:
-    ok = [r for r in run.records if r.error is None and r.first_token is not None]
+    # A request fails on an error (HTTP, transport, timeout) or a stream that neither sent text nor ended. One that
+    # ended normally without any text (the model's first token was its end) is an empty reply, not a failure.
+    ok = [r for r in run.records if r.error is None and (r.first_token is not None or r.done)]
+    empty = [r for r in ok if r.first_token is None]
     wall = max(run.finished - run.started, 1e-9)
-    ttfts = [r.ttft for r in ok]
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
     tpots = [r.tpot for r in ok if r.tpot is not None]
     tokens = sum(r.output_tokens for r in ok)
     return {
         "requests": len(run.records),
         "failed": len(run.records) - len(ok),
+        "empty_replies": len(empty),
         "errors": sorted({r.error for r in run.records if r.error})[:5],
         "wall_s": wall,
         "request_throughput": len(ok) / wall,
