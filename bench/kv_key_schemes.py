@@ -143,7 +143,7 @@ def measure(model: Any, ids: list[int], contexts: list[int], calibration: int, g
 
 def report(payload: dict) -> str:
     lines = ["# 4-bit key layouts on a model with a key bias (`python -m bench.kv_key_schemes`)", "",
-             f"{machine_sentence(payload['machine'])}. {payload['model'].get('name', payload['model'])}; keys rounded to 4 bits, values "
+             f"{machine_sentence(payload['machine'])}. {payload['model'].get('source', '?')} ({payload['model'].get('architecture', '?')}); keys rounded to 4 bits, values "
              f"in float; text `{payload['text_source']}`, chunks of {CHUNK}; equalization calibrated on "
              f"{payload['calibration']} tokens after the scored ones. Accuracy only.", "",
              "| context | key scheme | perplexity | vs float |", "|---:|---|---:|---:|"]
