@@ -3,6 +3,10 @@ for the reference): per-head KV policies that evict, the prefix cache, and `n > 
 
 - "policies": every policy that selects per KV head (`POLICIES`), one greedy stream and a batch of three prompts
   each, longer than the budget so the policy evicts; with the tokens evicted (the arena's `evicted_tokens`);
+- "kvzip": KVzip (`KVZIP`) the same way, its prompts reconstructed in 16-token chunks (`StepPlan.score` items) before
+  it evicts; with the reconstruction chunks the plans carried;
+- "merging": the policies that merge per KV head (`MERGING`: mean pooling, token merging) the same way; with the
+  tokens merged away (the arena's `compressed_tokens`);
 - "prefix": a long prompt twice, then two prompts sharing a 64-token prefix in one batch; with the prompt tokens
   each request was served from the prefix cache (its `num_cached_prefix`, as the server reports it);
 - "fork": `Engine.fork` (the server's `n`), three seeded completions and three unseeded ones of a prompt whose last
@@ -19,27 +23,37 @@ from typing import Any, Callable
 import cortexstream
 from cortexstream.engine.sampling import SamplingParams
 
-SCENARIOS = ("policies", "prefix", "fork")
+SCENARIOS = ("policies", "kvzip", "merging", "prefix", "fork")
 FIXED_CHUNKS = {"prefill_tokens_while_decoding": 16}
 POLICIES = ("h2o:budget=24,sinks=2", "expected:budget=24,sinks=2,recent=4", "d2o:budget=24,sinks=2,threshold=0",
             "snapkv:budget=24,sinks=2,window=8")
+KVZIP = "kvzip:budget=24,sinks=2,chunk=16"
+MERGING = ("meanpool:window=4,sinks=2,recent=8", "tome:window=8,sinks=2,recent=8,slots=2")
 POLICY_PROMPTS = [list(range(10, 60)), [5, 17, 99, 42, 7] * 9, [(7 * j) % 200 + 3 for j in range(37)]]
 LONG_PROMPT = [(11 * j) % 250 + 3 for j in range(80)]  # 5 full blocks of 16
 SHARED_PREFIX = [(13 * j) % 240 + 5 for j in range(64)]
 FORK_PROMPT = [(17 * j) % 230 + 4 for j in range(41)]  # the last of its 3 blocks holds 9 tokens
 
 
-def policies(model: Any, tokenizer: Any, engine: Any) -> dict:
+def policies(model: Any, tokenizer: Any, engine: Any, names: tuple[str, ...] = POLICIES,
+             counter: str = "evicted_tokens") -> dict:
+    """Each policy of `names`: one greedy stream and a batch, and how much the engine's `counter` grew meanwhile."""
     out = {}
-    for policy in POLICIES:
-        before = engine.stats()["evicted_tokens"]
+    for policy in names:
+        before = engine.stats()[counter]
         single = [r.token for r in cortexstream.stream_generate(model, tokenizer, POLICY_PROMPTS[0], max_tokens=16,
                                                                  engine=engine, kv_policy=policy)]
         batch = cortexstream.batch_generate(model, tokenizer, POLICY_PROMPTS, max_tokens=[16, 12, 20], engine=engine,
                                             kv_policy=policy, return_token_ids=True)
-        out[policy] = {"single": single, "batch": batch.token_ids,
-                       "evicted": engine.stats()["evicted_tokens"] - before}
+        out[policy] = {"single": single, "batch": batch.token_ids, "evicted": engine.stats()[counter] - before}
     return {"policies": out}
+
+
+def kvzip(model: Any, tokenizer: Any, engine: Any, score_items: Callable[[], int]) -> dict:
+    """`score_items()`: the reconstruction chunks the engine's plans carried so far."""
+    before = score_items()
+    out = policies(model, tokenizer, engine, (KVZIP,))
+    return {"kvzip": out["policies"][KVZIP], "kvzip_score_items": score_items() - before}
 
 
 def run_requests(engine: Any, add: Callable[[], list[str]]) -> tuple[dict[str, list[int]], dict[str, int]]:
@@ -83,9 +97,15 @@ def fork(engine: Any, copies: Callable[[], int]) -> dict:
             "fork_copies": copies() - before}
 
 
-def run(model: Any, tokenizer: Any, engine: Any, scenario: str, copies: Callable[[], int]) -> dict:
+def run(model: Any, tokenizer: Any, engine: Any, scenario: str, copies: Callable[[], int],
+        score_items: Callable[[], int]) -> dict:
+    """`copies()`, `score_items()`: the copy-on-write pairs and reconstruction chunks the engine's plans carried."""
     if scenario == "policies":
         return policies(model, tokenizer, engine)
+    if scenario == "kvzip":
+        return kvzip(model, tokenizer, engine, score_items)
+    if scenario == "merging":
+        return {"merging": policies(model, tokenizer, engine, MERGING, "compressed_tokens")["policies"]}
     if scenario == "prefix":
         return prefix(engine)
     if scenario == "fork":

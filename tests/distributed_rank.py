@@ -11,8 +11,9 @@ appears after the first tokens). On a real model (Qwen2.5-Coder-0.5B), with prom
 (one greedy stream and 8 concurrent requests), "real_long" (one prompt beyond 4k tokens), "real_streaming" (a
 position-based policy that evicts), "real_int8" (the same 8 requests on an int8 KV arena). "soak" (tiny model):
 30 greedy requests of mixed lengths on a small arena that forces preemption, every seventh aborted after 5
-tokens; rank 0 also writes every rank's BlockLedger digest. "policies", "prefix", "fork": per-head KV policies,
-the prefix cache and n > 1 (tests/distributed_kv_scenarios.py). "local" runs single and
+tokens; rank 0 also writes every rank's BlockLedger digest. "policies", "kvzip", "merging", "prefix", "fork":
+per-head KV policies (selecting, reconstructing, merging), the prefix cache and n > 1
+(tests/distributed_kv_scenarios.py). "local" runs single and
 batch in one process without ranks, "local:SCENARIOS" those scenarios: the reference. Rank 0 also reports its
 weights' bytes and its arena's KV bytes per token.
 """
@@ -110,10 +111,11 @@ def footprint(model, engine) -> dict:
             "kv_bytes_per_token": engine.arena.config.bytes_per_token}
 
 
-def run(model, tokenizer, engine_for, scenario: str, copies=lambda: 0) -> dict:
-    """`copies()`: the copy-on-write pairs the engine's plans carried so far (for "fork")."""
+def run(model, tokenizer, engine_for, scenario: str, copies=lambda: 0, score_items=lambda: 0) -> dict:
+    """`copies()`, `score_items()`: the copy-on-write pairs and reconstruction chunks the engine's plans carried so
+    far (for "fork" and "kvzip")."""
     if scenario in kv_scenarios.SCENARIOS:
-        return kv_scenarios.run(model, tokenizer, engine_for(4), scenario, copies)
+        return kv_scenarios.run(model, tokenizer, engine_for(4), scenario, copies, score_items)
     if scenario.startswith("real"):
         return real(model, tokenizer, engine_for, scenario)
     if scenario == "soak":
@@ -175,7 +177,8 @@ def main() -> int:
             engines.append(Engine(model, tokenizer, **settings))
             engines[-1].plan_listener = plans.append
             result.update(run(model, tokenizer, lambda n: engines[-1], name,
-                              lambda: sum(len(plan.copies) for plan in plans)))
+                              lambda: sum(len(plan.copies) for plan in plans),
+                              lambda: sum(len(plan.score) for plan in plans)))
         result.update(footprint(model, engines[-1]))
         json.dump(result, open(out_path, "w"))
         return 0
@@ -199,7 +202,8 @@ def main() -> int:
 
         result = {}
         for name in scenario.split(","):
-            result.update(run(model, tokenizer, engine_for, name, lambda: ranks.leader.ledger.copies))
+            result.update(run(model, tokenizer, engine_for, name, lambda: ranks.leader.ledger.copies,
+                              lambda: ranks.leader.ledger.score_items))
         result["kv_heads"] = model.layers[0].self_attn.n_kv_heads
         result.update(footprint(model, engines[0]))
     result["digests"] = ranks.rank_digests()  # after the `with`: every rank reported at Stop

@@ -243,9 +243,9 @@ def test_cortexstream_serve_on_two_ranks_answers_and_both_ranks_stop_with_it(rin
         # A request naming a KV policy the ranks cannot share is refused alone, naming the field; one that selects
         # per KV head runs.
         status, refused = http(http_port, "/v1/completions", {"prompt": "hello", "max_tokens": 4,
-                                                              "kv_policy": "tome"})
+                                                              "kv_policy": "sidecar"})
         assert status == 400 and refused["error"]["param"] == "kv_policy", refused
-        assert "merges slots" in refused["error"]["message"]
+        assert "merges_per_head" in refused["error"]["message"]
         long = "the cat sat on the mat and then " * 4  # 100+ tokens: whole blocks for the prefix cache
         status, evicting = http(http_port, "/v1/completions", {"prompt": long, "max_tokens": 8, "temperature": 0,
                                                                "kv_policy": "h2o:budget=16,sinks=2"})

@@ -20,7 +20,7 @@ from cortexstream.engine.engine import Engine
 from cortexstream.engine.sampling import SamplingParams
 from cortexstream.engine.seeded import seeded_sampler
 from cortexstream.engine.step_plan import NewRequest, StepPlan, WorkItem, WorkKind
-from cortexstream.policies import parse_policy
+from cortexstream.policies import KVPolicy, parse_policy
 from tiny_models import tiny_model
 
 
@@ -33,22 +33,34 @@ def test_heads_that_do_not_divide_are_refused_naming_the_counts():
     assert "no model.shard" in shard_problem(object(), 2)
 
 
-def test_policies_that_decide_from_positions_or_select_per_head_are_shared_and_the_rest_refused_saying_why():
+def test_policies_that_decide_from_positions_or_select_or_merge_per_head_are_shared_and_the_rest_refused_saying_why():
     for spec in (None, "streaming:sinks=4,window=64", "h2o:budget=0.5", "expected:budget=0.5", "d2o:budget=0.5",
-                 "snapkv:budget=0.5"):
+                 "snapkv:budget=0.5", "kvzip:budget=0.5", "meanpool", "meanpool:log_mass=0", "tome"):
         assert policy_problem(parse_policy(spec)) is None, spec
-    refused = (("kvzip:budget=0.5", ("needs_attention_scores", "reconstructs",
-                                     "does not declare a per-head selection (selects_per_head)")),
-               ("meanpool", ("merges", "merges slots")), ("tome", ("merges", "uses_logit_bias", "merges slots")))
+    merge_why = "merges slots without declaring a per-head merge (merges_per_head)"
+    refused = (("compressor", ("merges", merge_why, "full KV head count")),
+               ("sidecar", ("merges", "uses_logit_bias", merge_why, "full KV head count")))
     for spec, whys in refused:
         problem = policy_problem(parse_policy(spec))
         assert problem is not None and "each rank's own KV heads" in problem, spec
         assert all(why in problem for why in whys), problem
 
-    class PerHeadToMe(type(parse_policy("tome"))):
+    class SharedSelection(KVPolicy):  # scores one selection for every head: not declared per head
+        evicts = needs_attention_scores = True
+
+    assert "does not declare a per-head selection (selects_per_head)" in policy_problem(SharedSelection())
+
+    class CrossHeadPool(type(parse_policy("meanpool"))):  # a merge not declared per head: a selection claim is no help
+        merges_per_head = False
         selects_per_head = True
 
-    assert "merges slots" in policy_problem(PerHeadToMe())  # a per-head claim does not let a merge through
+    assert merge_why in policy_problem(CrossHeadPool())
+
+    class PerHeadMergeSharedSelection(type(parse_policy("meanpool"))):  # merges per head, selects across heads
+        needs_attention_scores = True
+
+    problem = policy_problem(PerHeadMergeSharedSelection())
+    assert "selects_per_head" in problem and "merges_per_head" not in problem
 
 
 def _new(request_id: str, sampling: SamplingParams, **kw) -> NewRequest:
@@ -64,7 +76,7 @@ def test_the_encoder_refuses_what_cannot_be_sent_and_names_it():
     cases = [
         (StepPlan(new_requests=(_new("a", greedy, sampler=lambda lp: mx.argmax(lp, axis=-1)),)), "sampler"),
         (StepPlan(new_requests=(_new("a", greedy, bound_cache=object()),)), "prompt_cache"),
-        (StepPlan(new_requests=(_new("a", greedy, kv_policy=parse_policy("kvzip:budget=0.5")),)), "kv_policy"),
+        (StepPlan(new_requests=(_new("a", greedy, kv_policy=parse_policy("compressor")),)), "kv_policy"),
         (StepPlan(restores=((0, b"x"),)), "kv_disk"),
     ]
     for plan, name in cases:
@@ -126,7 +138,9 @@ def test_engines_the_ranks_cannot_share_are_refused(tiny, tmp_path):
     assert engine_problem(Engine(model, tokenizer, kv_tokens=256)) is None
     assert engine_problem(Engine(model, tokenizer, kv_tokens=256, kv_policy="h2o:budget=0.5")) is None
     assert engine_problem(Engine(model, tokenizer, kv_tokens=256, kv_policy="snapkv:budget=0.5")) is None
-    assert "selects_per_head" in engine_problem(Engine(model, tokenizer, kv_tokens=256, kv_policy="kvzip:budget=0.5"))
+    assert engine_problem(Engine(model, tokenizer, kv_tokens=256, kv_policy="kvzip:budget=0.5")) is None
+    assert engine_problem(Engine(model, tokenizer, kv_tokens=256, kv_policy="tome")) is None
+    assert "merges_per_head" in engine_problem(Engine(model, tokenizer, kv_tokens=256, kv_policy="sidecar"))
     assert "kv_disk" in engine_problem(Engine(model, tokenizer, kv_tokens=256, kv_disk=str(tmp_path / "disk")))
 
 
@@ -217,6 +231,25 @@ def test_a_follower_whose_policy_kept_other_slot_counts_than_rank_0s_stops_sayin
     plans[at] = replace(plans[at], decode=tuple(moved if d is item else d for d in plans[at].decode))
     with pytest.raises(DistributedError, match="the ranks evicted differently"):
         _follow(tiny, engine, plans)
+
+
+def test_a_follower_runs_kvzip_reconstruction_chunks_and_stops_when_it_did_not_compress_as_rank_0(tiny):
+    prompts = ([(7 * j) % 200 + 3 for j in range(30)], list(range(10, 40)))
+    engine, plans, tokens = _recorded(tiny, "kvzip:budget=12,sinks=2,chunk=8", prompts)
+    scoring = [i for i, plan in enumerate(plans) if plan.score]
+    assert len(scoring) >= 2 and engine.stats()["evicted_tokens"] > 0
+    channel, sampled = _follow(tiny, engine, plans)  # every chunk run and rolled back, the last compresses
+    assert sampled == tokens and not channel.failures
+    from cortexstream.distributed.ledger import BlockLedger
+
+    sent = BlockLedger()
+    for plan in plans:
+        sent.apply(plan, 1)
+    assert channel.texts[-1] == sent.digest()
+    # Without its chunks a rank never compresses: the next plan starts the request from fewer slots than it holds.
+    skipped = [replace(plan, score=()) if plan.score else plan for plan in plans]
+    with pytest.raises(DistributedError, match="the ranks evicted differently"):
+        _follow(tiny, engine, skipped)
 
 
 def test_the_block_ledger_digest_tells_apart_plans_that_place_kv_differently():

@@ -7,7 +7,9 @@ the ranks' forward passes), with the step's random seed when it has one. Samplin
 logits after the last all-sum are the same on every rank), and a decode item that carries the token rank 0 read
 is checked against the token this rank sampled: a difference stops the ranks with an error naming both. So is a
 request whose KV policy evicts: the KV slots each plan says it starts from (what rank 0's policy left) must be
-what this rank's policy left, since rank 0 allocates the blocks for every rank.
+what this rank's policy left, since rank 0 allocates the blocks for every rank. Reconstruction chunks (KVzip's
+`StepPlan.score` items) count as such items: each leaves the context's slots (its own K/V rolled back), the last one
+the slots the policy kept.
 
 A rank answers each message with the last step it has computed (the previous step's tokens are evaluated when the
 next message is handled, so a rank builds the next step while its last one computes, as rank 0 does). A watchdog
@@ -165,7 +167,7 @@ class Follower:
             self._physical.pop(request_id, None)
             self._evicting.discard(request_id)
         self._evicting.update(spec.request_id for spec in plan.new_requests if spec.kv_policy.evicts)
-        for item in (*plan.prefill, *plan.decode):
+        for item in (*plan.prefill, *plan.decode, *plan.score):
             mine = self._physical.pop(item.request_id, None)
             if mine is not None and mine != item.physical_start:
                 raise DistributedError(f"rank {self.rank} kept {mine} KV slots for request {item.request_id!r} "
@@ -180,8 +182,9 @@ class Follower:
                                        f"where rank 0 sampled {item.token_ids[0]}: the ranks diverged")
 
     def _record_physical(self, plan: StepPlan, result: StepResult) -> None:
-        """The KV slots each evicting request holds after this step (what it wrote, less what its policy removed)."""
-        for item in (*plan.prefill, *plan.decode):
+        """The KV slots each evicting request holds after this step (what it wrote, less what its policy removed;
+        a reconstruction chunk reports what its rollback and compression left)."""
+        for item in (*plan.prefill, *plan.decode, *plan.score):
             if item.request_id in self._evicting and not item.draft and item.model_draft is None:
                 self._physical[item.request_id] = result.physical.get(item.request_id,
                                                                       item.physical_start + item.num_tokens)

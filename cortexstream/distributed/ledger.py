@@ -3,9 +3,9 @@
 Only rank 0 allocates blocks (its scheduler's block manager); the other ranks write wherever the plans' block
 tables say. So the ranks' KV layouts agree exactly when every rank executed the same block operations in the
 same order. Each rank applies every plan it executes (rank 0 before encoding it, the others after decoding it):
-the live block table of each request (its last work item's), the requests dropped, the copy-on-write pairs and
-the number of blocks in use. `digest()` hashes the running history and the live tables; rank 0 compares the
-other ranks' digests with its own at shutdown (DistributedSession.close).
+the live block table of each request (its last work item's, reconstruction chunks included), the requests dropped,
+the copy-on-write pairs and the number of blocks in use. `digest()` hashes the running history and the live
+tables; rank 0 compares the other ranks' digests with its own at shutdown (DistributedSession.close).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ class BlockLedger:
         self.tables: dict[str, tuple[int, ...]] = {}  # "engine/request" -> its block table as last executed
         self.steps = 0
         self.copies = 0
+        self.score_items = 0  # reconstruction chunks (`StepPlan.score`) executed
         self._history = hashlib.sha256()
 
     def apply(self, plan: StepPlan, engine_id: int) -> None:
@@ -29,9 +30,10 @@ class BlockLedger:
         for request_id in plan.dropped:
             self.tables.pop(f"{engine_id}/{request_id}", None)
         self.copies += len(plan.copies)
+        self.score_items += len(plan.score)
         record = {"engine": engine_id, "new": [[spec.request_id, spec.owner] for spec in plan.new_requests], "dropped": list(plan.dropped),
                   "copies": [list(pair) for pair in plan.copies], "used": plan.num_blocks_used, "items": []}
-        for item in (*plan.prefill, *plan.decode):
+        for item in (*plan.prefill, *plan.decode, *plan.score):
             self.tables[f"{engine_id}/{item.request_id}"] = item.block_table
             record["items"].append([item.request_id, item.kind.value, item.start, item.physical_start,
                                     list(item.block_table)])

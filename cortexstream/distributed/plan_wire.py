@@ -11,11 +11,14 @@ Almost all of a plan is plain data already. What is not:
   KV heads) and draft-model speculation cannot be sent: refused with a DistributedError naming the option;
 - KV policies decide on each rank from what that rank sees. Policies that decide from positions alone (StreamingLLM's
   sinks + window) make the same choice on every rank. Policies that select per KV head (`selects_per_head`: H2O,
-  Expected Attention, D2O) do too: each rank holds whole KV heads and the query heads of their GQA groups, so each
-  head keeps the slots it keeps in one process, and the count kept, fixed by the budget, is the same on every head
-  and rank (so are the block tables). Refused: policies that share one selection across a layer's heads, keep a
-  count that depends on score values, or merge slots (a merge is not a selection; the learned compressor and
-  sidecar are chosen by the model's KV head count, which a rank does not hold), and any not declared per head.
+  Expected Attention, D2O, SnapKV, KVzip) do too: each rank holds whole KV heads and the query heads of their GQA
+  groups, so each head keeps the slots it keeps in one process, and the count kept, fixed by the budget, is the same
+  on every head and rank (so are the block tables). KVzip's reconstruction chunks are plan items (`StepPlan.score`)
+  every rank runs, each head's scores coming from its own group's queries. Merging policies that merge per KV head
+  (`merges_per_head`: mean pooling, token merging) pick their ranges from the lengths and the mass, the same on every
+  rank, and build each head's slots from that head alone. Refused: policies that share one selection across a
+  layer's heads, keep a count that depends on score values, merge with weights tied to the model's KV head count
+  (the learned compressor and sidecar, which a rank's head count would pick wrongly), and any not declared per head.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from cortexstream.policies.base import KVPolicy
 # Capabilities of a policy whose eviction depends on what one rank's heads see.
 RANK_LOCAL_CAPABILITIES = ("needs_attention_scores", "needs_query_statistics", "merges", "merges_evicted",
                            "uses_logit_bias", "reconstructs")
-# Merging slots (and their logit biases): refused even when a policy declares its selection per head.
+# Merging slots (and their logit biases): allowed only for a policy that declares its merges per head.
 SLOT_MERGING_CAPABILITIES = ("merges", "uses_logit_bias")
 
 
@@ -44,13 +47,20 @@ def policy_problem(policy: KVPolicy) -> str | None:
         local.append("observation_window")
     if not policy.evicts or not local:
         return None
-    merging = [name for name in SLOT_MERGING_CAPABILITIES if getattr(policy, name, False)]
-    if policy.selects_per_head and not merging:
+    merging = [name for name in local if name in SLOT_MERGING_CAPABILITIES]
+    selecting = [name for name in local if name not in SLOT_MERGING_CAPABILITIES]
+    whys = []
+    if merging and not policy.merges_per_head:
+        whys.append("merges slots without declaring a per-head merge (merges_per_head): its merge may mix heads "
+                    "or use weights made for the model's full KV head count (the learned compressor and sidecar)")
+    if selecting and not policy.selects_per_head:
+        whys.append("does not declare a per-head selection (selects_per_head)")
+    if not whys:
         return None
-    why = "merges slots" if merging else "does not declare a per-head selection (selects_per_head)"
     return (f"kv_policy {policy.describe()!r} decides what to keep from what each rank's own KV heads see "
-            f"({', '.join(local)}) and {why}, so the ranks could keep different tokens; use a policy that "
-            "selects per KV head (h2o, expected, d2o, snapkv), a position-based one (streaming) or none on several ranks")
+            f"({', '.join(local)}) and {' and '.join(whys)}, so the ranks could keep different tokens; use a "
+            "policy that selects per KV head (h2o, expected, d2o, snapkv, kvzip), one that merges per KV head "
+            "(meanpool, tome), a position-based one (streaming) or none on several ranks")
 
 
 def is_seeded_sampler(sampler: Any) -> bool:

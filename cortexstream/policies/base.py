@@ -77,6 +77,9 @@ class KVPolicy:
       records attention only from queries at or after `prompt_end - window` and evicts only once the prompt is
       complete (see `engine.observation`).
     - `selects_per_head`: each (layer, KV head) keeps a budget-fixed count of slots from its own GQA group's scores.
+    - `merges_per_head`: a merging policy whose ranges come from the lengths and the shared mass alone and whose
+      merged slots (and logit biases) of each KV head come from that head's own keys and values, with no weights
+      tied to the model's KV head count: a cache holding only some of the heads merges them as the whole would.
     - `reconstructs`: once a prompt is complete the model is made to repeat it (KVzip): the runtime records the
       most attention each key got from those reconstruction queries, and evicts only once that pass has run
       (see `engine.reconstruction`).
@@ -94,6 +97,7 @@ class KVPolicy:
     reconstructs = False
     observation_window: int | None = None
     selects_per_head = False
+    merges_per_head = False
     parse_keys: ClassVar[dict[str, str]] = {}
 
     def budget_tokens(self, context: int) -> int | None:

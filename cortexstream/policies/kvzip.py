@@ -44,6 +44,9 @@ class KVzip(KVPolicy):
     evicts = True
     needs_attention_scores = True
     reconstructs = True
+    # Each KV head ranks its own slots by the most attention its GQA group's reconstruction queries paid them, and
+    # keeps sinks + budget - sinks of them: a count fixed by the budget and the lengths, the same in every head.
+    selects_per_head = True
     parse_keys: ClassVar[dict[str, str]] = {"budget": "budget", "sinks": "count", "chunk": "count",
                                             "kernel": "count"}
 

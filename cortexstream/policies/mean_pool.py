@@ -25,6 +25,7 @@ class MeanPool(MergingPolicy):
     log_mass: bool = True
 
     name = "meanpool"
+    merges_per_head = True  # each head averages its own keys/values over windows the lengths and mass fix
     parse_keys: ClassVar[dict[str, str]] = {**MergingPolicy.parse_keys, "log_mass": "bool"}
 
     @property

@@ -69,6 +69,7 @@ class TokenMerging(MergingPolicy):
     log_mass: bool = True
 
     name = "tome"
+    merges_per_head = True  # each (head, window) pairs its own keys; the windows come from the lengths and mass
     parse_keys: ClassVar[dict[str, str]] = {**MergingPolicy.parse_keys, "slots": "count", "log_mass": "bool"}
 
     def __post_init__(self) -> None:
