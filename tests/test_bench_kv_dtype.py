@@ -143,3 +143,18 @@ def test_bad_options_are_refused_before_anything_loads(tmp_path, monkeypatch, op
     args = build_parser().parse_args(["bench", "kv-dtype", option, value, "--out", str(tmp_path)])
     with pytest.raises(InvalidArgumentError, match=named.replace("[", r"\[")):
         run_from_args(args)
+
+
+def test_decode_engine_keeps_the_whole_batch_running_after_long_prefills(tiny):
+    """Prompts that take many prefill steps: the first requests decode while the later ones prefill, and must still
+    have tokens left for the timed steps (before the margin, a batch of 8 at 4096 keys decoded 6 a step)."""
+    from cortexstream.benchmarks.kv_dtype_decode import prefilled_engine
+    from cortexstream.benchmarks.kv_dtype_measure import Storage, model_dtype
+    from tiny_models import random_token_ids
+
+    model, tokenizer = tiny
+    prompts = [random_token_ids(1100, seed=s) for s in range(4)]  # 9 prefill steps of 512 tokens
+    engine = prefilled_engine(model, tokenizer, prompts, Storage.parse(model_dtype(model), 64, model_dtype(model)),
+                              max_tokens=3, warmup=1)
+    for _ in range(3):
+        assert sum(out.token is not None for out in engine.step()) == 4

@@ -9,7 +9,11 @@ flight is counted in its own segment and never runs into the next engine's. Toke
 returned / segment time; the median over rounds is reported. Prefill runs once per storage and setting (it is not
 what is measured), and the keys grow by the decoded tokens during the rounds (recorded as `keys_at_end`).
 
-The tokenizer is wrapped so that no token ends a request (`NoEosTokenizer`): every timed step decodes the whole batch.
+The tokenizer is wrapped so that no token ends a request (`NoEosTokenizer`), and each request may generate, beyond
+what the timed steps need, as many tokens as there are prefill steps: a request whose prompt is in decodes while
+the later prompts are prefilled (at 8 x 4096 keys, 64 steps of 512 prompt tokens), so with no such margin the first
+requests reached their limit during the timed steps and a "batch of 8" decoded 6. After the prefill the whole batch
+must be running, or the measurement stops with an error: every timed step decodes the whole batch.
 """
 
 from __future__ import annotations
@@ -25,13 +29,17 @@ from cortexstream.benchmarks.kv_dtype_measure import Storage
 from cortexstream.engine.engine import Engine
 from cortexstream.engine.sampling import SamplingParams
 
+PREFILL_STEP = 512  # prompt tokens per engine step while the prompts go in
+
 
 def prefilled_engine(model: Any, tokenizer: Any, prompts: list[list[int]], storage: Storage, max_tokens: int,
                       warmup: int) -> Engine:
     batch = len(prompts)
+    margin = -(-sum(len(p) for p in prompts) // PREFILL_STEP) + batch  # tokens decoded while later prompts prefill
+    max_tokens += margin
     engine = Engine(model, NoEosTokenizer(tokenizer), kv_tokens=batch * (len(prompts[0]) + max_tokens + 32),
-                    max_num_seqs=batch, prefill_tokens_while_decoding=None, kv_dtype=storage.text,
-                    kv_group_size=storage.group_size)
+                    max_num_seqs=batch, prefill_step_size=PREFILL_STEP, prefill_tokens_while_decoding=None,
+                    kv_dtype=storage.text, kv_group_size=storage.group_size)
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     waiting = {engine.add_request(p, sampling) for p in prompts}
     while waiting:
@@ -39,6 +47,11 @@ def prefilled_engine(model: Any, tokenizer: Any, prompts: list[list[int]], stora
     for _ in range(warmup):
         engine.step()
     mx.synchronize()
+    stats = engine.stats()
+    if stats["running"] != batch:
+        raise RuntimeError(f"decode benchmark: {stats['running']} of {batch} requests running after the prefill "
+                           f"({stats['preemptions']} preemptions, {stats['waiting']} waiting): the timed steps would "
+                           "not decode the whole batch")
     return engine
 
 
