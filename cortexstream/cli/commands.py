@@ -100,10 +100,10 @@ def run_generate(args: argparse.Namespace) -> int:
     policy = _kv_policy(args)
     kv_dtype, kv_group_size = kv_storage_options(args)
     parse_speculative(args.speculative)  # before the model loads
-    distributed.check_rank_timeout(args)
+    distributed.check_rank_args(args)
     model, tokenizer = _load(args)
     check_for_model(model, kv_dtype, kv_group_size)
-    ranks = distributed.join_ranks(args, model, tokenizer)  # None unless mlx.launch started several ranks
+    ranks = distributed.join_ranks(args, model, tokenizer)  # None unless a launcher started several ranks
     if ranks is not None and not ranks.is_leader:
         return distributed.follow(ranks)
     if args.no_chat_template or not getattr(tokenizer, "has_chat_template", False):

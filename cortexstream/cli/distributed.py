@@ -1,5 +1,6 @@
-"""The CLI's side of distributed ranks: under `mlx.launch` (several ranks), `generate` and `serve` split the model
-over the ranks; rank 0 runs the command, the other ranks follow it and print nothing. See docs/distributed.md."""
+"""The CLI's side of distributed ranks: under `mlx.launch` or `mpirun` (several ranks), `generate` and `serve`
+split the model over the ranks; rank 0 runs the command, the other ranks follow it and print nothing. See
+docs/distributed.md."""
 
 from __future__ import annotations
 
@@ -40,30 +41,46 @@ def _exit_failed() -> None:
     os._exit(1)
 
 
-def add_rank_timeout_arg(parser: argparse.ArgumentParser) -> None:
+def add_rank_args(parser: argparse.ArgumentParser) -> None:
+    """--rank-timeout and --rank-backend: how this process runs when a launcher started it as one of several ranks."""
     parser.add_argument("--rank-timeout", type=float, default=DEFAULT_RANK_TIMEOUT, metavar="SECONDS",
-                        help="under mlx.launch with several ranks: seconds a rank may stay silent (or one step may "
-                             "take) before the others stop with an error naming it (default 60)")
+                        help="under mlx.launch or mpirun with several ranks: seconds a rank may stay silent (or one "
+                             "step may take) before the others stop with an error naming it (default 60)")
+    parser.add_argument("--rank-backend", default=None, metavar="BACKEND",
+                        help="under mlx.launch or mpirun with several ranks: the MLX backend that connects them, "
+                             "'ring' or 'mpi' (default: $CORTEXSTREAM_RANK_BACKEND, else mpi under mpirun, else "
+                             "ring)")
 
 
-def check_rank_timeout(args: argparse.Namespace) -> None:
-    """--rank-timeout, before the model loads."""
+def check_rank_args(args: argparse.Namespace) -> None:
+    """--rank-timeout and --rank-backend, before the model loads: an unknown or never verified backend is refused
+    with the flag (or variable) named."""
+    from cortexstream.distributed import DistributedError, launched
+    from cortexstream.distributed.backends import BACKEND_FLAG, choose_backend
+
     if not args.rank_timeout > 0:
         raise InvalidArgumentError(f"--rank-timeout: {args.rank_timeout!r} must be a number of seconds > 0")
+    try:
+        choice = choose_backend(args.rank_backend, BACKEND_FLAG)
+        if launched() or args.rank_backend is not None:
+            choice.check_verified()
+    except DistributedError as exc:
+        raise InvalidArgumentError(str(exc)) from None
 
 
 def join_ranks(args: argparse.Namespace, model: Any, tokenizer: Any,
                on_failure: Callable[[str], None] | None = None) -> Any:
-    """The DistributedSession of this process when mlx.launch started it as one of several ranks (the model is
+    """The DistributedSession of this process when a launcher started it as one of several ranks (the model is
     then split in place), else None. `on_failure(reason)` runs on rank 0 when a rank dies or hangs (default: say
     why and exit with status 1)."""
     from cortexstream.distributed import DistributedSession, launched
+    from cortexstream.distributed.backends import BACKEND_FLAG, choose_backend
     from cortexstream.distributed.session import exit_on_failure
 
     if not launched():
         return None
-    return DistributedSession.start(model, tokenizer, timeout=args.rank_timeout,
-                                    on_failure=on_failure or exit_on_failure)
+    return DistributedSession.start(model, tokenizer, backend=choose_backend(args.rank_backend, BACKEND_FLAG),
+                                    timeout=args.rank_timeout, on_failure=on_failure or exit_on_failure)
 
 
 def follow(ranks: Any) -> int:

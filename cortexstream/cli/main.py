@@ -9,7 +9,7 @@ import warnings
 from typing import Callable
 
 from cortexstream.backend import enable_linux_cpu_tuning
-from cortexstream.cli.distributed import add_rank_timeout_arg
+from cortexstream.cli.distributed import add_rank_args
 from cortexstream.cli.kv_storage import add_kv_storage_args
 from cortexstream.cli.training import add_train_parsers
 
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv_policy_arg(gen)
     add_kv_storage_args(gen)
     _add_speculative_arg(gen)
-    add_rank_timeout_arg(gen)
+    add_rank_args(gen)
 
     chat = commands.add_parser("chat", help="plain terminal chat REPL")
     chat.add_argument("--system", default=None)

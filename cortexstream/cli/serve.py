@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from cortexstream.cli.distributed import add_rank_timeout_arg
+from cortexstream.cli.distributed import add_rank_args
 from cortexstream.cli.kv_storage import add_kv_storage_args, flag_errors
 
 
@@ -46,7 +46,7 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
                        help="seconds running requests may finish after SIGTERM")
     serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     serve.add_argument("--log-level", default="warning")
-    add_rank_timeout_arg(serve)
+    add_rank_args(serve)
 
 
 def model_name_for(source: str | None) -> str:
@@ -79,10 +79,10 @@ def run_serve(args: argparse.Namespace) -> int:
         )  # validated before the model loads, so a bad option fails in a second
     from cortexstream.cli import distributed
 
-    distributed.check_rank_timeout(args)
+    distributed.check_rank_args(args)
     model, tokenizer = load(args.model, dtype=args.dtype)
     failure = distributed.ServeFailure()
-    ranks = distributed.join_ranks(args, model, tokenizer, failure)  # None unless mlx.launch started several ranks
+    ranks = distributed.join_ranks(args, model, tokenizer, failure)  # None unless a launcher started several ranks
     if ranks is not None and not ranks.is_leader:
         return distributed.follow(ranks)
     with flag_errors():  # what depends on the model, e.g. a group size that does not divide its head dim
@@ -122,4 +122,8 @@ def run_serve(args: argparse.Namespace) -> int:
     # destroying MLX's and the engine's C++ state while a native worker thread is still winding down can abort
     # the process ("terminate called without an active exception", exit -6) after a clean shutdown.
     sys.stdout.flush()
+    if ranks is not None:
+        from cortexstream.distributed import finalize_mpi
+
+        finalize_mpi()  # ranks joined over MPI: mpirun counts an exit without MPI_Finalize as a crash
     os._exit(code)

@@ -11,9 +11,12 @@ from typing import Any
 
 from cortexstream.distributed.errors import DistributedError
 from cortexstream.distributed.frames import ChannelClosed, ChannelTimeout, recv_frame, send_frame
-from cortexstream.distributed.group import RankGroup, leader_host
+from cortexstream.distributed.control_address import CONTROL_HOST_VARIABLE, WIRE_INTS, ControlAddress, machine_id
+from cortexstream.distributed.group import RankGroup
 from cortexstream.distributed.leader_channel import TOKEN_WORDS
 from cortexstream.distributed.messages import Answer, AnswerKind
+
+ATTEMPT_SECONDS = 2.0  # one connection attempt to one of rank 0's addresses (a firewall that drops: a timeout)
 
 
 class LeaderState(enum.Enum):
@@ -27,18 +30,33 @@ class FollowerChannel:
         if not timeout > 0:
             raise DistributedError(f"timeout: {timeout!r} must be a number of seconds > 0")
         self.rank, self.timeout = group.rank, float(timeout)
-        port, *token = group.broadcast_ints([0] * (1 + TOKEN_WORDS))
-        host = leader_host()
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                self._sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
-                break
-            except OSError as exc:
-                if time.monotonic() > deadline:
-                    raise DistributedError(f"rank {self.rank}: cannot connect to rank 0 at {host}:{port} ({exc})") from exc
-                time.sleep(0.1)
+        values = group.broadcast_ints([0] * (WIRE_INTS + TOKEN_WORDS))
+        address, token = ControlAddress.from_ints(values[:WIRE_INTS]), values[WIRE_INTS:]
+        self._sock = self._connect(address)
         self._answer(Answer(AnswerKind.HELLO, self.rank, text="-".join(map(str, token))))
+
+    def _connect(self, address: ControlAddress) -> socket.socket:
+        """A connection to the first of rank 0's addresses that accepts one, tried in turn until `timeout`."""
+        hosts = address.targets(machine_id())
+        if not hosts:
+            raise DistributedError(f"rank {self.rank}: rank 0 runs on another machine and found no address of its "
+                                   f"own to announce: set {CONTROL_HOST_VARIABLE} to one the other ranks reach")
+        deadline = time.monotonic() + self.timeout
+        errors: dict[str, str] = {}
+        while True:
+            for host in hosts:
+                left = deadline - time.monotonic()
+                attempt = max(0.1, min(ATTEMPT_SECONDS, left))
+                try:
+                    return socket.create_connection((host, address.port), timeout=attempt)
+                except OSError as exc:
+                    errors[host] = str(exc)
+            if time.monotonic() > deadline:
+                tried = "; ".join(f"{host}:{address.port}: {error}" for host, error in errors.items())
+                raise DistributedError(f"rank {self.rank}: cannot connect to rank 0 ({tried}); set "
+                                       f"{CONTROL_HOST_VARIABLE} to an address of rank 0's machine the other ranks "
+                                       "reach")
+            time.sleep(0.1)
 
     def receive(self) -> Any:
         """Rank 0's next message. DistributedError when rank 0 has gone or sent nothing (not even a heartbeat)

@@ -1,45 +1,23 @@
-"""Which rank this process is, the MLX group of all ranks, and where rank 0 listens.
+"""Which rank this process is and the MLX group of all ranks.
 
-A process is one rank of several when `mlx.launch` started it: the launcher sets `MLX_RANK` (and, for the ring
-backend, `MLX_HOSTFILE`: a JSON list with one list of "ip:port" per rank). `mx.distributed.init` then connects the
-ranks; the group's size is the number of ranks. Rank 0's address for the control channel (engine/plan messages,
-cortexstream/distributed/control.py) is the IP of the first rank in that hostfile.
+A launcher starts one process per rank (backends.py says which launchers are recognised and how the backend is
+chosen); `mx.distributed.init` then connects them, and the group's size is the number of ranks. Where rank 0's
+control channel listens is control_address.py's concern.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
+from cortexstream.distributed.backends import (BACKEND_FLAG, HOSTFILE_VARIABLE, LAUNCH_VARIABLE, VERIFIED_BACKENDS,
+                                               BackendChoice, RankBackend, choose_backend, launched, launcher_choice)
 from cortexstream.distributed.errors import DistributedError
-
-LAUNCH_VARIABLE = "MLX_RANK"
-HOSTFILE_VARIABLE = "MLX_HOSTFILE"
-# Backends this code was run on (two ranks on one machine's CPU); the others may work but were never run.
-VERIFIED_BACKENDS = ("ring",)
-
-
-def launched() -> bool:
-    """True when this process was started as one rank of several: mlx.launch set MLX_RANK, and its hostfile lists
-    more than one rank (with one rank, mlx.launch leaves the hostfile empty: the process runs alone)."""
-    if os.environ.get(LAUNCH_VARIABLE) is None:
-        return False
-    path = os.environ.get(HOSTFILE_VARIABLE)
-    if not path:
-        return True  # another backend's launcher: RankGroup.init says what is supported
-    try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read().strip()
-    except OSError:
-        return True  # leader_host() reports the unreadable file
-    try:
-        return bool(text) and len(json.loads(text)) > 1
-    except (ValueError, TypeError):
-        return True  # leader_host() reports the malformed file
+from cortexstream.distributed.mpi_finalize import LIBRARY_VARIABLE as MPI_LIBRARY_VARIABLE
+from cortexstream.distributed.mpi_finalize import take_over
 
 
 @dataclass(frozen=True)
@@ -59,15 +37,18 @@ class RankGroup:
         return self.rank == 0
 
     @classmethod
-    def init(cls, backend: str = "ring") -> "RankGroup":
-        """Join the ranks mlx.launch started (`backend` as given to mlx.launch). Raises DistributedError when the
-        backend cannot connect them."""
-        if backend not in VERIFIED_BACKENDS:
-            raise DistributedError(f"backend: {backend!r} is not supported yet (verified: {', '.join(VERIFIED_BACKENDS)})")
+    def init(cls, backend: str | RankBackend | BackendChoice | None = None) -> "RankGroup":
+        """Join the ranks the launcher started over `backend` (None: choose_backend's rule). Raises
+        DistributedError for a backend that was never verified, or when the backend cannot connect them."""
+        choice = backend if isinstance(backend, BackendChoice) else choose_backend(backend, "backend")
+        choice.check_verified()
         try:
-            group = mx.distributed.init(backend=backend, strict=True)
+            group = mx.distributed.init(backend=choice.backend.value, strict=True)
         except Exception as exc:  # noqa: BLE001 - MLX raises RuntimeError/ValueError with its own reason
-            raise DistributedError(f"mx.distributed.init(backend={backend!r}) failed: {exc}") from exc
+            raise DistributedError(f"mx.distributed.init(backend={choice.backend.value!r}) failed (backend from "
+                                   f"{choice.source}): {exc}{_hint(choice)}") from exc
+        if choice.backend is RankBackend.MPI:
+            take_over(group)  # this rank calls MPI_Finalize itself, after a clean session (mpi_finalize.py)
         return cls(group.rank(), group.size(), group)
 
     def broadcast_ints(self, values: list[int]) -> list[int]:
@@ -78,15 +59,17 @@ class RankGroup:
         return [int(v) for v in total.tolist()]
 
 
-def leader_host() -> str:
-    """The IP of rank 0 as the launcher's hostfile names it (ring backend)."""
-    path = os.environ.get(HOSTFILE_VARIABLE)
-    if not path:
-        raise DistributedError(f"{HOSTFILE_VARIABLE} is not set: start the ranks with mlx.launch --backend ring")
-    try:
-        with open(path, encoding="utf-8") as handle:
-            hosts = json.load(handle)
-        first = hosts[0][0] if isinstance(hosts[0], list) else hosts[0]
-        return str(first).rsplit(":", 1)[0]
-    except (OSError, ValueError, IndexError, KeyError, TypeError) as exc:
-        raise DistributedError(f"{HOSTFILE_VARIABLE}={path}: cannot read rank 0's address ({exc})") from exc
+def _hint(choice: BackendChoice) -> str:
+    """What to check when `choice` could not connect the ranks."""
+    launcher = launcher_choice()
+    if launcher is not None and launcher.backend is not choice.backend:
+        return (f" (this process was started by {launcher.source}, which starts ranks for the "
+                f"{launcher.backend.value!r} backend: pass {BACKEND_FLAG} {launcher.backend.value} or leave it out)")
+    if choice.backend is RankBackend.MPI and not os.environ.get(MPI_LIBRARY_VARIABLE):
+        return (" (MLX's mpi backend loads Open MPI's libmpi.so, which its development package installs "
+                "(Debian/Ubuntu: libopenmpi-dev); or name the library: "
+                f"mpirun -x {MPI_LIBRARY_VARIABLE}=libmpi.so.40 ...)")
+    return ""
+
+
+__all__ = ["HOSTFILE_VARIABLE", "LAUNCH_VARIABLE", "RankGroup", "VERIFIED_BACKENDS", "launched"]

@@ -1,9 +1,10 @@
 """Rank 0's end of the control channel: a TCP connection to every other rank, with timeouts.
 
-Start-up: rank 0 listens on its hostfile IP at a free port and all-sums the port and a random session token to the
-other ranks through the MLX group; each connects and sends the token, so nothing else can join. Then rank 0 sends
-every message to every rank (pickled, in order) and each rank answers every message with the last step it has
-computed (JSON). A reader thread per rank and one watchdog thread (plain Python, no MLX) watch them:
+Start-up: rank 0 listens at a free port (on the address control_address.py chooses) and all-sums where it listens
+and a random session token to the other ranks through the MLX group; each connects and sends the token, so nothing
+else can join. Then rank 0 sends every message to every rank (pickled, in order) and each rank answers every
+message with the last step it has computed (JSON). A reader thread per rank and one watchdog thread (plain Python,
+no MLX) watch them:
 
 - a rank that closes its connection (its process ended) or reports a failure stops the session;
 - a rank that leaves a message unanswered for `timeout` seconds stops it (it died, hangs, or waits in a collective
@@ -26,7 +27,8 @@ from typing import Any, Callable
 
 from cortexstream.distributed.errors import DistributedError
 from cortexstream.distributed.frames import ChannelClosed, ChannelTimeout, recv_frame, send_frame
-from cortexstream.distributed.group import RankGroup, leader_host
+from cortexstream.distributed.control_address import EVERY_INTERFACE, ControlAddress, listen_address, machine_id
+from cortexstream.distributed.group import RankGroup
 from cortexstream.distributed.messages import Answer, AnswerKind, Heartbeat, Stop
 
 TOKEN_WORDS = 4  # the session token: 4 x 32 random bits
@@ -55,9 +57,14 @@ class LeaderChannel:
             thread.start()
 
     def _connect(self) -> dict[int, socket.socket]:
-        server = socket.create_server((leader_host(), 0))
+        host, announced = listen_address()
+        try:
+            server = socket.create_server((host, 0))
+        except OSError as exc:
+            raise DistributedError(f"rank 0 cannot listen on {host} for the control channel ({exc})") from exc
         token = [secrets.randbits(32) for _ in range(TOKEN_WORDS)]
-        self.group.broadcast_ints([server.getsockname()[1], *token])
+        address = ControlAddress(server.getsockname()[1], announced, host == EVERY_INTERFACE, machine_id())
+        self.group.broadcast_ints([*address.to_ints(), *token])
         expected = "-".join(map(str, token))
         socks: dict[int, socket.socket] = {}
         deadline = time.monotonic() + self.timeout

@@ -1,4 +1,4 @@
-"""`DistributedSession`: this process's part in a run over several ranks (started by mlx.launch).
+"""`DistributedSession`: this process's part in a run over several ranks (started by mlx.launch or mpirun).
 
     model, tokenizer = cortexstream.load(path)
     with DistributedSession.start(model, tokenizer) as ranks:   # every rank: join, split the model
@@ -20,12 +20,14 @@ import os
 import sys
 from typing import Any, Callable
 
+from cortexstream.distributed.backends import BackendChoice, RankBackend
 from cortexstream.distributed.errors import DistributedError
 from cortexstream.distributed.follower import Follower
 from cortexstream.distributed.follower_channel import FollowerChannel
 from cortexstream.distributed.group import RankGroup
 from cortexstream.distributed.leader import DistributedLeader
 from cortexstream.distributed.leader_channel import LeaderChannel
+from cortexstream.distributed.mpi_finalize import session_ended_cleanly
 from cortexstream.distributed.sharding import shard_model
 
 DEFAULT_TIMEOUT = 60.0  # seconds a rank may stay silent, or one step may take, before the others stop
@@ -45,10 +47,13 @@ class DistributedSession:
         self._closed = False
 
     @classmethod
-    def start(cls, model: Any, tokenizer: Any, *, backend: str = "ring", timeout: float = DEFAULT_TIMEOUT,
+    def start(cls, model: Any, tokenizer: Any, *, backend: str | RankBackend | BackendChoice | None = None,
+              timeout: float = DEFAULT_TIMEOUT,
               on_failure: Callable[[str], None] = exit_on_failure) -> "DistributedSession":
         """Join the other ranks and keep this rank's shard of `model` (in place). Every rank calls it with the
-        same model; a model that cannot be split raises the same DistributedError on every rank."""
+        same model; a model that cannot be split raises the same DistributedError on every rank. `backend`: "ring"
+        or "mpi"; None takes CORTEXSTREAM_RANK_BACKEND, else the backend of the launcher that started the ranks
+        (mpirun: mpi), else ring (backends.py)."""
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise DistributedError(f"timeout: {timeout!r} must be a number of seconds > 0")
         group = RankGroup.init(backend)
@@ -82,6 +87,7 @@ class DistributedSession:
             raise DistributedError("follow: rank 0 leads; the other ranks follow")
         try:
             self.follower.run()
+            session_ended_cleanly()  # under mpirun: finalize MPI at exit (mpi_finalize.py)
         finally:
             self.follower.channel.close()
             self._closed = True
@@ -100,6 +106,7 @@ class DistributedSession:
                 if differ:
                     raise DistributedError(f"ranks {differ} executed other block operations than rank 0 (their "
                                            "block tables differ): the ranks' KV layouts diverged")
+                session_ended_cleanly()
         elif self.follower is not None:
             self.follower.channel.close()
 
