@@ -24,6 +24,12 @@ if TYPE_CHECKING:
     from cortexstream.benchmarks.throughput_progress import ThroughputResults
 
 PARTS = ("matrix", "itl", "single")
+# Why the benchmark refuses to run as one of several ranks (mlx.launch, mpirun): see `refuse_ranks`.
+ON_RANKS = ("bench throughput cannot run as one of several ranks (mlx.launch or mpirun started this process): it "
+            "times mlx-lm's generate and batch_generate on the same model object in this process, which cannot "
+            "run on a model split over ranks, so each rank would run the whole benchmark alone. Run it in one "
+            "process; to measure ranks, `python -m bench.distributed_overhead` (from a checkout) compares the "
+            "tokens/s of 2 ranks with 1")
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,18 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
     )
 
 
+def refuse_ranks() -> None:
+    """InvalidArgumentError when a launcher started this process as one rank of several: every rank would run the
+    whole benchmark on its own, and on a model split over the ranks mlx-lm's calls would wait for the others'
+    collectives forever."""
+    from cortexstream.distributed import launched
+
+    if launched():
+        from cortexstream.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(ON_RANKS)
+
+
 def model_description(model: Any, source: str | None) -> dict[str, Any]:
     """The model by name, never by a local path (results are committed and shared)."""
     from cortexstream.benchmarks.machine import model_record, neutral_source
@@ -160,6 +178,7 @@ def run(model_source: str | None, out_dir: str, settings: Settings, model: Any =
     from cortexstream.benchmarks.throughput_matrix import warm_up
     from cortexstream.benchmarks.throughput_single import warm_up_single
 
+    refuse_ranks()  # before the model loads
     check_output_dir(out_dir)  # fail in a second, not after a 30-minute run
     name = name or ("throughput_quick" if settings.quick else "throughput")
     results = ThroughputResults(out_dir, name, asdict(settings), resume)  # a mismatch fails before loading

@@ -51,6 +51,7 @@ def batch_generate(
     kv_dtype: str | None = None,
     kv_group_size: int | None = None,
     speculative: Any = None,
+    ranks: Any = None,
     **sampling_kwargs: Any,
 ) -> BatchResponse:
     """Generate for every prompt concurrently; texts come back in prompt order.
@@ -59,6 +60,10 @@ def batch_generate(
     `speculative`: "ngram:k=4,n=3" for every prompt (prompt lookup, verified in the batched decode pass), or None.
     `kv_dtype` / `kv_group_size`: how the private engine's arena stores K/V (as in `stream_generate`; with an
     `engine` they must match its arena or be left out).
+    `ranks`: rank 0's `DistributedSession` (under mlx.launch or mpirun): the engine this call builds runs on every
+    rank for the call, then is detached; the other ranks call `ranks.follow()`. An `engine` of the caller's is
+    attached by the caller (`ranks.attach(engine)`) instead. Either way, a KV policy the ranks cannot share is
+    refused before any request starts.
     Each request's max_tokens is cut to the model's context; a prompt longer than the context is warned about
     (`context_overflow="warn"`) or refused (`"error"`).
 
@@ -76,6 +81,10 @@ def batch_generate(
     if not prompts:
         raise InvalidArgumentError("prompts: empty list")
     from cortexstream.engine.speculative_config import parse_speculative
+    from cortexstream.generation.ranks import attach_private, check_rank_policies, check_ranks, release
+
+    if ranks is not None:
+        check_ranks(ranks, engine)
 
     parse_speculative(speculative)  # a bad setting fails before any work ("off" stays "off" for the engine)
     limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
@@ -93,6 +102,7 @@ def batch_generate(
             raise InvalidArgumentError(f"prompts[{i}]: {exc}") from None
     samplings = [replace(s, max_tokens=fit_to_context(model, len(t), s.max_tokens, context_overflow))
                  for t, s in zip(prompt_ids, samplings)]
+    check_rank_policies(engine, ranks, policies)
     owned = engine is None
     if engine is not None:
         from cortexstream.kv.arena_config import check_arena_storage
@@ -114,6 +124,8 @@ def batch_generate(
             prefill_step_size=prefill_step_size,
             prefill_tokens_while_decoding=None,
         )
+        if ranks is not None:
+            attach_private(ranks, engine)
     mx.reset_peak_memory()
     start = time.perf_counter()
     ids = [engine.add_request(t, s, kv_policy=k, speculative=speculative)
@@ -125,6 +137,7 @@ def batch_generate(
     errors: list[str | None] = [None] * len(ids)
     first_token = [0.0] * len(ids)
     prompt_tokens = 0
+    failed = True
     try:
         while engine.has_unfinished:
             for out in engine.step():
@@ -142,9 +155,10 @@ def batch_generate(
                     if verbose:
                         done = sum(1 for r in reasons if r)
                         print(f"[batch_generate] finished {done}/{len(ids)}", end="\r")
+        failed = False
     finally:
-        if owned:
-            engine.close()  # what its backend holds goes back now, even when a step raised
+        if owned:  # what its backend holds goes back now (and the ranks free its arena), even when a step raised
+            release(engine, ranks, failed)
     end = time.perf_counter()
     started = [t for t in first_token if t > 0]
     prefill_done = max(started) if started else end
