@@ -269,3 +269,27 @@ def test_the_block_ledger_digest_tells_apart_plans_that_place_kv_differently():
     assert a.tables == {"1/r1": (0, 2)} and a.copies == 1
     a.apply(StepPlan(dropped=("r1",)), 1)
     assert a.tables == {}
+
+
+def test_an_engine_on_a_split_model_that_no_rank_session_relays_refuses_instead_of_hanging(tiny):
+    """A model marked split (shard_model marks it) cannot be stepped by an engine nobody attached to the ranks: the
+    first step refuses before scheduling anything; with a listener relaying its plans it runs."""
+    from cortexstream.engine.engine import Engine
+    from cortexstream.engine.sampling import SamplingParams
+    from cortexstream.errors import GenerationError
+    from cortexstream.models.split_mark import mark_split, split_ranks
+    from tiny_models import random_token_ids, tiny_model
+
+    model, tokenizer = tiny_model(seed=3), tiny[1]  # a model of its own: the mark stays on the object
+    assert split_ranks(model) == 1
+    mark_split(model, 2)
+    assert split_ranks(model) == 2
+    engine = Engine(model, tokenizer, kv_tokens=256)
+    rid = engine.add_request(random_token_ids(12), SamplingParams(max_tokens=2, temperature=0.0))
+    with pytest.raises(GenerationError, match="split over 2 ranks and this engine is not attached"):
+        engine.step()
+    assert engine.stats()["running"] == 0 and engine.stats()["waiting"] == 1  # nothing was scheduled
+    relayed = []
+    engine.plan_listener = relayed.append  # what DistributedLeader.attach installs (its relay), here a recorder
+    outputs = [o for _ in range(6) for o in engine.step()]
+    assert relayed and any(o.request_id == rid and o.finished for o in outputs)

@@ -14,6 +14,7 @@ from typing import Any
 import mlx.core as mx
 
 from cortexstream.distributed.errors import DistributedError
+from cortexstream.models.split_mark import mark_split
 
 
 def shard_problem(model: Any, size: int) -> str | None:
@@ -47,4 +48,5 @@ def shard_model(model: Any, group: Any, size: int) -> None:
     if problem is not None:
         raise DistributedError(f"cannot split the model over {size} ranks: {problem}")
     model.shard(group)
+    mark_split(model, size)  # a split model run by one rank alone would wait in its all-sums forever
     mx.eval(model.parameters())

@@ -38,7 +38,7 @@ from cortexstream.engine.sequence import Sequence, SequenceHook
 from cortexstream.engine.snapshot import EngineView, engine_stats, take_snapshot
 from cortexstream.engine.step_outputs import StepOutputs
 from cortexstream.engine.step_plan import StepPlan, StepResult
-from cortexstream.errors import InvalidArgumentError
+from cortexstream.errors import GenerationError, InvalidArgumentError
 from cortexstream.grammar.compiler import GrammarCompiler
 from cortexstream.engine.single_thread import single_threaded
 from cortexstream.engine.request_state import RequestOutput
@@ -49,6 +49,7 @@ from cortexstream.kv.arena import KVArena
 from cortexstream.engine.sizing import engine_arena
 from cortexstream.policies.parsing import parse_policy
 from cortexstream.models.eos import eos_ids
+from cortexstream.models.split_mark import split_ranks
 
 
 class Engine:
@@ -120,6 +121,7 @@ class Engine:
         self.pipeline = pipeline
         # Called with every plan before the runner executes it (a recorder, a replaying second runner).
         self.plan_listener: Callable[[StepPlan], None] | None = None
+        self.split_ranks = split_ranks(model)  # > 1: only steps relayed to the other ranks may run
 
     # --- requests ---------------------------------------------------------------------------------------------
     @single_threaded
@@ -265,6 +267,10 @@ class Engine:
         self.close()
 
     def _step(self) -> list[RequestOutput]:
+        if self.split_ranks > 1 and self.plan_listener is None:  # checked before the scheduler changes anything
+            raise GenerationError(f"the model is split over {self.split_ranks} ranks and this engine is not attached "
+                                  "to them: its forward would wait for the other ranks forever. Attach it on rank 0 "
+                                  "(ranks.attach(engine)) or pass ranks= to batch_generate (docs/distributed.md)")
         outputs: list[RequestOutput] = []
         if self._outputs.has_in_flight and not (self.pipeline and self.scheduler.may_pipeline()):
             outputs.extend(self._outputs.drain())
