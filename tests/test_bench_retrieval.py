@@ -16,7 +16,7 @@ from cortexstream.benchmarks.passkey import passkey_prompt
 from cortexstream.benchmarks.retrieval import command_line, run
 from cortexstream.benchmarks.retrieval_measure import run_cell
 from cortexstream.benchmarks.retrieval_prompts import Fact, build_trials, cell_rng, vault_trial
-from cortexstream.benchmarks.retrieval_report import Status, add_ratios, markdown, targets
+from cortexstream.benchmarks.retrieval_report import QUERY_AWARE, Status, add_ratios, markdown, targets
 from cortexstream.benchmarks.retrieval_settings import Placement, RetrievalSettings, Task
 from cortexstream.cli.main import main
 from cortexstream.engine.policy_runtime import PolicyState
@@ -119,6 +119,17 @@ def _settings(*argv: str) -> RetrievalSettings:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     return from_args(parser.parse_args(list(argv)))
+
+
+def test_the_default_policies_include_a_query_agnostic_one_for_the_later_turn():
+    """kvzip scores the context alone, so the later-turn target (best query-agnostic policy) can judge it."""
+    from cortexstream.policies import parse_policy
+
+    cells = {c.spec: c for c in RetrievalSettings(budgets=(0.33,)).policy_cells()}
+    assert list(cells) == ["full", "streaming:budget=0.33", "h2o:budget=0.33", "snapkv:budget=0.33",
+                           "kvzip:budget=0.33", "expected:budget=0.33"]
+    kvzip = parse_policy("kvzip:budget=0.33")
+    assert kvzip.evicts and kvzip.name not in QUERY_AWARE
 
 
 def test_quick_keeps_the_tasks_and_placements_given_and_its_own_otherwise():

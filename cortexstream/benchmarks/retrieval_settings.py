@@ -11,7 +11,8 @@ from enum import Enum
 from cortexstream.errors import InvalidArgumentError
 
 BUDGET_FIELD = "{b}"  # in a policy string: replaced by each budget fraction
-DEFAULT_POLICIES = ("full", "streaming:budget={b}", "h2o:budget={b}", "snapkv:budget={b}", "expected:budget={b}")
+DEFAULT_POLICIES = ("full", "streaming:budget={b}", "h2o:budget={b}", "snapkv:budget={b}", "kvzip:budget={b}",
+                    "expected:budget={b}")
 
 
 class Task(str, Enum):

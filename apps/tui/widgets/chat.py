@@ -25,6 +25,7 @@ CANDIDATE_POLICIES = (
     "streaming:budget=0.25,sinks=4",
     "h2o:budget=0.2",
     "h2o:budget=0.2,sinks=4,recent=64",
+    "kvzip:budget=0.33",
 )
 
 
