@@ -28,11 +28,10 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
 import pytest
 
 from cortexstream.distributed.local_ranks import free_port_pair, rank_environment, write_local_hostfile
-from tiny_models import tiny_model, write_tiny_gguf
+from tiny_models import varied_tiny_model, write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 RANK = str(ROOT / "tests" / "distributed_rank.py")
@@ -86,12 +85,7 @@ def ring(tmp_path_factory) -> Path:
 def split_model(ring) -> str:
     """A tiny model whose heads split over 2 ranks (4 query, 2 KV), its layers scaled so that its greedy tokens
     vary (the plain tiny model repeats its last prompt token, which a broken attention would too)."""
-    model = tiny_model(seed=7)
-    for layer in model.model.layers:
-        for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                       layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-            linear.weight = linear.weight * 3.0
-    mx.eval(model.parameters())
+    model = varied_tiny_model(seed=7)
     path = str(ring / "split.gguf")
     write_tiny_gguf(path, model)
     return path

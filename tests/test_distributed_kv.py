@@ -21,12 +21,11 @@ import json
 import subprocess
 import sys
 
-import mlx.core as mx
 import pytest
 
 from distributed_kv_scenarios import MERGING, POLICIES
 from test_distributed import RANK, START, ring, run_ranks, split_model  # noqa: F401  (fixtures)
-from tiny_models import TINY_CONFIG, tiny_model, write_tiny_gguf
+from tiny_models import TINY_CONFIG, varied_tiny_model, write_tiny_gguf
 
 GQA = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8}  # 2 KV heads and 4 query heads per rank
 
@@ -34,12 +33,7 @@ GQA = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8}  # 2 K
 @pytest.fixture(scope="module")
 def gqa_model(ring) -> str:  # noqa: F811
     """A tiny model with 4 KV heads of 2 query heads each: two whole GQA groups per rank."""
-    model = tiny_model(seed=7, **GQA)
-    for layer in model.model.layers:
-        for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                       layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-            linear.weight = linear.weight * 3.0
-    mx.eval(model.parameters())
+    model = varied_tiny_model(seed=7, **GQA)
     path = str(ring / "gqa.gguf")
     write_tiny_gguf(path, model, config={**TINY_CONFIG, **GQA})
     return path

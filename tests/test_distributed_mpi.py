@@ -26,7 +26,6 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
 import pytest
 
 from cortexstream.cli.distributed import check_rank_args
@@ -34,7 +33,7 @@ from cortexstream.distributed import DistributedError, RankBackend, launched
 from cortexstream.distributed.backends import choose_backend
 from cortexstream.distributed.control_address import ControlAddress, listen_address, machine_id
 from cortexstream.errors import InvalidArgumentError
-from tiny_models import tiny_model, write_tiny_gguf
+from tiny_models import varied_tiny_model, write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 RANK = str(ROOT / "tests" / "distributed_rank.py")
@@ -158,12 +157,7 @@ def ranks_folder(tmp_path_factory) -> Path:
 def split_model(ranks_folder) -> str:
     """The tiny model of tests/test_distributed.py: heads that split over 2 ranks (4 query, 2 KV), layers scaled
     so that its greedy tokens vary."""
-    model = tiny_model(seed=7)
-    for layer in model.model.layers:
-        for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                       layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-            linear.weight = linear.weight * 3.0
-    mx.eval(model.parameters())
+    model = varied_tiny_model(seed=7)
     path = str(ranks_folder / "split.gguf")
     write_tiny_gguf(path, model)
     return path

@@ -65,6 +65,18 @@ def tiny_model(seed: int = 0, **overrides: Any) -> Any:
     return model
 
 
+def varied_tiny_model(seed: int = 7, **overrides: Any) -> Any:
+    """`tiny_model` with every projection scaled 3x, so that its greedy tokens vary (the plain tiny model repeats
+    its last prompt token, which a broken attention would too): the model the multi-rank tests compare on."""
+    model = tiny_model(seed=seed, **overrides)
+    for layer in model.model.layers:
+        for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                       layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            linear.weight = linear.weight * 3.0
+    mx.eval(model.parameters())
+    return model
+
+
 _TO_GGUF = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
