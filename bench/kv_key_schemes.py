@@ -29,12 +29,26 @@ KeyFn = Callable[[int, Any], Any]  # (layer, keys [B, H, T, D]) -> keys as read 
 CHUNK = 256
 
 
+def key_hooked_cache(layers: int, fn: KeyFn) -> list[Any]:
+    """One mlx-lm `KVCache` per layer that stores `fn(layer, keys)` in place of the keys it is given."""
+    from mlx_lm.models.cache import KVCache
+
+    class KeyHooked(KVCache):
+        def __init__(self, layer: int) -> None:
+            super().__init__()
+            self.layer = layer
+
+        def update_and_fetch(self, keys: Any, values: Any) -> Any:
+            return super().update_and_fetch(fn(self.layer, keys).astype(keys.dtype), values)
+
+    return [KeyHooked(i) for i in range(layers)]
+
+
 class KeyStats:
     """The model's key geometry, its key bias per layer, and per-channel key magnitudes of calibration text."""
 
     def __init__(self, model: Any, calibration: list[int]) -> None:
         import mlx.core as mx
-        from mlx_lm.models.cache import KVCache
 
         from cortexstream.evaluation.perplexity import token_nlls
         from cortexstream.kv.arena_config import model_kv_shape
@@ -45,16 +59,11 @@ class KeyStats:
                      for layer in model.layers]
         seen: list[list[np.ndarray]] = [[] for _ in range(self.layers)]
 
-        class Capture(KVCache):
-            def __init__(self, layer: int) -> None:
-                super().__init__()
-                self.layer = layer
+        def capture(layer: int, keys: Any) -> Any:
+            seen[layer].append(np.array(keys.astype(mx.float32))[0])
+            return keys
 
-            def update_and_fetch(self, keys: Any, values: Any) -> Any:
-                seen[self.layer].append(np.array(keys.astype(mx.float32))[0])
-                return super().update_and_fetch(keys, values)
-
-        token_nlls(model, calibration, None, chunk_size=CHUNK, prompt_cache=[Capture(i) for i in range(self.layers)])
+        token_nlls(model, calibration, None, chunk_size=CHUNK, prompt_cache=key_hooked_cache(self.layers, capture))
         half = self.dim // 2
         self.amax = []
         for layer in range(self.layers):
@@ -103,18 +112,6 @@ def schemes(stats: KeyStats, group: int) -> dict[str, KeyFn]:
     }
 
 
-def scheme_cache(stats: KeyStats, fn: KeyFn) -> list[Any]:
-    from mlx_lm.models.cache import KVCache
-
-    class Rounded(KVCache):
-        def __init__(self, layer: int) -> None:
-            super().__init__()
-            self.layer = layer
-
-        def update_and_fetch(self, keys: Any, values: Any) -> Any:
-            return super().update_and_fetch(fn(self.layer, keys).astype(keys.dtype), values)
-
-    return [Rounded(i) for i in range(stats.layers)]
 
 
 def measure(model: Any, ids: list[int], contexts: list[int], calibration: int, group: int) -> list[dict]:
@@ -125,7 +122,7 @@ def measure(model: Any, ids: list[int], contexts: list[int], calibration: int, g
     for context in contexts:
         stats = KeyStats(model, ids[context:context + calibration])
         cells: dict[str, Callable[[], Any]] = {"float (no rounding)": lambda: None}
-        cells.update({name: (lambda fn=fn: scheme_cache(stats, fn)) for name, fn in schemes(stats, group).items()})
+        cells.update({name: (lambda fn=fn: key_hooked_cache(stats.layers, fn)) for name, fn in schemes(stats, group).items()})
         for storage in ("k=int4,v=float32", "k=int4,v=float32,rotate=on"):
             cells[f"arena {storage}"] = lambda s=storage, c=context: make_prompt_cache(
                 model, max_tokens=c, kv_dtype=s, kv_group_size=group)
