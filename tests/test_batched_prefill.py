@@ -41,14 +41,18 @@ def test_equal_prompts_prefill_in_one_forward_and_match_alone(tiny, monkeypatch)
     assert groups == [[20, 20, 20, 20]]
 
 
+PREFILL_WHILE_DECODING = 16
+
+
 def test_ragged_prompts_with_history_match_alone(tiny, monkeypatch):
     """Chunks of different lengths (padded), continuing earlier chunks (history gathered from the arena)."""
     model, tokenizer = tiny
     prompts = random_prompts(6, seed=12, low=5, high=70)
     expected = [alone(model, tokenizer, p, 10) for p in prompts]
-    # Separate passes only: with mixed_prefill, later chunks ride in the decode pass instead (tested below).
+    # Separate passes only: with mixed_prefill, later chunks ride in the decode pass instead (tested below). A fixed
+    # prefill budget while decoding: "auto" sizes chunks by measured step times, so the grouping would vary by run.
     engine = Engine(model, tokenizer, kv_tokens=2048, block_size=4, prefill_step_size=48, prefix_caching=False,
-                    mixed_prefill=False)
+                    mixed_prefill=False, prefill_tokens_while_decoding=8)
     groups = record_groups(engine, monkeypatch)
     ids = [engine.add_request(p, max_tokens=10) for p in prompts]
     results = run_all(engine)
