@@ -99,7 +99,41 @@ def schemes(stats: KeyStats, group: int) -> dict[str, KeyFn]:
         x = x.reshape(k.shape[0], k.shape[1], -1, 32, k.shape[3]).swapaxes(-1, -2)
         return rounded(x, 32).swapaxes(-1, -2).reshape(k.shape[0], k.shape[1], -1, k.shape[3])[:, :, :tokens]
 
+    def blocks_of(k: Any, size: int) -> tuple[Any, int]:
+        tokens = k.shape[2]
+        pad = (-tokens) % size
+        x = mx.pad(k, [(0, 0), (0, 0), (0, pad), (0, 0)]) if pad else k
+        return x.reshape(k.shape[0], k.shape[1], -1, size, k.shape[3]), tokens
+
+    def unblocked(x: Any, tokens: int) -> Any:
+        return x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1])[:, :, :tokens]
+
+    def minmax(x: Any, lo: Any, hi: Any) -> Any:
+        """x rounded to 16 levels spanning [lo, hi] (a plain min/max quantizer: error at most half a step)."""
+        step = mx.maximum((hi - lo) / 15, 1e-12)
+        return mx.clip(mx.round((x - lo) / step), 0, 15) * step + lo
+
+    def block_channel(size: int, arriving: bool) -> KeyFn:
+        """One range per channel per block of `size` tokens: from the whole block (`arriving` False), or grown
+        token by token as decode fills the block, every stored value of the block requantized on each growth."""
+        def fn(layer: int, k: Any) -> Any:
+            x, tokens = blocks_of(k.astype(mx.float32), size)
+            if not arriving:
+                return unblocked(minmax(x, x.min(axis=3, keepdims=True), x.max(axis=3, keepdims=True)), tokens)
+            lo, hi = x[:, :, :, :1], x[:, :, :, :1]
+            stored = [x[:, :, :, 0]]
+            for t in range(1, size):
+                row = x[:, :, :, t]
+                lo, hi = mx.minimum(lo, row[:, :, :, None]), mx.maximum(hi, row[:, :, :, None])
+                stored = [minmax(v, lo[:, :, :, 0], hi[:, :, :, 0]) for v in stored]
+                stored.append(minmax(row, lo[:, :, :, 0], hi[:, :, :, 0]))
+                mx.eval(stored)
+            return unblocked(mx.stack(stored, axis=3), tokens)
+        return fn
+
     return {
+        "per_channel block16, whole block": block_channel(16, False),
+        "per_channel block16, token by token": block_channel(16, True),
         f"per_token g{group}, raw": lambda i, k: rounded(k, group),
         f"per_token g{group}, centered": lambda i, k: rounded(k - center(i), group) + center(i),
         "per_token g32, centered": lambda i, k: rounded(k - center(i), 32) + center(i),
