@@ -2,6 +2,8 @@
 
 import mlx.core as mx
 import numpy as np
+
+from cortexstream.kv.arena_sides import side_slots
 import pytest
 
 from cortexstream.kv.arena import KVArena
@@ -33,7 +35,9 @@ def _block_rows(arena: KVArena, block: int) -> list[np.ndarray]:
     for layer in range(arena.config.num_layers):
         for side in (arena.keys[layer], arena.values[layer]):
             arrays = side.arrays() if hasattr(side, "arrays") else [side]
-            out += [np.array(a[:, :, block * bs:(block + 1) * bs, :].view(mx.uint8)) for a in arrays]
+            for a in arrays:  # keys grouped per channel keep one row of scales per block
+                rows = bs if a.shape[2] == side_slots(side) else 1
+                out.append(np.array(a[:, :, block * rows:(block + 1) * rows, :].view(mx.uint8)))
     return out
 
 

@@ -166,7 +166,7 @@ def test_saved_centered_cache_round_trips_and_refuses_other_centers(tmp_path):
     from cortexstream.kv.prompt_cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
     model = qwen_like()
-    cache = make_prompt_cache(model, kv_dtype="int4", kv_group_size=32)
+    cache = make_prompt_cache(model, kv_dtype="int4,keys=token", kv_group_size=32)
     model(mx.array([list(range(3, 40))]), cache=cache)
     path = str(tmp_path / "c.safetensors")
     save_prompt_cache(path, cache)
@@ -176,12 +176,12 @@ def test_saved_centered_cache_round_trips_and_refuses_other_centers(tmp_path):
     for layer in range(2):
         assert mx.array_equal(loaded[layer].state[0], cache[layer].state[0]).item()
     # into an arena of the same model: fine; of a model with another key bias: refused
-    same = KVArena(ArenaConfig.for_model(model, num_tokens=256, kv_dtype="int4", kv_group_size=32))
+    same = KVArena(ArenaConfig.for_model(model, num_tokens=256, kv_dtype="int4,keys=token", kv_group_size=32))
     assert load_prompt_cache(path, arena=same)[0].size() == 37
-    other = KVArena(ArenaConfig.for_model(qwen_like(seed=9), num_tokens=256, kv_dtype="int4", kv_group_size=32))
+    other = KVArena(ArenaConfig.for_model(qwen_like(seed=9), num_tokens=256, kv_dtype="int4,keys=token", kv_group_size=32))
     with pytest.raises(ModelLoadError, match="centered by another model"):
         load_prompt_cache(path, arena=other)
-    uncentered = KVArena(ArenaConfig(2, 2, 32, 16, 16, kv_dtype=parse_kv_dtype("int4", 32, model_dtype="float32")))
+    uncentered = KVArena(ArenaConfig(2, 2, 32, 16, 16, kv_dtype=parse_kv_dtype("int4,keys=token", 32, model_dtype="float32")))
     with pytest.raises(ModelLoadError, match="stores K/V as"):
         load_prompt_cache(path, arena=uncentered)
 
@@ -189,12 +189,12 @@ def test_saved_centered_cache_round_trips_and_refuses_other_centers(tmp_path):
 def test_auto_does_not_rotate_centered_keys_but_rotates_the_rest():
     """AUTO rotates 4-bit sides except centered keys; rotate=on still rotates them; the cache key names the sides."""
     model = qwen_like()
-    auto = ArenaConfig.for_model(model, num_tokens=64, kv_dtype="int4", kv_group_size=32)
+    auto = ArenaConfig.for_model(model, num_tokens=64, kv_dtype="int4,keys=token", kv_group_size=32)
     assert auto.storage.centered_keys and not auto.storage.key_rotated and auto.storage.value_rotated
     assert ",rot=hadamard1:v," in auto.cache_key + ","
-    forced = ArenaConfig.for_model(model, num_tokens=64, kv_dtype="int4,rotate=on", kv_group_size=32)
+    forced = ArenaConfig.for_model(model, num_tokens=64, kv_dtype="int4,keys=token,rotate=on", kv_group_size=32)
     assert forced.storage.key_rotated and ",rot=hadamard1:kv" in forced.cache_key
-    plain = ArenaConfig.for_model(tiny_model(seed=1, head_dim=32), num_tokens=64, kv_dtype="int4", kv_group_size=32)
+    plain = ArenaConfig.for_model(tiny_model(seed=1, head_dim=32), num_tokens=64, kv_dtype="int4,keys=token", kv_group_size=32)
     assert not plain.storage.centered_keys and plain.storage.key_rotated  # no key bias: rotated as before
     # the arena's key side follows the rule
     from cortexstream.kv.arena import KVArena
@@ -213,7 +213,7 @@ def test_saved_cache_records_its_rotated_sides_and_old_centered_int4_files_are_r
     from cortexstream.kv.prompt_cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
     model = qwen_like()
-    cache = make_prompt_cache(model, kv_dtype="int4", kv_group_size=32)
+    cache = make_prompt_cache(model, kv_dtype="int4,keys=token", kv_group_size=32)
     model(mx.array([list(range(3, 30))]), cache=cache)
     path = str(tmp_path / "c.safetensors")
     save_prompt_cache(path, cache)

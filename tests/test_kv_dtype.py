@@ -76,8 +76,8 @@ def test_cache_key_separates_what_changes_the_stored_bytes():
 
 def test_bytes_per_token_for_smollm2_by_hand():
     # 30 layers x 3 KV heads = 90 (layer, head) pairs, each storing one K and one V row of 64 values.
-    def bytes_of(text, group=None, model="float16"):
-        return parse_kv_dtype(text, group, model_dtype=model).bytes_per_token(**SMOLLM2)
+    def bytes_of(text, group=None, model="float16", block_size=16):
+        return parse_kv_dtype(text, group, model_dtype=model).bytes_per_token(**SMOLLM2, block_size=block_size)
 
     assert bytes_of("float32", model="float32") == 46080  # 90 * 2 rows * 64 values * 4 bytes
     assert bytes_of("float16") == 23040  # 90 * 2 * 64 * 2
@@ -85,10 +85,14 @@ def test_bytes_per_token_for_smollm2_by_hand():
     # int8, group 64, float16 scales: a row is 64 one-byte codes + 1 group * (2-byte scale + 2-byte bias) = 68
     assert bytes_of("int8") == 12240  # 90 * 2 * 68
     # int4, group 64: 64 codes * 0.5 byte = 32, + 4 = 36 per row
-    assert bytes_of("int4") == 6480  # 90 * 2 * 36
+    assert bytes_of("int4,keys=token") == 6480  # 90 * 2 * 36
+    # int4 keys grouped per channel (the default for 4-bit keys): 32 bytes of codes, and per block of 16 tokens
+    # one 2-byte scale and bias per channel: 64 * 4 / 16 = 16 bytes per token; values as above, 36
+    assert bytes_of("int4") == 90 * (32 + 16 + 36)
+    assert bytes_of("int4", block_size=32) == 90 * (32 + 8 + 36)
     # group 32: two groups per row, 8 bytes of scales and biases
     assert bytes_of("int8", 32) == 12960  # 90 * 2 * (64 + 8)
-    assert bytes_of("int4", 32) == 7200  # 90 * 2 * (32 + 8)
+    assert bytes_of("int4,keys=token", 32) == 7200  # 90 * 2 * (32 + 8)
     # a float32 model keeps float32 scales and biases: 64 + 1 * (4 + 4) = 72 per row
     assert bytes_of("int8", model="float32") == 12960
     # K int8 (68) and V int4 (36)

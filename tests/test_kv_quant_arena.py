@@ -57,7 +57,8 @@ def assert_moved(got: mx.array, want: np.ndarray, arena: KVArena) -> None:
 
 
 @settings(max_examples=25, deadline=None)
-@given(kv=st.sampled_from(["int8", "int4", "int4,rotate=off", "k=int8,v=int4", "k=float32,v=int4"]), n=st.integers(2, 40),
+@given(kv=st.sampled_from(["int8", "int4,keys=token", "int4,keys=token,rotate=off", "k=int8,v=int4",
+                           "k=float32,v=int4"]), n=st.integers(2, 40),
        per_head=st.booleans(), paged=st.booleans(), seed=st.integers(0, 10_000))
 def test_eviction_keeps_each_row_with_its_own_scales(kv, n, per_head, paged, seed):
     arena = arena_for(kv)

@@ -87,7 +87,11 @@ def test_quantized_arena_holds_more_tokens_per_byte(model64):
     assert sizes["float16"] == 2 * sizes["float32"]
     # int8 in groups of 64 on float32 scales: 64 + 8 bytes per 64 values vs 256 (float32)
     assert sizes["int8"] / sizes["float32"] == pytest.approx(256 / 72, rel=0.02)
-    assert sizes["int4"] / sizes["float32"] == pytest.approx(256 / 40, rel=0.02)
+    # int4: values 32 + 8 bytes; keys grouped per channel 32 + (4 + 4) * 64 / 16 (one scale and bias per channel per
+    # block of 16 tokens) = 64
+    assert sizes["int4"] / sizes["float32"] == pytest.approx(2 * 256 / (40 + 64), rel=0.02)
+    token = ArenaConfig.for_model(model64, num_bytes=budget, kv_dtype="int4,keys=token").num_slots
+    assert token / sizes["float32"] == pytest.approx(256 / 40, rel=0.02)
 
 
 def test_bad_kv_dtype_and_group_size_name_the_argument(model32, tiny):
@@ -165,7 +169,7 @@ def test_merging_policies_requantize_merged_slots(model32, tiny, policy):
     (temperature 1) requests drift apart batched vs alone, cause not isolated; greedy agrees there
     (test_merging_on_rotated_int4_runs below)."""
     tokenizer = tiny[1]
-    kv = "int4,rotate=off"
+    kv = "int4,keys=token,rotate=off"
     together, engine = run(model32, tokenizer, PROMPTS, max_tokens=12, kv_dtype=kv, kv_group_size=32,
                            kv_policy=policy)
     assert engine.stats()["compressed_tokens"] > 0

@@ -80,8 +80,10 @@ def test_attention_over_rotated_codes_equals_attention_over_the_true_rows(dequan
 
 
 def test_spelling_cache_key_and_defaults():
-    int4 = parse_kv_dtype("int4", model_dtype="float32")
+    int4 = parse_kv_dtype("int4,keys=token", model_dtype="float32")
     assert int4.key_rotated and int4.value_rotated and "rot=" in int4.cache_key
+    channels = parse_kv_dtype("int4", model_dtype="float32")  # 4-bit keys grouped per channel: not rotated
+    assert not channels.key_rotated and channels.value_rotated and "keys=channel" in channels.cache_key
     int8 = parse_kv_dtype("int8", model_dtype="float32")
     assert not int8.key_rotated and "rot=" not in int8.cache_key
     off = parse_kv_dtype("int4,rotate=off", model_dtype="float32")
@@ -91,7 +93,7 @@ def test_spelling_cache_key_and_defaults():
     on = parse_kv_dtype("k=int8,v=int4,rotate=on", model_dtype="float32")
     assert on.key_rotated and on.value_rotated and parse_kv_dtype(on.text, model_dtype="float32") == on
     for bad, match in (("float16,rotate=on", "quantizes nothing"), ("int4,rotate=sideways", "rotate"),
-                       ("rotate=on", "without a storage type"), ("int4,rotate=on,k=int8", "last part")):
+                       ("rotate=on", "without a storage type"), ("int4,rotate=on,k=int8", "must come after")):
         with pytest.raises(InvalidArgumentError, match=match):
             parse_kv_dtype(bad, model_dtype="float32")
 

@@ -85,8 +85,8 @@ def fork_cache(prompt_cache: list[Any]) -> list[Any]:
     for layer in range(cfg.num_layers):
         length = seq.lengths[layer]
         if length:
-            rows = seq.arena.table_rows(layer, seq.blocks, length)
-            copy.arena.put_rows(layer, copy.arena.slots_array(copy.blocks, length), *rows)
+            rows = seq.arena.table_blocks(layer, seq.blocks, length)
+            copy.arena.put_table_blocks(layer, copy.blocks[:cfg.blocks_for_tokens(length)], *rows)
     copy.lengths, copy.offsets = list(seq.lengths), list(seq.offsets)
     mx.eval(copy.arena.arrays())
     state = policy_state_of(prompt_cache)

@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from cortexstream.kv.arena import KVArena, as_dtype
-from cortexstream.kv.arena_sides import as_read_back
+from cortexstream.kv.arena_sides import as_read_back, per_row_codec, read_side
 from cortexstream.kv.sequence_kv import SequenceKV
 
 
@@ -110,12 +110,27 @@ class PrefillLayerCache:
         arena.write_slots(self.layer, batch.slots, self._real_tokens(keys), self._real_tokens(values))
         # What a read of the arena returns once written (a quantized side's rows through the quantizer and back),
         # so the chunk attends over the values every other path sees.
-        keys = as_read_back(arena.keys[self.layer], keys, arena.dtype)
-        values = as_read_back(arena.values[self.layer], values, arena.dtype)
+        keys = self._read_back(arena.keys[self.layer], keys)
+        values = self._read_back(arena.values[self.layer], values)
         if batch.history_slots is None:
             return keys, values
         history_keys, history_values = self._history(keys.dtype)
         return (mx.concatenate([history_keys, keys], axis=2), mx.concatenate([history_values, values], axis=2))
+
+    def _read_back(self, side: Any, rows: mx.array) -> mx.array:
+        """`rows` `[B, H, L, D]` as the arena returns them once written: through the codec for a per-row codec,
+        else read from the arena (keys grouped per channel: a row's value depends on its block); padding as is."""
+        arena = self.batch.arena
+        if per_row_codec(side):
+            return as_read_back(side, rows, arena.dtype)
+        stored = read_side(side, self.batch.slots, arena.dtype)[0]  # [H, real tokens, D] in slot order
+        size, heads, width, dim = rows.shape
+        if self.batch.source is None:
+            flat = stored
+        else:
+            flat = rows.astype(arena.dtype).transpose(1, 0, 2, 3).reshape(heads, size * width, dim)
+            flat[:, self.batch.source] = stored
+        return flat.reshape(heads, size, width, dim).transpose(1, 0, 2, 3)
 
     def _real_tokens(self, array: mx.array) -> mx.array:
         """[B, H, L, D] -> [H, real tokens, D] in slot order (rows in order, padding dropped)."""

@@ -72,6 +72,9 @@ class BlockAllocator:
         self._refcount: list[int] = [0] * num_blocks
         self._owner: list[int] = [FREE] * num_blocks
         self.on_high_water = on_high_water
+        # Told the ids of every allocation after on_high_water (the arena marks them fresh: a block's earlier
+        # contents are not its new owner's, channel_quantized.py).
+        self.on_allocate: Callable[[list[int]], None] | None = None
 
     # ----------------------------------------------------------------- counters
     @property
@@ -143,6 +146,7 @@ class BlockAllocator:
                     out.extend(range(start, start + length))
             high = self._runs.high_water()
         self._announce(high, lambda: self.free(out))
+        self._handed_out(out)
         return out
 
     def extend_contiguous(self, blocks: list[int], extra: int, owner: int = -1) -> list[int] | None:
@@ -176,6 +180,7 @@ class BlockAllocator:
             out = list(range(first_new, first_new + extra))
             high = self._runs.high_water()
         self._announce(high, lambda: self.free(out))
+        self._handed_out(out)
         return out
 
     # --------------------------------------------------------- ref counting / free
@@ -269,6 +274,7 @@ class BlockAllocator:
                 self._refcount[b] += 1
 
         self._announce(high, undo)
+        self._handed_out([new])
         return new, True
 
     def owner_of(self, block: int) -> int:
@@ -330,6 +336,10 @@ class BlockAllocator:
         except BaseException:
             undo()
             raise
+
+    def _handed_out(self, ids: list[int]) -> None:
+        if self.on_allocate is not None and ids:
+            self.on_allocate(ids)
 
     def _mark_used_locked(self, start: int, n: int, owner: int) -> None:
         self._refcount[start : start + n] = [1] * n

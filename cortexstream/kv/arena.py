@@ -39,8 +39,8 @@ import numpy as np
 from cortexstream.kv.allocator import BlockAllocator
 from cortexstream.kv.arena_config import ArenaConfig
 from cortexstream.kv.arena_sides import (
-    Side, as_dtype, full_float, new_side, pad_side, put_side, read_side, read_side_per_head, side_arrays,
-    side_nbytes, strided_side, take_side, take_side_per_head, write_side,
+    Side, as_dtype, full_float, new_side, pad_side, put_blocks, put_side, read_side, read_side_per_head,
+    side_arrays, side_nbytes, strided_side, take_blocks, take_side, take_side_per_head, write_side,
 )
 from cortexstream.kv.quantized_blocks import CodeView
 from cortexstream.kv.kv_dtype import StorageType
@@ -73,8 +73,10 @@ class KVArena:
         self.key_type, self.value_type = storage.key, storage.value
         group = storage.group_size
         centers = config.key_centers or [None] * config.num_layers  # kv_center.py
+        channel_block = config.block_size if storage.key_channels else None  # channel_quantized.py
         self.keys: list[Side] = [new_side(storage.key, heads, slots, config.head_dim, dtype, group,
-                                          storage.key_rotated, None if c is None else mx.array(c, dtype=dtype))
+                                          storage.key_rotated, None if c is None else mx.array(c, dtype=dtype),
+                                          channel_block)
                                  for c in centers]
         self.values: list[Side] = [new_side(storage.value, heads, slots, config.value_head_dim, dtype, group,
                                             storage.value_rotated) for _ in range(config.num_layers)]
@@ -84,8 +86,16 @@ class KVArena:
         self._target = initial  # the size layers are being grown to
         self.num_growths = 0  # layer buffers padded so far (K and V of one layer count once)
         self.allocator = BlockAllocator(config.num_blocks, on_high_water=self.ensure_blocks)
+        if channel_block is not None:
+            self.allocator.on_allocate = self._mark_fresh
         self.num_evicted_tokens = 0
         self.num_compressed_tokens = 0
+
+    def _mark_fresh(self, blocks: list[int]) -> None:
+        """Blocks just handed out: keys grouped per channel forget their earlier range (channel_quantized.py)."""
+        ids = np.asarray(blocks, dtype=np.int64)
+        for side in self.keys:
+            side.mark_fresh(ids)
 
     @property
     def dtype(self) -> mx.Dtype:
@@ -278,6 +288,25 @@ class KVArena:
         slots = self.slots_array(blocks, length)
         return take_side(self.keys[layer], slots), take_side(self.values[layer], slots)
 
+    def table_blocks(self, layer: int, blocks: Sequence[int], length: int) -> tuple[object, object]:
+        """K and V of the whole blocks that hold a sequence's first `length` tokens, exactly as stored (for
+        `put_table_blocks`: forks, a private cache's regrowth, saved caches). Exact for every storage, keys grouped
+        per channel too (their rows cannot move alone, channel_quantized.py)."""
+        ids = np.asarray(blocks[:self.config.blocks_for_tokens(length)], dtype=np.int64)
+        bs = self.config.block_size
+        return take_blocks(self.keys[layer], ids, bs), take_blocks(self.values[layer], ids, bs)
+
+    def key_rows_of_blocks(self, layer: int, blocks: Sequence[int], length: int) -> object:
+        """Keys grouped per channel of a sequence's first `length` tokens: their codes and their blocks' scales
+        (a saved cache; `put_rows` takes it back at the slots of a sequence's first `length` tokens)."""
+        return self.keys[layer].rows_of_blocks(self.slot_indices(blocks, 0, length))
+
+    def put_table_blocks(self, layer: int, blocks: Sequence[int], keys: object, values: object) -> None:
+        """Store whole blocks `table_blocks` returned (from an arena of the same storage) at `blocks`, unchanged."""
+        ids = np.asarray(blocks, dtype=np.int64)
+        put_blocks(self.keys[layer], ids, self.config.block_size, keys)
+        put_blocks(self.values[layer], ids, self.config.block_size, values)
+
     def gather_slots(self, layer: int, slots: np.ndarray | mx.array) -> tuple[mx.array, mx.array]:
         """K, V at arbitrary slots; `slots` is [n] or [H, n] (per-head selection)."""
         slots = mx.array(np.asarray(slots, dtype=np.int32)) if isinstance(slots, np.ndarray) else slots
@@ -359,11 +388,10 @@ class KVArena:
         if not src:
             return
         bs = self.config.block_size
-        src_slots = mx.array((np.repeat(np.asarray(src) * bs, bs) + np.tile(np.arange(bs), len(src))).astype(np.int32))
-        dst_slots = mx.array((np.repeat(np.asarray(dst) * bs, bs) + np.tile(np.arange(bs), len(dst))).astype(np.int32))
+        src_ids, dst_ids = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
         for sides in (self.keys, self.values):
             for side in sides:
-                put_side(side, dst_slots, take_side(side, src_slots))
+                put_blocks(side, dst_ids, bs, take_blocks(side, src_ids, bs))
         mx.eval(self.arrays())
 
     # --- stats ------------------------------------------------------------------------------------------------

@@ -83,12 +83,14 @@ class ArenaConfig:
     @property
     def cache_key(self) -> str:
         """What decides a block's stored bytes (prefix-cache hashes, saved prompt caches)."""
-        return self.storage.cache_key + (f",center={CENTER_NAME}" if self.key_centers is not None else "")
+        block = f",block={self.block_size}" if self.storage.key_channels else ""  # per-channel keys: scales per block
+        return self.storage.cache_key + block + (f",center={CENTER_NAME}" if self.key_centers is not None else "")
 
     def with_key_centers(self, model: Any) -> "ArenaConfig":
         """This config with the centers `model` gives (its key bias, kv_center.py) when keys are quantized; for a
         rank after the model was split, whose heads are its own."""
-        centers = model_key_centers(model, self.num_kv_heads, self.head_dim) if self.storage.key.quantized else None
+        centered = self.storage.key.quantized and not self.storage.key_channels  # per-channel keys need no center
+        centers = model_key_centers(model, self.num_kv_heads, self.head_dim) if centered else None
         return replace(self, key_centers=centers)
 
     @property
@@ -104,7 +106,7 @@ class ArenaConfig:
         """K + V bytes of one token over all layers and KV heads."""
         if self.kv_dtype is not None:
             return self.kv_dtype.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
-                                                 self.value_head_dim)
+                                                 self.value_head_dim, self.block_size)
         per_layer = self.num_kv_heads * (self.head_dim + self.value_head_dim) * _ITEMSIZE[self.dtype]
         return per_layer * self.num_layers
 

@@ -19,25 +19,32 @@ import mlx.core as mx
 import numpy as np
 
 from cortexstream.kv.arena import KVArena
-from cortexstream.kv.arena_sides import put_side, side_arrays, take_side
+from cortexstream.kv.arena_sides import block_arrays, put_blocks, take_blocks
+from cortexstream.kv.channel_quantized import ChannelBlocks, ChannelQuantizedRows
 from cortexstream.kv.quantized_blocks import QuantizedRows
 
 
-def _block_slots(blocks: Sequence[int], block_size: int) -> mx.array:
-    base = np.repeat(np.asarray(blocks, dtype=np.int64) * block_size, block_size)
-    return mx.array((base + np.tile(np.arange(block_size), len(blocks))).astype(np.int32))
-
-
-def _as_block_major(array: mx.array, num_blocks: int, block_size: int) -> mx.array:
-    """`[1, H, n*bs, X]` -> bytes `[n, H*bs*X*itemsize]` (one row per block)."""
-    _, heads, _, width = array.shape
-    per_block = array.reshape(heads, num_blocks, block_size, width).transpose(1, 0, 2, 3)
+def _as_block_major(array: mx.array, num_blocks: int) -> mx.array:
+    """`[1, H, n*r, X]` (r rows per block) -> bytes `[n, H*r*X*itemsize]` (one row per block)."""
+    _, heads, rows, width = array.shape
+    per_block = array.reshape(heads, num_blocks, rows // num_blocks, width).transpose(1, 0, 2, 3)
     return per_block.reshape(num_blocks, -1).view(mx.uint8)
+
+
+def _block_parts(arena: KVArena) -> list[tuple[int, int, int, mx.Dtype]]:
+    """(heads, rows per block, width, dtype) of every array of one block's payload, in payload order."""
+    parts = []
+    for layer in range(arena.config.num_layers):
+        for side in (arena.keys[layer], arena.values[layer]):
+            for array in block_arrays(take_blocks(side, np.zeros(1, dtype=np.int64), arena.config.block_size)):
+                _, heads, rows, width = array.shape
+                parts.append((heads, rows, width, array.dtype))
+    return parts
 
 
 def block_bytes(arena: KVArena) -> int:
     """Bytes of one block's payload in this arena."""
-    return arena.config.bytes_per_block
+    return sum(heads * rows * width * dtype.size for heads, rows, width, dtype in _block_parts(arena))
 
 
 class BlockExport:
@@ -49,12 +56,12 @@ class BlockExport:
         if not self.blocks:
             return
         n, bs = len(self.blocks), arena.config.block_size
-        slots = _block_slots(self.blocks, bs)
+        ids = np.asarray(self.blocks, dtype=np.int64)
         parts = []
         for layer in range(arena.config.num_layers):
             for side in (arena.keys[layer], arena.values[layer]):
-                for array in side_arrays(take_side(side, slots)):
-                    parts.append(_as_block_major(array, n, bs))
+                for array in block_arrays(take_blocks(side, ids, bs)):
+                    parts.append(_as_block_major(array, n))
         self._rows = mx.concatenate(parts, axis=1)
         mx.async_eval(self._rows)
 
@@ -79,23 +86,26 @@ def import_blocks(arena: KVArena, blocks: Sequence[int], payloads: Sequence[byte
                              f"{expected}")
     n, bs = len(blocks), arena.config.block_size
     rows = mx.array(np.frombuffer(b"".join(payloads), dtype=np.uint8).reshape(n, expected))
-    slots = _block_slots(blocks, bs)
+    ids = np.asarray(blocks, dtype=np.int64)
+    shapes = iter(_block_parts(arena))
     offset = 0
     for layer in range(arena.config.num_layers):
         for sides in (arena.keys, arena.values):
             side = sides[layer]
             stored = []
-            for array in side_arrays(side):
-                _, heads, _, width = array.shape
-                size = heads * bs * width * array.itemsize
-                part = rows[:, offset:offset + size].view(array.dtype).reshape(n, heads, bs, width)
-                stored.append(part.transpose(1, 0, 2, 3).reshape(1, heads, n * bs, width))
+            for _ in range(3 if isinstance(side, (QuantizedRows, ChannelQuantizedRows)) else 1):
+                heads, per_block, width, dtype = next(shapes)
+                size = heads * per_block * width * dtype.size
+                part = rows[:, offset:offset + size].view(dtype).reshape(n, heads, per_block, width)
+                stored.append(part.transpose(1, 0, 2, 3).reshape(1, heads, n * per_block, width))
                 offset += size
-            if isinstance(side, QuantizedRows):
-                put_side(side, slots, QuantizedRows(*stored, side.bits, side.group_size, side.rotation,
-                                                    side.center))
+            if isinstance(side, ChannelQuantizedRows):
+                put_blocks(side, ids, bs, ChannelBlocks(*stored))
+            elif isinstance(side, QuantizedRows):
+                put_blocks(side, ids, bs, QuantizedRows(*stored, side.bits, side.group_size, side.rotation,
+                                                        side.center))
             else:
-                put_side(side, slots, stored[0])
+                put_blocks(side, ids, bs, stored[0])
     mx.eval(arena.arrays())
 
 

@@ -20,6 +20,12 @@ Quantized sides may be stored rotated (`kv_rotation.py`): by default (AUTO) 4-bi
 and nor are keys stored centered (`kv_center.py`): once a model's key bias is taken out, what is left of its keys is
 quantized better as it is than rotated (Qwen2.5-Coder-0.5B, 4-bit keys: bench/results/kv_key_schemes.md). The
 spelling takes `rotate=on|off|auto` as a last part ("int4,rotate=off", "k=int8,v=int4,rotate=on").
+
+Quantized keys are grouped per token (`keys=token`: one scale per group of channels of one token, as above) or per
+channel (`keys=channel`: one scale per channel per arena block, channel_quantized.py). AUTO groups 4-bit keys per
+channel and 8-bit keys per token: per-channel is what makes 4-bit keys usable on models with outlier key channels
+(bench/results/kv_key_schemes.md), and 8-bit keys are within rounding of float either way. Per-channel keys are
+neither rotated nor centered (their per-channel range already follows each channel).
 """
 
 from __future__ import annotations
@@ -29,6 +35,14 @@ from enum import Enum
 
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.kv.kv_rotation import ROTATION_NAME, Rotation, rotation, rotation_supported
+
+
+class KeyLayout(str, Enum):
+    """How a quantized key side is grouped: per token (groups of channels) or per channel (over a block)."""
+
+    AUTO = "auto"
+    TOKEN = "token"
+    CHANNEL = "channel"
 
 
 class StorageType(str, Enum):
@@ -62,7 +76,7 @@ GROUP_SIZES = (32, 64)
 DEFAULT_GROUP_SIZE = 64
 AUTO = "auto"
 _CHOICES = (", ".join([AUTO] + [t.value for t in StorageType]) + ", or k=<type>,v=<type>; optionally "
-            "followed by ,rotate=on|off|auto")
+            "followed by ,rotate=on|off|auto and/or ,keys=token|channel|auto")
 
 
 def storage_type(value: str | StorageType, argument: str) -> StorageType:
@@ -97,9 +111,11 @@ class KVDtype:
     # Keys stored centered by the model's key bias (kv_center.py). Set by ArenaConfig from its key_centers, not
     # spelled by users: AUTO does not rotate centered keys.
     centered_keys: bool = False
+    key_layout: KeyLayout = KeyLayout.AUTO  # per-token or per-channel groups for quantized keys
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rotation", rotation(self.rotation, "kv_dtype (rotate)"))
+        object.__setattr__(self, "key_layout", key_layout(self.key_layout, "kv_dtype (keys)"))
         object.__setattr__(self, "key", storage_type(self.key, "kv_dtype (key)"))
         object.__setattr__(self, "value", storage_type(self.value, "kv_dtype (value)"))
         object.__setattr__(self, "float_type", float_storage_type(self.float_type, "model_dtype"))
@@ -111,21 +127,31 @@ class KVDtype:
         if type(self.centered_keys) is not bool or (self.centered_keys and not self.key.quantized):
             raise InvalidArgumentError(f"kv_dtype (centered_keys): {self.centered_keys!r}: only a quantized key side "
                                        "is stored centered")
+        if self.centered_keys and self.key_channels:
+            raise InvalidArgumentError("kv_dtype (centered_keys): keys grouped per channel are not centered")
+
+    @property
+    def key_channels(self) -> bool:
+        """Whether quantized keys are grouped per channel over a block (channel_quantized.py)."""
+        if not self.key.quantized:
+            return False
+        return self.key_layout == KeyLayout.CHANNEL or (self.key_layout == KeyLayout.AUTO
+                                                        and self.key == StorageType.INT4)
 
     @property
     def quantized(self) -> bool:
         """True when K or V (or both) is stored quantized."""
         return self.key.quantized or self.value.quantized
 
-    def rotates(self, kind: StorageType, *, centered: bool = False) -> bool:
-        """Whether a side stored as `kind` (and `centered`, for keys) is stored rotated."""
-        if not kind.quantized or self.rotation == Rotation.OFF:
+    def rotates(self, kind: StorageType, *, centered: bool = False, channels: bool = False) -> bool:
+        """Whether a side stored as `kind` (and `centered` or grouped per `channels`, for keys) is stored rotated."""
+        if not kind.quantized or self.rotation == Rotation.OFF or channels:
             return False
         return self.rotation == Rotation.ON or (kind == StorageType.INT4 and not centered)
 
     @property
     def key_rotated(self) -> bool:
-        return self.rotates(self.key, centered=self.centered_keys)
+        return self.rotates(self.key, centered=self.centered_keys, channels=self.key_channels)
 
     @property
     def value_rotated(self) -> bool:
@@ -152,6 +178,8 @@ class KVDtype:
         sides = self.sides_text
         if self.rotation != Rotation.AUTO and self.quantized:
             sides += f",rotate={self.rotation.value}"
+        if self.key_layout != KeyLayout.AUTO and self.key.quantized:
+            sides += f",keys={self.key_layout.value}"
         return sides
 
     @property
@@ -165,17 +193,21 @@ class KVDtype:
         group = f",group={self.group_size}" if self.quantized else ""
         rotated = self.rotated_sides
         turned = f",rot={ROTATION_NAME}:{rotated}" if rotated else ""
-        return f"{self.sides_text}{group},float={self.float_type.value}{turned}"
+        channels = ",keys=channel" if self.key_channels else ""
+        return f"{self.sides_text}{group},float={self.float_type.value}{turned}{channels}"
 
     def check_head_dims(self, head_dim: int, v_head_dim: int | None = None) -> None:
         """Refuse head dims a quantized side cannot be grouped along (mx.quantize needs the last axis divisible by
         the group size) or, for a rotated side, rotate (kv_rotation.py)."""
-        dims = (("head_dim", head_dim, self.key, self.key_rotated),
-                ("v_head_dim", v_head_dim or head_dim, self.value, self.value_rotated))
-        for name, dim, kind, rotated in dims:
+        dims = (("head_dim", head_dim, self.key, self.key_rotated, self.key_channels),
+                ("v_head_dim", v_head_dim or head_dim, self.value, self.value_rotated, False))
+        for name, dim, kind, rotated, channels in dims:
             if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
                 raise InvalidArgumentError(f"{name}: {dim!r} must be a positive integer")
-            if kind.quantized and dim % self.group_size:
+            if channels and dim * kind.bits % 32:
+                raise InvalidArgumentError(f"kv_dtype: {self.text!r} packs the model's {name} {dim} of "
+                                           f"{kind.value} into 32-bit words, which it does not fill; add ,keys=token")
+            if kind.quantized and not channels and dim % self.group_size:
                 fits = [g for g in GROUP_SIZES if dim % g == 0]
                 hint = f"use kv_group_size={fits[0]}" if fits else "use a float kv_dtype for this model"
                 raise InvalidArgumentError(
@@ -188,22 +220,28 @@ class KVDtype:
                     f"model's {name} is {dim}: add ,rotate=off"
                 )
 
-    def side_bytes(self, kind: StorageType, dim: int) -> int:
-        """Bytes of one token of one KV head stored as `kind` with `dim` values."""
+    def side_bytes(self, kind: StorageType, dim: int, block_size: int = 1, channels: bool = False) -> int:
+        """Bytes of `block_size` tokens of one KV head stored as `kind` with `dim` values (grouped per channel
+        over the block when `channels`)."""
         if not kind.quantized:
-            return dim * kind.bits // 8
+            return block_size * dim * kind.bits // 8
+        if channels:
+            return block_size * dim * kind.bits // 8 + 2 * dim * self.float_type.bits // 8
         groups = dim // self.group_size
-        return dim * kind.bits // 8 + 2 * groups * self.float_type.bits // 8
+        return block_size * (dim * kind.bits // 8 + 2 * groups * self.float_type.bits // 8)
 
-    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None) -> int:
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None,
+                        block_size: int = 16) -> int:
         """K + V bytes of one token over all layers and KV heads: packed values plus, for quantized sides, one
-        scale and one bias per group in `float_type`."""
-        for name, count in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads)):
+        scale and one bias per group in `float_type` (per-channel keys: per channel per block of `block_size`
+        tokens, shared by its tokens; rounded up to whole bytes per token)."""
+        for name, count in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("block_size", block_size)):
             if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
                 raise InvalidArgumentError(f"{name}: {count!r} must be a positive integer")
         self.check_head_dims(head_dim, v_head_dim)
-        per_head = self.side_bytes(self.key, head_dim) + self.side_bytes(self.value, v_head_dim or head_dim)
-        return num_layers * num_kv_heads * per_head
+        per_block = (self.side_bytes(self.key, head_dim, block_size, self.key_channels)
+                     + self.side_bytes(self.value, v_head_dim or head_dim, block_size))
+        return num_layers * num_kv_heads * -(-per_block // block_size)
 
 
 def parse_kv_dtype(
@@ -217,7 +255,7 @@ def parse_kv_dtype(
         text = AUTO
     if not isinstance(text, str):
         raise InvalidArgumentError(f"kv_dtype: {text!r} must be a string: {_CHOICES}")
-    spelled, turn = _split_rotation(text, text.strip().lower())
+    spelled, turn, layout = _split_options(text, text.strip().lower())
     if "=" in spelled or "," in spelled:
         key, value = _parse_sides(text, spelled, model)
     else:
@@ -234,20 +272,44 @@ def parse_kv_dtype(
     if turn != Rotation.AUTO and not (key.quantized or value.quantized):
         raise InvalidArgumentError(f"kv_dtype: {text!r} gives rotate= but quantizes nothing; rotation applies only "
                                    "to int8 and int4 sides")
-    return KVDtype(key, value, model, group, turn)
+    if layout != KeyLayout.AUTO and not key.quantized:
+        raise InvalidArgumentError(f"kv_dtype: {text!r} gives keys= but its keys are not quantized; keys= applies "
+                                   "only to int8 and int4 keys")
+    return KVDtype(key, value, model, group, turn, key_layout=layout)
 
 
-def _split_rotation(text: str, spelled: str) -> tuple[str, Rotation]:
-    """The spelling without a trailing `rotate=...` part, and that part's Rotation (AUTO when absent)."""
-    head, comma, last = spelled.rpartition(",")
-    name, eq, setting = (part.strip() for part in last.partition("="))
-    if name != "rotate" or not eq:
-        if "rotate" in spelled:
-            raise InvalidArgumentError(f"kv_dtype: {text!r}: rotate=on|off|auto must be the last part")
-        return spelled, Rotation.AUTO
-    if not comma or not head.strip():
-        raise InvalidArgumentError(f"kv_dtype: {text!r} gives rotate= without a storage type, e.g. int4,rotate=on")
-    return head, rotation(setting, "kv_dtype (rotate)")
+def key_layout(value: str | KeyLayout, argument: str) -> KeyLayout:
+    if isinstance(value, KeyLayout):
+        return value
+    try:
+        return KeyLayout(value)
+    except ValueError:
+        choices = ", ".join(k.value for k in KeyLayout)
+        raise InvalidArgumentError(f"{argument}: {value!r} is not a key layout; choose one of {choices}") from None
+
+
+_OPTIONS = ("rotate", "keys")
+
+
+def _split_options(text: str, spelled: str) -> tuple[str, Rotation, KeyLayout]:
+    """The spelling without its trailing `rotate=...` / `keys=...` parts, and their settings (AUTO when absent)."""
+    found: dict[str, str] = {}
+    head = spelled
+    while True:
+        rest, comma, last = head.rpartition(",")
+        name, eq, setting = (part.strip() for part in last.partition("="))
+        if name not in _OPTIONS or not eq:
+            break
+        if name in found:
+            raise InvalidArgumentError(f"kv_dtype: {text!r} gives {name}= twice")
+        if not comma or not rest.strip():
+            raise InvalidArgumentError(f"kv_dtype: {text!r} gives {name}= without a storage type, e.g. int4,{name}=...")
+        found[name], head = setting, rest
+    for name in _OPTIONS:
+        if name not in found and f"{name}=" in head.replace(" ", ""):
+            raise InvalidArgumentError(f"kv_dtype: {text!r}: rotate= and keys= must come after the storage types")
+    return (head, rotation(found.get("rotate", "auto"), "kv_dtype (rotate)"),
+            key_layout(found.get("keys", "auto"), "kv_dtype (keys)"))
 
 
 def _side(name: str, text: str, model: StorageType) -> StorageType:

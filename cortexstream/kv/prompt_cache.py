@@ -18,6 +18,7 @@ from cortexstream.kv.arena_config import (
 from cortexstream.kv.kv_center import CENTER_NAME, KeyCenters, check_key_centers
 from cortexstream.kv.kv_dtype import KVDtype, StorageType
 from cortexstream.kv.kv_rotation import ROTATION_NAME, rotation_signs
+from cortexstream.kv.channel_quantized import ChannelBlocks
 from cortexstream.kv.quantized_blocks import QuantizedRows
 from cortexstream.kv.memory_check import check_kv_fits
 from cortexstream.kv.prompt_cache_check import (
@@ -85,8 +86,13 @@ def save_prompt_cache(path: str, cache: list[ArenaKVCache], metadata: dict[str, 
             raise InvalidArgumentError(f"cache: layer {layer} holds no tokens; only filled caches can be saved")
         if seq.arena.quantized:  # stored rows as they are: codes, scales and biases, never requantized
             rows = seq.arena.table_rows(layer, seq.blocks, layer_cache.size())
+            if seq.arena.config.storage.key_channels:  # the codes of its tokens, the scales of its blocks
+                rows = (seq.arena.key_rows_of_blocks(layer, seq.blocks, layer_cache.size()), rows[1])
             for side, stored in zip(("keys", "values"), rows):
-                if isinstance(stored, QuantizedRows):
+                if isinstance(stored, ChannelBlocks):
+                    for part, array in zip(("packed", "scales", "biases"), stored):
+                        arrays[f"{layer}.{side}.{part}"] = array
+                elif isinstance(stored, QuantizedRows):
                     for part, array in zip(("packed", "scales", "biases"), stored.arrays()):
                         arrays[f"{layer}.{side}.{part}"] = array
                     if stored.center is not None:  # only keys are centered (kv_center.py)
@@ -105,6 +111,8 @@ def save_prompt_cache(path: str, cache: list[ArenaKVCache], metadata: dict[str, 
         info["kv_dtype"] = storage_metadata(seq.arena.config.storage)
         if seq.arena.config.key_centers is not None:
             info["kv_dtype"]["key_center"] = CENTER_NAME
+        if seq.arena.config.storage.key_channels:
+            info["kv_dtype"]["block_size"] = seq.arena.config.block_size
     atomic_write(path, lambda tmp: mx.save_safetensors(tmp, arrays, metadata={METADATA_KEY: json.dumps(info), **user}))
 
 
@@ -123,7 +131,7 @@ def load_prompt_cache(
     centers = saved_key_centers(path, arrays, info)
     if arena is None:
         seq = private_sequence(info.num_layers, info.kv_heads, info.head_dim, info.v_head_dim, max(info.lengths),
-                               info.dtype, kv_dtype=info.kv_dtype, key_centers=centers)
+                               info.dtype, info.block_size or 16, kv_dtype=info.kv_dtype, key_centers=centers)
     else:
         cfg = arena.config
         if (info.num_layers, info.kv_heads, info.head_dim) != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
@@ -149,7 +157,8 @@ def load_prompt_cache(
         else:
             rows = [stored_rows(arrays, f"{layer}.{side}", kind, info.kv_dtype.group_size,
                                 rotation_of(rotated, dim),
-                                arrays.get(f"{layer}.{side}.center") if side == "keys" else None)
+                                arrays.get(f"{layer}.{side}.center") if side == "keys" else None,
+                                channels=side == "keys" and info.kv_dtype.key_channels)
                     for side, kind, dim, rotated in (
                         ("keys", info.kv_dtype.key, info.head_dim, info.kv_dtype.key_rotated),
                         ("values", info.kv_dtype.value, info.v_head_dim, info.kv_dtype.value_rotated))]
@@ -165,7 +174,8 @@ def storage_metadata(storage: KVDtype) -> dict[str, object]:
     """How a saved quantized cache's rows are stored (read back by `prompt_cache_check.storage_from_metadata`)."""
     return {"key": storage.key.value, "value": storage.value.value, "group_size": storage.group_size,
             "float_type": storage.float_type.value, "rotation": storage.rotation.value,
-            "rotation_matrix": ROTATION_NAME, "rotated": storage.rotated_sides}
+            "rotation_matrix": ROTATION_NAME, "rotated": storage.rotated_sides,
+            "key_layout": storage.key_layout.value}
 
 
 def rotation_of(rotated: bool, dim: int) -> mx.array | None:
@@ -174,12 +184,15 @@ def rotation_of(rotated: bool, dim: int) -> mx.array | None:
 
 
 def stored_rows(arrays: dict[str, mx.array], name: str, kind: StorageType, group_size: int,
-                rotation: mx.array | None = None, center: mx.array | None = None) -> QuantizedRows | mx.array:
+                rotation: mx.array | None = None, center: mx.array | None = None, channels: bool = False
+                ) -> QuantizedRows | ChannelBlocks | mx.array:
     """One side of one layer of a saved quantized cache as the arena stores it (shapes were checked against the
-    metadata by `check_prompt_cache_file`)."""
+    metadata by `check_prompt_cache_file`); keys grouped per `channels`: their tokens' codes and blocks' scales."""
     if not kind.quantized:
         return arrays[name]
     packed, scales, biases = (arrays[f"{name}.{part}"] for part in ("packed", "scales", "biases"))
+    if channels:
+        return ChannelBlocks(packed, scales, biases)
     return QuantizedRows(packed, scales, biases, kind.bits, group_size,
                          None if rotation is None else rotation.astype(scales.dtype),
                          None if center is None else center.astype(scales.dtype))

@@ -15,7 +15,7 @@ from typing import Any
 from cortexstream.errors import InvalidArgumentError, ModelLoadError
 from cortexstream.kv.kv_center import CENTER_NAME
 from cortexstream.kv.kv_rotation import ROTATION_NAME, Rotation
-from cortexstream.kv.kv_dtype import KVDtype, StorageType
+from cortexstream.kv.kv_dtype import KeyLayout, KVDtype, StorageType
 from cortexstream.models.safetensors_check import SafetensorsLayout
 
 FORMAT = "cortexstream-prompt-cache/1"
@@ -35,13 +35,15 @@ class PromptCacheInfo:
     dtype: str  # "float32", "float16" or "bfloat16": the floats rows are read in
     kv_dtype: KVDtype | None = None  # quantized storage of the saved rows (None: floats of `dtype`)
     key_centered: bool = False  # keys stored centered (kv_center.py); the centers are "<layer>.keys.center"
+    block_size: int | None = None  # keys grouped per channel: tokens per block (one scale per channel per block)
 
     @property
     def cache_key(self) -> str:
         """The stored rows' kind as `ArenaConfig.cache_key` spells an arena's."""
         if self.kv_dtype is None:
             return self.dtype
-        return self.kv_dtype.cache_key + (f",center={CENTER_NAME}" if self.key_centered else "")
+        block = f",block={self.block_size}" if self.block_size else ""
+        return self.kv_dtype.cache_key + block + (f",center={CENTER_NAME}" if self.key_centered else "")
 
 
 def storage_from_metadata(path: str, raw: Any) -> KVDtype:
@@ -50,6 +52,8 @@ def storage_from_metadata(path: str, raw: Any) -> KVDtype:
     rotation_fields = ("rotation", "rotation_matrix")  # absent in files written before rotated storage: none
     allowed = [set(fields), set(fields + rotation_fields), set(fields + rotation_fields + ("key_center",))]
     allowed += [names | {"rotated"} for names in allowed[1:]]  # "rotated": the sides, written since it can vary
+    allowed += [names | {"key_layout"} for names in allowed]  # written since keys can be grouped per channel
+    allowed += [names | {"block_size"} for names in allowed if "key_layout" in names]
     if not isinstance(raw, dict) or set(raw) not in allowed:
         raise ModelLoadError(f"{path}: prompt cache metadata 'kv_dtype' must have exactly {', '.join(fields)} "
                              f"(and {', '.join(rotation_fields)}, key_center, rotated), got {raw!r:.80}")
@@ -57,8 +61,10 @@ def storage_from_metadata(path: str, raw: Any) -> KVDtype:
         raise ModelLoadError(f"{path}: prompt cache keys are centered by {raw['key_center']!r:.40}, this version "
                              f"centers by {CENTER_NAME!r}: the cache cannot be read")
     try:
+        # files written before key_layout was recorded grouped keys per token
         storage = KVDtype(StorageType(raw["key"]), StorageType(raw["value"]), StorageType(raw["float_type"]),
-                          raw["group_size"], raw.get("rotation", Rotation.OFF), centered_keys="key_center" in raw)
+                          raw["group_size"], raw.get("rotation", Rotation.OFF), centered_keys="key_center" in raw,
+                          key_layout=raw.get("key_layout", KeyLayout.TOKEN.value))
     except (ValueError, InvalidArgumentError, TypeError) as exc:
         raise ModelLoadError(f"{path}: prompt cache metadata 'kv_dtype' {raw!r:.80} is not valid: {exc}") from None
     # Files written before "rotated" was recorded rotated centered 4-bit keys too (AUTO does not, since): their
@@ -79,7 +85,7 @@ def storage_from_metadata(path: str, raw: Any) -> KVDtype:
 
 
 def _side_shape(path: str, layout: SafetensorsLayout, name: str, kind: StorageType | None,
-                storage: KVDtype | None) -> tuple[int, int, int, str]:
+                storage: KVDtype | None, block_size: int | None = None) -> tuple[int, int, int, str]:
     """(kv_heads, tokens, dim, float dtype name) of one saved side, `name` = "<layer>.keys" or "<layer>.values";
     a quantized side is three tensors whose shapes must agree with its bits and group size."""
     if kind is None or not kind.quantized:
@@ -98,8 +104,13 @@ def _side_shape(path: str, layout: SafetensorsLayout, name: str, kind: StorageTy
     packed, scales, biases = parts["packed"], parts["scales"], parts["biases"]
     ok = (len(packed.shape) == 4 and packed.shape[0] == 1 and packed.dtype == "U32"
           and scales.shape == biases.shape and scales.dtype == biases.dtype and scales.dtype in FLOAT_DTYPES
-          and scales.shape[:3] == packed.shape[:3]
-          and scales.shape[3] * storage.group_size == packed.shape[3] * 32 // kind.bits)
+          and len(scales.shape) == 4)
+    if ok and block_size:  # keys grouped per channel: one scale per channel per block of block_size tokens
+        ok = (scales.shape[:2] == packed.shape[:2] and scales.shape[2] == -(-packed.shape[2] // block_size)
+              and scales.shape[3] == packed.shape[3] * 32 // kind.bits)
+    elif ok:
+        ok = (scales.shape[:3] == packed.shape[:3]
+              and scales.shape[3] * storage.group_size == packed.shape[3] * 32 // kind.bits)
     if not ok or FLOAT_DTYPES[scales.dtype] != storage.float_type.value:
         raise ModelLoadError(
             f"{path}: prompt cache '{name}' packed {packed.dtype} {packed.shape}, scales {scales.dtype} "
@@ -132,6 +143,10 @@ def check_prompt_cache_file(path: str, layout: SafetensorsLayout) -> PromptCache
     stored = {name for name in layout.tensors}
     storage = storage_from_metadata(path, info["kv_dtype"]) if "kv_dtype" in info else None
     centered = storage is not None and "key_center" in info["kv_dtype"]
+    block_size = info["kv_dtype"].get("block_size") if storage is not None and storage.key_channels else None
+    if storage is not None and storage.key_channels and (type(block_size) is not int or block_size < 1):
+        raise ModelLoadError(f"{path}: prompt cache metadata 'kv_dtype' groups keys per channel and needs a "
+                             f"positive integer 'block_size', got {block_size!r:.40}")
     if centered and not storage.key.quantized:
         raise ModelLoadError(f"{path}: prompt cache metadata says keys are centered, but they are stored as "
                              f"{storage.key.value}")
@@ -145,7 +160,7 @@ def check_prompt_cache_file(path: str, layout: SafetensorsLayout) -> PromptCache
     first = None
     for layer in range(layers):
         k_heads, k_tokens, k_dim, k_dtype = _side_shape(path, layout, f"{layer}.keys",
-                                                        storage.key if storage else None, storage)
+                                                        storage.key if storage else None, storage, block_size)
         v_heads, v_tokens, v_dim, v_dtype = _side_shape(path, layout, f"{layer}.values",
                                                         storage.value if storage else None, storage)
         if (k_heads, k_tokens, k_dtype) != (v_heads, v_tokens, v_dtype):
@@ -177,7 +192,8 @@ def check_prompt_cache_file(path: str, layout: SafetensorsLayout) -> PromptCache
             raise ModelLoadError(f"{path}: prompt cache '{layer}.keys.center' is "
                                  f"{'missing' if tensor is None else f'{tensor.dtype} {tensor.shape}'}, expected "
                                  f"a float32 [{kv_heads}, {head_dim}] array (the keys are centered)")
-    return PromptCacheInfo(layers, lengths, offsets, kv_heads, head_dim, v_head_dim, dtype, storage, centered)
+    return PromptCacheInfo(layers, lengths, offsets, kv_heads, head_dim, v_head_dim, dtype, storage, centered,
+                           block_size)
 
 
 def check_user_metadata(path: str, metadata: Any) -> dict[str, str]:

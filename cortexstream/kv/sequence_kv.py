@@ -152,8 +152,9 @@ class SequenceKV:
         arena = KVArena(replace(cfg, num_blocks=blocks), preallocate=True)
         new_blocks = arena.allocator.allocate(cfg.blocks_for_tokens(num_tokens), owner=self.owner, contiguous=True)
         used = self.num_tokens
-        for layer in range(cfg.num_layers):  # stored rows move as they are (a quantized arena's are not requantized)
-            arena.put_rows(layer, new_blocks[0] * cfg.block_size, *old.table_rows(layer, self.blocks, used))
+        moved = new_blocks[:cfg.blocks_for_tokens(used)]
+        for layer in range(cfg.num_layers):  # whole blocks move as they are (a quantized arena's are not requantized)
+            arena.put_table_blocks(layer, moved, *old.table_blocks(layer, self.blocks, used))
         mx.eval(arena.arrays())
         self.arena = arena
         self.blocks[:] = new_blocks
