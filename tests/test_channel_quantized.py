@@ -172,3 +172,16 @@ def test_saved_cache_round_trips_exactly_and_keeps_its_block_size(model32, tmp_p
                                                 kv_group_size=32))
     with pytest.raises(ModelLoadError, match="keys=channel"):
         load_prompt_cache(path, arena=token_arena)
+
+
+def test_strided_windows_read_the_same_whether_block_aligned_or_not():
+    rng = np.random.default_rng(3)
+    side = ChannelQuantizedRows.zeros(HEADS, 8 * BS, DIM, 4, BS, mx.float32)
+    side.write(slice(0, 8 * BS), mx.array(rows(rng, 8 * BS)))
+    everything = np.array(side.dequantize(mx.float32))[0]
+    for first, pitch, width in ((BS, 2 * BS, BS + 3), (0, 3 * BS, 3 * BS), (3, 2 * BS, 5), (BS, 2 * BS, 7 * BS)):
+        got = np.array(side.strided(3 if width < 3 * BS else 1, (first, pitch), width, mx.float32))
+        for b in range(got.shape[0]):
+            start = first + b * pitch
+            want = everything[:, start:start + width]
+            assert np.array_equal(got[b, :, :want.shape[1]], want)

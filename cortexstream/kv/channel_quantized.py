@@ -174,6 +174,21 @@ class ChannelQuantizedRows:
         """Float rows `[B, H, width, D]`: window b starts at slot `first + b * pitch` (a gather: a row's value
         needs its block's scales)."""
         first, pitch = layout
+        bs, heads, dim = self.block_size, self.num_heads, self.dim
+        used = -(-width // bs)
+        if first % bs == 0 and pitch % bs == 0 and first + (batch_size - 1) * pitch + used * bs <= self.num_slots:
+            # block-aligned windows: strided views of the codes and of the scales, no gather
+            words = self.packed.shape[-1]
+            codes = mx.as_strided(self.packed, (batch_size, heads, used * bs, words),
+                                  (pitch * words, self.num_slots * words, words, 1), first * words)
+            codes = unpack_codes(codes, self.bits).reshape(batch_size, heads, used, bs, dim)
+
+            def per_block(array: mx.array) -> mx.array:
+                return mx.as_strided(array, (batch_size, heads, used, 1, dim),
+                                     (pitch // bs * dim, self.num_blocks * dim, dim, dim, 1), first // bs * dim)
+
+            rows = self._dequantize(codes, per_block(self.scales), per_block(self.biases))
+            return rows.reshape(batch_size, heads, used * bs, dim)[:, :, :width].astype(dtype)
         slots = (first + pitch * np.arange(batch_size)[:, None] + np.arange(width)[None, :]).reshape(-1)
         slots = np.minimum(slots, self.num_slots - 1)  # a window may run past the last slot: masked by the caller
         rows = self.read(mx.array(slots.astype(np.int32)), dtype)  # [1, H, B * width, D]
