@@ -200,7 +200,8 @@ def test_metal_branch_runs_the_paged_kernel_body(monkeypatch):
 def engine_tokens(tiny, prompts: list[list[int]], n: int, batched: bool) -> list[list[int]]:
     from cortexstream.engine.engine import Engine
 
-    engine = Engine(*tiny, kv_tokens=2048, block_size=4, prefill_step_size=7)
+    # A fixed budget while decoding ("auto" sizes chunks from measured step times): the same chunks every run.
+    engine = Engine(*tiny, kv_tokens=2048, block_size=4, prefill_step_size=7, prefill_tokens_while_decoding=4)
     ids, results = [], {}
     for prompt in prompts:
         ids.append(engine.add_request(prompt, max_tokens=n))

@@ -118,8 +118,11 @@ def test_hook_checks_tenants_and_state_up_front(models):
 
 
 def _pressure_engine(receiver, tokenizer):
-    # 16 blocks of 4 tokens: two requests of 13 + 24 tokens (10 blocks each) cannot both finish at once.
-    return Engine(receiver, tokenizer, kv_tokens=64, block_size=4, prefix_caching=False)
+    # 16 blocks of 4 tokens: two requests of 13 + 24 tokens (10 blocks each) cannot both finish at once. A fixed
+    # budget while decoding ("auto" follows measured step times): a preempted request is recomputed beside a
+    # decoding one in the same chunks every run.
+    return Engine(receiver, tokenizer, kv_tokens=64, block_size=4, prefix_caching=False,
+                  prefill_tokens_while_decoding=8)
 
 
 def test_fused_sequence_is_never_recomputed_another_is_preempted(models):

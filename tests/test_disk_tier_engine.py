@@ -65,7 +65,9 @@ def test_restore_while_another_request_decodes_keeps_both_exact(tiny, tmp_path):
     expected_other = _without_disk(model, tokenizer, other, 24)
     with _engine(model, tokenizer, tmp_path) as first:
         _greedy(first, shared, 16)
-    engine = _engine(model, tokenizer, tmp_path)
+    # `shared` prefills while `other` decodes: a fixed budget ("auto" follows measured step times) keeps its
+    # chunks the same every run.
+    engine = _engine(model, tokenizer, tmp_path, prefill_tokens_while_decoding=8)
     a = engine.add_request(other, max_tokens=24)
     results = {}
     from tests.test_engine import collect
@@ -150,8 +152,10 @@ def test_preempted_sequence_comes_back_from_disk(tiny, tmp_path):
     model, tokenizer = tiny
     prompts = [_prompt(10 + i, 60) for i in range(3)]
     expected = [_without_disk(model, tokenizer, p, 40) for p in prompts]
+    # Preempted prompts come back while others decode: a fixed budget ("auto" follows measured step times) keeps
+    # their chunks, and so when preemption strikes, the same every run.
     engine = Engine(model, tokenizer, kv_tokens=48 * BS, block_size=BS, kv_disk=str(tmp_path),
-                    kv_disk_size="64MiB")
+                    kv_disk_size="64MiB", prefill_tokens_while_decoding=8)
     ids = [engine.add_request(p, max_tokens=40) for p in prompts]
     results = run_all(engine)
     assert [results[i]["tokens"] for i in ids] == expected

@@ -45,7 +45,9 @@ def test_batched_greedy_outputs_equal_each_request_alone(tiny):
     model, tokenizer = tiny
     prompts = random_prompts(8, seed=1)
     expected = [alone(model, tokenizer, p, 16) for p in prompts]
-    engine = Engine(model, tokenizer, kv_tokens=2048, block_size=4, prefill_step_size=7)
+    # A fixed budget while decoding ("auto" sizes chunks from measured step times): the same chunks every run.
+    engine = Engine(model, tokenizer, kv_tokens=2048, block_size=4, prefill_step_size=7,
+                    prefill_tokens_while_decoding=4)
     ids = [engine.add_request(p, max_tokens=16) for p in prompts]
     results = run_all(engine)
     assert [results[i]["tokens"] for i in ids] == expected
@@ -90,7 +92,10 @@ def test_preemption_under_memory_pressure_keeps_outputs_exact(tiny):
     prompts = random_prompts(6, seed=3, low=20, high=40)
     expected = [alone(model, tokenizer, p, 24) for p in prompts]
     # 40 blocks of 4 tokens: not enough for six sequences of up to 63 tokens at once
-    engine = Engine(model, tokenizer, kv_tokens=160, block_size=4, prefix_caching=False)
+    # Later prompts prefill while earlier ones decode: a fixed budget ("auto" follows measured step times) keeps
+    # the chunks, and so when preemption strikes, the same every run.
+    engine = Engine(model, tokenizer, kv_tokens=160, block_size=4, prefix_caching=False,
+                    prefill_tokens_while_decoding=8)
     ids = [engine.add_request(p, max_tokens=24) for p in prompts]
     results = run_all(engine)
     assert engine.scheduler.num_preemptions > 0
@@ -111,7 +116,9 @@ def test_request_that_can_never_fit_is_rejected_with_a_reason(tiny):
 def test_prefix_cache_reuses_blocks_within_a_tenant_only(tiny):
     model, tokenizer = tiny
     system = random_prompts(1, seed=4, low=30, high=31)[0]
-    engine = Engine(model, tokenizer, kv_tokens=1024, block_size=4)
+    # bob's prompt prefills while alice's decodes: a fixed budget ("auto" follows measured step times) keeps its
+    # chunks, and so the tokens compared below, the same every run.
+    engine = Engine(model, tokenizer, kv_tokens=1024, block_size=4, prefill_tokens_while_decoding=8)
     engine.add_request(system + [9, 10], max_tokens=3, tenant="alice")
     run_all(engine)
     hits_before = engine.block_manager.num_prefix_hits
@@ -158,7 +165,10 @@ def test_soak_random_lengths_aborts_and_shared_prefixes(tiny):
     model, tokenizer = tiny
     rng = random.Random(0)
     prefixes = random_prompts(3, seed=6, low=8, high=20)
-    engine = Engine(model, tokenizer, kv_tokens=400, block_size=4, max_num_seqs=12, prefill_step_size=32)
+    # A fixed budget while decoding ("auto" follows measured step times): the step count, and so which request
+    # each rng-drawn abort hits and which outputs are checked, is the same every run.
+    engine = Engine(model, tokenizer, kv_tokens=400, block_size=4, max_num_seqs=12, prefill_step_size=32,
+                    prefill_tokens_while_decoding=8)
     prompts, ids, aborted = {}, [], set()
     for i in range(200):
         prompt = rng.choice(prefixes) + [rng.randrange(3, 250) for _ in range(rng.randrange(0, 12))]

@@ -134,7 +134,10 @@ def test_preemption_recomputes_on_quantized_blocks(model32, tiny):
     tokens it gets alone."""
     tokenizer = tiny[1]
     prompts = [list(range(7, 7 + 60)), list(range(9, 9 + 60)), list(range(11, 11 + 60))]
-    engine = Engine(model32, tokenizer, kv_tokens=144, kv_dtype="int8", kv_group_size=32)
+    # The third prompt (and preempted ones) prefill while others decode: a fixed budget ("auto" follows measured
+    # step times) keeps the chunks, and so when preemption strikes, the same every run.
+    engine = Engine(model32, tokenizer, kv_tokens=144, kv_dtype="int8", kv_group_size=32,
+                    prefill_tokens_while_decoding=8)
     ids = [engine.add_request(p, SamplingParams(max_tokens=20, temperature=1.0, seed=seed_of(p))) for p in prompts]
     got = {rid: [] for rid in ids}
     while engine.has_unfinished:

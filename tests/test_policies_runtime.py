@@ -22,7 +22,10 @@ token_stream = random_token_ids
 
 def engine_run(model, tokenizer, prompts, policies, max_tokens=12, **kwargs):
     """Greedy tokens and per-step logprobs of each request, plus the physical tokens seen after every step."""
-    engine = Engine(model, tokenizer, **{"kv_tokens": 2048, "prefill_step_size": 16, **kwargs})
+    # A fixed budget while decoding: "auto" sizes the chunks of a prompt prefilled beside a decoding one from
+    # measured step times, and runs compared exactly here must cut the same chunks.
+    engine = Engine(model, tokenizer, **{"kv_tokens": 2048, "prefill_step_size": 16,
+                                         "prefill_tokens_while_decoding": 8, **kwargs})
     ids = [engine.add_request(p, max_tokens=max_tokens, kv_policy=k) for p, k in zip(prompts, policies)]
     tokens = {i: [] for i in ids}
     logprobs = {i: [] for i in ids}

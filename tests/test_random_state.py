@@ -51,6 +51,9 @@ def test_a_top_k_above_the_vocabulary_keeps_every_token(tiny):
     model, tok = tiny
     vocab = model.model.embed_tokens.weight.shape[0]
     engine = Engine(model, tok, kv_tokens=512)
+    # The unseeded request draws from the global random state: seeded here so that whether it samples end-of-text
+    # before 5 tokens (a shorter reply) is the same every run.
+    mx.random.seed(0)
     ids = [engine.add_request([1, 2, 3, 4], max_tokens=5, temperature=0.8, top_k=vocab + 10, **extra)
            for extra in ({}, {"seed": 3})]
     tokens: dict[str, list[int]] = {i: [] for i in ids}
