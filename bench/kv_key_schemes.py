@@ -8,8 +8,9 @@ dequantized, so only the rounding differs between rows, on the same text (`wiki_
 - `per_token, centered, equalized`: centered keys divided per channel by a fixed scale before quantizing and
   multiplied back after: each channel's largest magnitude over `--calibration` tokens of text after the scored
   ones (shared by the two channels of a RoPE pair). The scale comes from data, not weights.
-- `per_channel`: one scale and bias per channel per group of 32 tokens (the KIVI layout). A paged arena would need
-  each sequence's unfilled last block kept in float until it fills, so it is here as the bound such a layout gives.
+- `per_channel`: one scale and bias per channel per group of 32 tokens (the KIVI layout), and per block of 16
+  tokens, quantized whole or grown token by token as decode fills a block (every stored value of the block
+  requantized when its range grows): the layout the arena now keeps for 4-bit keys (kv/channel_quantized.py).
 - `arena` rows: the engine's own arena storage (make_prompt_cache) with keys int4 and values float32, as shipped.
 """
 
