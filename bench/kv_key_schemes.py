@@ -11,7 +11,8 @@ dequantized, so only the rounding differs between rows, on the same text (`wiki_
 - `per_channel`: one scale and bias per channel per group of 32 tokens (the KIVI layout), and per block of 16
   tokens, quantized whole or grown token by token as decode fills a block (every stored value of the block
   requantized when its range grows): the layout the arena now keeps for 4-bit keys (kv/channel_quantized.py).
-- `arena` rows: the engine's own arena storage (make_prompt_cache) with keys int4 and values float32, as shipped.
+- `arena` rows: the engine's own arena storage (make_prompt_cache) with keys int4 and values float32: grouped per
+  token (centered; rotated too), and per channel over blocks of 16 (the default for 4-bit keys).
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ def measure(model: Any, ids: list[int], contexts: list[int], calibration: int, g
         stats = KeyStats(model, ids[context:context + calibration])
         cells: dict[str, Callable[[], Any]] = {"float (no rounding)": lambda: None}
         cells.update({name: (lambda fn=fn: key_hooked_cache(stats.layers, fn)) for name, fn in schemes(stats, group).items()})
-        for storage in ("k=int4,v=float32", "k=int4,v=float32,rotate=on"):
+        for storage in ("k=int4,v=float32,keys=token", "k=int4,v=float32,rotate=on,keys=token", "k=int4,v=float32"):
             cells[f"arena {storage}"] = lambda s=storage, c=context: make_prompt_cache(
                 model, max_tokens=c, kv_dtype=s, kv_group_size=group)
         for name, build in cells.items():
@@ -209,7 +210,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     rows = measure(model, ids, contexts, args.calibration, args.group)
     payload = dict(benchmark="kv_key_schemes", machine=machine(), model=record, text_source=source,
                    calibration=args.calibration, group=args.group, rows=rows, elapsed_s=time.perf_counter() - start,
-                   command="python -m bench.kv_key_schemes " + shlex.join(sys.argv[1:]))
+                   command=("python -m bench.kv_key_schemes " + shlex.join(sys.argv[1:])).strip())
     write_results(args.out, "kv_key_schemes", payload, report(payload))
     print(report(payload))
     return 0
