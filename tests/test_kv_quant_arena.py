@@ -166,19 +166,20 @@ def test_a_kv_dtype_that_contradicts_the_arena_is_refused(tiny):
         make_prompt_cache(model, arena=arena, kv_dtype="float32")
 
 
-def test_mlx_lm_generate_step_runs_on_a_quantized_arena_cache(tiny):
+@pytest.mark.parametrize("kv", ["int8", "int4"])  # int4: keys grouped per channel (channel_quantized.py)
+def test_mlx_lm_generate_step_runs_on_a_quantized_arena_cache(tiny, kv):
     from mlx_lm.generate import generate_step
 
     import cortexstream
 
     model = tiny_model(seed=4, head_dim=32)
     prompt = list(range(3, 28))
-    cache = make_prompt_cache(model, kv_dtype="int8", kv_group_size=32)
+    cache = make_prompt_cache(model, kv_dtype=kv, kv_group_size=32)
     steps = generate_step(mx.array(prompt), model, prompt_cache=cache, max_tokens=6)
     ours = [int(token) for token, _ in steps]
     # the engine on the same storage gives the same greedy tokens
     out = cortexstream.batch_generate(model, tiny[1], [prompt], max_tokens=6, return_token_ids=True,
-                                      kv_dtype="int8", kv_group_size=32)
+                                      kv_dtype=kv, kv_group_size=32)
     assert len(ours) == 6 and out.token_ids[0] == ours[: len(out.token_ids[0])]
 
 
