@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.kv.kv_rotation import ROTATION_NAME, Rotation, rotation, rotation_supported
@@ -81,13 +82,17 @@ _CHOICES = (", ".join([AUTO] + [t.value for t in StorageType]) + ", or k=<type>,
 
 def storage_type(value: str | StorageType, argument: str) -> StorageType:
     """`value` as a StorageType; an unknown name is refused naming `argument` and listing the choices."""
-    if isinstance(value, StorageType):
+    return _member(StorageType, value, argument, "storage type")
+
+
+def _member(kind: type[Enum], value: object, argument: str, noun: str) -> Any:
+    if isinstance(value, kind):
         return value
     try:
-        return StorageType(value)
+        return kind(value)
     except ValueError:
-        choices = ", ".join(t.value for t in StorageType)
-        raise InvalidArgumentError(f"{argument}: {value!r} is not a storage type; choose one of {choices}") from None
+        choices = ", ".join(member.value for member in kind)
+        raise InvalidArgumentError(f"{argument}: {value!r} is not a {noun}; choose one of {choices}") from None
 
 
 def float_storage_type(value: str | StorageType, argument: str) -> StorageType:
@@ -279,13 +284,8 @@ def parse_kv_dtype(
 
 
 def key_layout(value: str | KeyLayout, argument: str) -> KeyLayout:
-    if isinstance(value, KeyLayout):
-        return value
-    try:
-        return KeyLayout(value)
-    except ValueError:
-        choices = ", ".join(k.value for k in KeyLayout)
-        raise InvalidArgumentError(f"{argument}: {value!r} is not a key layout; choose one of {choices}") from None
+    """`value` as a KeyLayout; an unknown name is refused naming `argument` and listing the choices."""
+    return _member(KeyLayout, value, argument, "key layout")
 
 
 _OPTIONS = ("rotate", "keys")
