@@ -26,6 +26,9 @@ touches the buffers directly (the batched decode strategies, the kernels) runs o
 else goes through the methods here, which quantize on write, dequantize on read (`arena_sides.py`), and move
 stored rows unchanged (`copy_blocks`, `move_rows`). `run_rows` / `table_rows` hand attention the stored rows of a
 run or a block table, so that it can read codes directly (`mx.quantized_matmul`) instead of dequantizing.
+4-bit keys are grouped per channel over each block (`ChannelQuantizedRows`, channel_quantized.py): they read as
+floats, whole blocks move exactly (`copy_blocks`, `table_blocks`), and the allocator's `on_allocate` tells the
+arena which blocks start afresh.
 """
 
 from __future__ import annotations
