@@ -24,8 +24,9 @@ Quantized storage (`config.kv_dtype`): a quantized side of a layer is a `Quantiz
 the same slot axis) instead of the float buffer, so `keys[layer]` / `values[layer]` are then not arrays: code that
 touches the buffers directly (the batched decode strategies, the kernels) runs only on float sides, and everything
 else goes through the methods here, which quantize on write, dequantize on read (`arena_sides.py`), and move
-stored rows unchanged (`copy_blocks`, `move_rows`). `run_rows` / `table_rows` hand attention the stored rows of a
-run or a block table, so that it can read codes directly (`mx.quantized_matmul`) instead of dequantizing.
+stored rows unchanged (`copy_blocks`, `move_rows`: arena_moves.py). `run_rows` / `table_rows` hand attention the
+stored rows of a run or a block table, so that it can read codes directly (`mx.quantized_matmul`) instead of
+dequantizing.
 4-bit keys are grouped per channel over each block (`ChannelQuantizedRows`, channel_quantized.py): they read as
 floats, whole blocks move exactly (`copy_blocks`, `table_blocks`), and the allocator's `on_allocate` tells the
 arena which blocks start afresh.
@@ -41,9 +42,10 @@ import numpy as np
 
 from cortexstream.kv.allocator import BlockAllocator
 from cortexstream.kv.arena_config import ArenaConfig
+from cortexstream.kv.arena_moves import StoredMoves
 from cortexstream.kv.arena_sides import (
-    Side, as_dtype, full_float, new_side, pad_side, put_blocks, put_side, read_side, read_side_per_head,
-    side_arrays, side_nbytes, strided_side, take_blocks, take_side, take_side_per_head, write_side,
+    Side, as_dtype, full_float, new_side, pad_side, read_side, read_side_per_head, side_arrays, side_nbytes,
+    strided_side, take_side, write_side,
 )
 from cortexstream.kv.quantized_blocks import CodeView
 from cortexstream.kv.kv_dtype import StorageType
@@ -54,7 +56,7 @@ MIN_PHYSICAL_SLOTS = 1024  # token slots an arena starts with (unless its budget
 GROW_AHEAD_AT = 0.75  # high water / physical blocks above which `grow_ahead` starts the next doubling
 
 
-class KVArena:
+class KVArena(StoredMoves):
     """Block-granular KV storage shared by all sequences of one model."""
 
     def __init__(self, config: ArenaConfig, *, preallocate: bool = False, initial_blocks: int | None = None) -> None:
@@ -291,25 +293,6 @@ class KVArena:
         slots = self.slots_array(blocks, length)
         return take_side(self.keys[layer], slots), take_side(self.values[layer], slots)
 
-    def table_blocks(self, layer: int, blocks: Sequence[int], length: int) -> tuple[object, object]:
-        """K and V of the whole blocks that hold a sequence's first `length` tokens, exactly as stored (for
-        `put_table_blocks`: forks, a private cache's regrowth, saved caches). Exact for every storage, keys grouped
-        per channel too (their rows cannot move alone, channel_quantized.py)."""
-        ids = np.asarray(blocks[:self.config.blocks_for_tokens(length)], dtype=np.int64)
-        bs = self.config.block_size
-        return take_blocks(self.keys[layer], ids, bs), take_blocks(self.values[layer], ids, bs)
-
-    def key_rows_of_blocks(self, layer: int, blocks: Sequence[int], length: int) -> object:
-        """Keys grouped per channel of a sequence's first `length` tokens: their codes and their blocks' scales
-        (a saved cache; `put_rows` takes it back at the slots of a sequence's first `length` tokens)."""
-        return self.keys[layer].rows_of_blocks(self.slot_indices(blocks, 0, length))
-
-    def put_table_blocks(self, layer: int, blocks: Sequence[int], keys: object, values: object) -> None:
-        """Store whole blocks `table_blocks` returned (from an arena of the same storage) at `blocks`, unchanged."""
-        ids = np.asarray(blocks, dtype=np.int64)
-        put_blocks(self.keys[layer], ids, self.config.block_size, keys)
-        put_blocks(self.values[layer], ids, self.config.block_size, values)
-
     def gather_slots(self, layer: int, slots: np.ndarray | mx.array) -> tuple[mx.array, mx.array]:
         """K, V at arbitrary slots; `slots` is [n] or [H, n] (per-head selection)."""
         slots = mx.array(np.asarray(slots, dtype=np.int32)) if isinstance(slots, np.ndarray) else slots
@@ -344,25 +327,6 @@ class KVArena:
         write_side(self.keys[layer], where, keys)
         write_side(self.values[layer], where, values)
 
-    def put_rows(self, layer: int, where: int | slice | mx.array, keys: Side, values: Side) -> None:
-        """Store rows an arena of the same storage returned (`run_rows` / `table_rows`, or a saved cache's) at
-        slots `where` (an int: the n slots from there), unchanged."""
-        if isinstance(where, int):
-            n = keys.shape[2] if isinstance(keys, mx.array) else keys.num_slots
-            where = slice(where, where + n)
-        put_side(self.keys[layer], where, keys)
-        put_side(self.values[layer], where, values)
-
-    def move_rows(self, layer: int, source: mx.array, destination: slice | mx.array) -> None:
-        """Move stored rows of one layer: `source` int32 slots `[n]` or per KV head `[H, n]` to `destination`
-        (n slots), unchanged (no requantization). Reads happen before the writes in the graph, but the caller
-        evaluates the arena before anything else reads a destination slot that was also a source."""
-        for sides in (self.keys, self.values):
-            side = sides[layer]
-            rows = take_side(side, source) if source.ndim == 1 else take_side_per_head(side, source)
-            mx.eval(side_arrays(rows))  # materialise before the in-place write into the same storage
-            put_side(side, destination, rows)
-
     def append_to_run(
         self, layer: int, first: int, start: int, keys: mx.array, values: mx.array
     ) -> tuple[mx.array, mx.array]:
@@ -382,20 +346,6 @@ class KVArena:
         lo = first * self.config.block_size
         where = slice(lo, lo + length)
         return read_side(self.keys[layer], where, self.dtype), read_side(self.values[layer], where, self.dtype)
-
-    def copy_block(self, src: int, dst: int) -> None:
-        """Copy one block's slots, every layer (copy-on-write and relocation)."""
-        self.copy_blocks([src], [dst])
-
-    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        if not src:
-            return
-        bs = self.config.block_size
-        src_ids, dst_ids = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
-        for sides in (self.keys, self.values):
-            for side in sides:
-                put_blocks(side, dst_ids, bs, take_blocks(side, src_ids, bs))
-        mx.eval(self.arrays())
 
     # --- stats ------------------------------------------------------------------------------------------------
     @property
