@@ -13,7 +13,7 @@ from cortexstream.engine import policy_prompt_cache as direct
 from cortexstream.engine.attention_hook import original_sdpa
 from cortexstream.policies.mean_pool import MeanPool
 from cortexstream.policies.merging import Merged, MergingPolicy
-from cortexstream.engine.policy_runtime import biased_mask
+from cortexstream.engine.attention_hook import biased_mask
 from test_policies_runtime import assert_batched_matches_alone, engine_run
 from tiny_models import random_token_ids
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cortexstream.engine import policy_prompt_cache as direct
-from cortexstream.engine import policy_runtime
+from cortexstream.engine import policy_kv_cache
 from cortexstream.engine.attention_hook import attention_received
 from cortexstream.engine.engine import Engine
 from cortexstream.engine.observation import Observation
@@ -120,13 +120,13 @@ def test_engine_holds_the_prompt_then_compresses_it_to_the_budget_and_frees_bloc
 def test_only_the_windows_queries_vote_on_a_prompt_cache(sharp, monkeypatch):
     model, tokenizer = sharp
     rows = []
-    original = policy_runtime.attention_received
+    original = policy_kv_cache.attention_received
 
     def counting(queries, *args, **kwargs):
         rows.append(queries.shape[2])
         return original(queries, *args, **kwargs)
 
-    monkeypatch.setattr(policy_runtime, "attention_received", counting)
+    monkeypatch.setattr(policy_kv_cache, "attention_received", counting)
     cache = make_prompt_cache(model)
     policy = SnapKV(budget=30, window=8)
     out = list(stream_generate(model, tokenizer, random_token_ids(70), 5, prompt_cache=cache, kv_policy=policy,

@@ -55,6 +55,8 @@ def policy_problem(policy: KVPolicy) -> str | None:
                     "or use weights made for the model's full KV head count (the learned compressor and sidecar)")
     if selecting and not policy.selects_per_head:
         whys.append("does not declare a per-head selection (selects_per_head)")
+    if policy.pools_heads:
+        whys.append("shares each layer's budget across KV heads that live on different ranks (pools_heads)")
     if not whys:
         return None
     return (f"kv_policy {policy.describe()!r} decides what to keep from what each rank's own KV heads see "

@@ -49,6 +49,13 @@ def additive_mask(mask: Any, start: int, stop: int, num_queries: int, num_keys: 
     return block
 
 
+def biased_mask(mask: Any, bias: mx.array, num_queries: int, num_keys: int, dtype: mx.Dtype) -> mx.array:
+    """mlx-lm's mask (None, "causal", bool or additive) plus an additive per-key bias, as one additive array."""
+    base = additive_mask(mask, 0, num_queries, num_queries, num_keys)
+    out = bias if base is None else base + bias
+    return out.astype(dtype)
+
+
 def attention_blocks(queries: mx.array, keys: mx.array, scale: float, mask: Any = None,
                      sinks: mx.array | None = None, query_block: int = 128) -> Iterator[mx.array]:
     """The attention probabilities of `query_block` queries at a time, float32 `[B, H, G * n, K]` (each KV head's

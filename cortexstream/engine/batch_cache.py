@@ -160,7 +160,7 @@ class DecodeBatch:
 
 class BatchLayerCache:
     # The batch's own arena attention (see __init__); the runner replaces it with its hook when a sequence's KV
-    # policy needs attention scores or logit biases (engine.policy_runtime.batch_attention_hook), which then receives
+    # policy needs attention scores or logit biases (engine.policy_batch_hook.batch_attention_hook), which then receives
     # the padded gather from update_and_fetch, exactly as before the arena strategies existed.
     attention_hook: Callable[..., mx.array] | None = None
 

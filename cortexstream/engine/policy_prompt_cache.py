@@ -14,7 +14,8 @@ from typing import Any
 import mlx.core as mx
 
 from cortexstream.backend.sdpa import route_loaded_modules, route_sdpa
-from cortexstream.engine.policy_runtime import PolicyKVCache, PolicyState, policy_caches
+from cortexstream.engine.policy_kv_cache import PolicyKVCache, policy_caches
+from cortexstream.engine.policy_runtime import PolicyState
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.kv.arena_cache import ArenaKVCache
 from cortexstream.kv.sequence_kv import private_sequence

@@ -5,24 +5,22 @@ on the `PolicyKVCache` objects of a prompt cache, so it survives between chat tu
 `scores[l]` `[kv_heads, n]` (float64: sums over thousands of queries) and `positions[l]` `[kv_heads, n]`, the
 logical position of each physical slot, both aligned with the physical slots: `after_forward` appends the new
 tokens' entries, then evicts through `SequenceKV.keep` and gathers scores/positions with the same indices, so
-they stay aligned through compaction and block frees.
+they stay aligned through compaction and block frees. A policy that shares a layer's budget among its heads
+(`pools_heads`) also gets `owners[l]` `[kv_heads, n]`: the head whose key each cell holds (`engine.pooled_heads`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from cortexstream.errors import InvalidArgumentError
-from cortexstream.kv.arena_cache import ArenaKVCache
 from cortexstream.kv.sequence_kv import SequenceKV
-from cortexstream.engine.attention_hook import (
-    additive_mask, attention_received, original_sdpa,
-)
 from cortexstream.engine.evict_merge import merged_values, write_values
 from cortexstream.engine.observation import observation_for
+from cortexstream.engine.pooled_heads import attend_owned, column_owners, gather_cells, is_pooled, place
 from cortexstream.engine.query_statistics import QueryStatistics
 from cortexstream.engine.reconstruction import FRESH, ReconstructionScores
 from cortexstream.policies.base import KVPolicy
@@ -42,6 +40,8 @@ class PolicyState:
         # attention-logit bias per layer, KV head and slot (0 for raw tokens).
         self.mass = np.ones(num_tokens)
         self.bias = [np.zeros((num_kv_heads, num_tokens), np.float32) for _ in range(num_layers)]
+        self.owners = [column_owners(num_kv_heads, num_tokens) for _ in range(num_layers)]
+        self.pooled = [False] * num_layers  # some cell of the layer holds another head's key
         self._bias_arrays: dict[int, tuple[int, mx.array]] = {}  # layer -> (keys, [1, Hq, 1, keys]) cache
         self.num_evicted = 0
         self.num_evictions = 0
@@ -124,6 +124,7 @@ class PolicyState:
                 fill = 0.0 if self.reconstruction is None else FRESH
                 self.scores[layer] = np.concatenate([self.scores[layer], np.full((heads, new), fill)], axis=1)
                 self.bias[layer] = np.concatenate([self.bias[layer], np.zeros((heads, new), np.float32)], axis=1)
+                self.owners[layer] = np.concatenate([self.owners[layer], column_owners(heads, new)], axis=1)
                 if layer == 0:
                     self.mass = np.concatenate([self.mass, np.ones(new)])
             received = self.pending[layer]
@@ -142,6 +143,9 @@ class PolicyState:
             return 0
         n = seq.num_tokens
         scores = np.stack(self.scores) if self.policy.needs_attention_scores else None
+        if self.policy.pools_heads:
+            return self.keep_cells(seq, self.policy.select_cells(n, context, scores, np.stack(self.positions),
+                                                                 np.stack(self.owners)))
         if self.queries is not None and n > self.policy.budget_tokens(context):
             scores = self.expected_scores(seq)
         keep = self.policy.select(n, context, scores)
@@ -169,6 +173,76 @@ class PolicyState:
         if self.policy.merges:
             removed += self.merge(seq, context)
         return removed
+
+    def keep_cells(self, seq: SequenceKV, keep: np.ndarray | None) -> int:
+        """Keep the cells `keep` (bool `[L, H, n]`, as `select_cells` gives) in `budget` slots: each column its
+        own kept cells first, the surplus of heads that keep more in the cells others leave (`pooled_heads.place`).
+        Returns the physical slots removed."""
+        if keep is None:
+            return 0
+        n = seq.num_tokens
+        heads = self.scores[0].shape[0]
+        if keep.shape != (len(self.scores), heads, n) or keep.dtype != np.bool_:
+            raise InvalidArgumentError(f"{self.policy.name}: select_cells gave {keep.shape} {keep.dtype}, expected "
+                                       f"a bool mask {(len(self.scores), heads, n)}")
+        sources = [place(layer_keep) for layer_keep in keep]
+        m = sources[0].shape[1]
+        if any(src.shape[1] != m for src in sources):
+            raise InvalidArgumentError(f"{self.policy.name}: every layer must keep as many cells")
+        if (self.mass != 1).any():
+            raise InvalidArgumentError(f"{self.policy.name}: pooled heads cannot hold merged slots")
+        own_columns = all((src // n == np.arange(heads)[:, None]).all() for src in sources)
+        if own_columns:  # no cell changes column: exact moves, as a per-head selection makes them
+            seq.keep(np.stack([src % n for src in sources]))
+        else:
+            new_keys, new_values = [], []
+            for layer, src in enumerate(sources):
+                keys, values = seq.arena.read(layer, seq.blocks, n)
+                index = mx.array(src.reshape(-1).astype(np.int32))
+                new_keys.append(keys.reshape(heads * n, -1)[index].reshape(heads, m, -1))
+                new_values.append(values.reshape(heads * n, -1)[index].reshape(heads, m, -1))
+            seq.replace(0, n, new_keys, new_values, evicts=True)
+        for layer, src in enumerate(sources):
+            self.scores[layer] = gather_cells(self.scores[layer], src)
+            self.positions[layer] = gather_cells(self.positions[layer], src)
+            self.bias[layer] = gather_cells(self.bias[layer], src)
+            self.owners[layer] = gather_cells(self.owners[layer], src)
+            self.pooled[layer] = is_pooled(self.owners[layer])
+        self.mass = np.ones(m)
+        self._bias_arrays.clear()
+        self.num_evicted += n - m
+        self.num_evictions += 1
+        return n - m
+
+    # --- pooled heads -----------------------------------------------------------------------------------------
+    def is_pooled(self, layer: int) -> bool:
+        return self.pooled[layer]
+
+    def any_pooled(self) -> bool:
+        return any(self.pooled)
+
+    def owners_for(self, layer: int, num_keys: int) -> np.ndarray:
+        """Owners `[H, num_keys]`: the stored cells', then each column's own for this pass's new tokens."""
+        owners = self.owners[layer][:, :num_keys]
+        extra = num_keys - owners.shape[1]
+        if extra <= 0:
+            return owners
+        tail = column_owners(owners.shape[0], num_keys)[:, owners.shape[1]:]
+        return np.concatenate([owners, tail], axis=1)
+
+    def attend_pooled(self, layer: int, queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                      mask: Any, sinks: mx.array | None, record_from: int | None, valid: int | None = None
+                      ) -> mx.array:
+        """One sequence's attention over a layer whose cells have owners (`pooled_heads.attend_owned`), its
+        logit biases added and, from query row `record_from` on (None: not at all), its scores recorded."""
+        num_keys = keys.shape[2]
+        if not self.policy.needs_attention_scores or self.reconstruction is not None:
+            record_from = None
+        out, received = attend_owned(queries, keys, values, scale, mask, sinks, self.owners_for(layer, num_keys),
+                                     self.bias_row(layer, num_keys), valid, record_from)
+        if received is not None:
+            self.record(layer, received)
+        return out
 
     def expected_scores(self, seq: SequenceKV) -> np.ndarray:
         """`[L, H, n]` expected attention of every slot (see `engine.query_statistics`)."""
@@ -272,6 +346,7 @@ class PolicyState:
             self.scores[layer] = np.take_along_axis(self.scores[layer], index, axis=1)
             self.positions[layer] = np.take_along_axis(self.positions[layer], index, axis=1)
             self.bias[layer] = np.take_along_axis(self.bias[layer], index, axis=1)
+            self.owners[layer] = np.take_along_axis(self.owners[layer], index, axis=1)
         self._bias_arrays.clear()
 
     def trim(self, layer: int, n: int, offset: int) -> None:
@@ -284,6 +359,7 @@ class PolicyState:
         self.positions[layer] = self.positions[layer][:, :-n]
         self.scores[layer] = self.scores[layer][:, :-n]
         self.bias[layer] = self.bias[layer][:, :-n]
+        self.owners[layer] = self.owners[layer][:, :-n]
         if layer == 0:
             self.mass = self.mass[:-n]
         self._bias_arrays.pop(layer, None)
@@ -295,6 +371,8 @@ class PolicyState:
         other.pending = [None] * len(self.scores)
         other.mass = self.mass.copy()
         other.bias = [b.copy() for b in self.bias]
+        other.owners = [o.copy() for o in self.owners]
+        other.pooled = list(self.pooled)
         other.num_evicted, other.num_evictions = self.num_evicted, self.num_evictions
         other.num_merged, other.num_merges = self.num_merged, self.num_merges
         other.num_folded = self.num_folded
@@ -304,94 +382,3 @@ class PolicyState:
         other.queries = self.queries.clone() if self.queries is not None else None
         other.reconstruction = self.reconstruction.clone() if self.reconstruction is not None else None
         return other
-
-
-class PolicyKVCache(ArenaKVCache):
-    """An `ArenaKVCache` that carries its sequence's `PolicyState` and, when the policy needs attention scores,
-    an `attention_hook` (see `engine.attention_hook`): same K/V, same output, plus the scores recorded."""
-
-    attention_hook: Callable[..., mx.array] | None = None
-
-    def __init__(self, sequence: SequenceKV, layer: int, state: PolicyState) -> None:
-        super().__init__(sequence, layer)
-        self.policy_state = state
-        policy = state.policy
-        if policy.needs_attention_scores or policy.uses_logit_bias or policy.needs_query_statistics:
-            self.attention_hook = self._hook  # reached once the model's SDPA is routed (engine or attach_policy)
-
-    def _hook(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
-              sinks: mx.array | None) -> mx.array:
-        state = self.policy_state
-        bias = state.logit_bias(self.layer, keys.shape[2], queries.shape[1])
-        if bias is not None:
-            mask = biased_mask(mask, bias, queries.shape[2], keys.shape[2], queries.dtype)
-        state.add_queries(self.layer, queries[0], self.offset)
-        if state.reconstruction is not None:  # records during a reconstruction pass only
-            state.reconstruction.observe(self.layer, queries, keys, scale, mask, sinks)
-        elif state.policy.needs_attention_scores:
-            first = state.voting_row(self.offset, queries.shape[2])
-            if first is not None:
-                rows_mask = mask[..., first:, :] if first and isinstance(mask, mx.array) else mask
-                state.record(self.layer, attention_received(queries[:, :, first:], keys, scale, rows_mask, sinks)[0])
-        return original_sdpa(queries, keys, values, self, scale=scale, mask=mask, sinks=sinks)
-
-    def trim(self, n: int) -> int:
-        n = max(0, min(self.size(), int(n)))
-        self.policy_state.trim(self.layer, n, self.offset)
-        return super().trim(n)
-
-
-def policy_caches(seq: SequenceKV, state: PolicyState) -> list[PolicyKVCache]:
-    return [PolicyKVCache(seq, layer, state) for layer in range(seq.arena.config.num_layers)]
-
-
-def biased_mask(mask: Any, bias: mx.array, num_queries: int, num_keys: int, dtype: mx.Dtype) -> mx.array:
-    """mlx-lm's mask (None, "causal", bool or additive) plus an additive per-key bias, as one additive array."""
-    base = additive_mask(mask, 0, num_queries, num_queries, num_keys)
-    out = bias if base is None else base + bias
-    return out.astype(dtype)
-
-
-def needs_batch_hook(states: list[PolicyState | None]) -> bool:
-    return any(s is not None and ((s.policy.needs_attention_scores and s.reconstruction is None) or s.has_bias())
-               for s in states)
-
-
-def batch_attention_hook(layer: int, lengths: np.ndarray, states: list[PolicyState | None],
-                         attend: Callable[..., mx.array] | None = None) -> Callable[..., mx.array]:
-    """Attention hook for one layer of a batched decode step: adds each row's logit bias (merged slots) and
-    scores the rows whose policy needs attention scores.
-
-    `lengths[b]`: physical keys of row b after this step (the rest of the padded row is masked padding).
-    `attend`: the batch's own attention (`BatchLayerCache.attend`); used for the output whenever no bias is
-    added, so a batch that only records scores produces exactly the tokens of a batch without policies.
-    """
-    rows = [b for b, s in enumerate(states)
-            if s is not None and s.policy.needs_attention_scores and s.reconstruction is None]
-    index = mx.array(np.asarray(rows, dtype=np.int32))
-    biased = [b for b, s in enumerate(states) if s is not None and s.has_bias()]
-
-    def bias_for(num_keys: int, query_heads: int) -> mx.array:
-        rows_bias = np.zeros((len(states), query_heads, 1, num_keys), np.float32)
-        for b in biased:
-            row = states[b].bias_row(layer, num_keys)
-            if row is not None:
-                rows_bias[b, :, 0, :] = np.repeat(row, query_heads // row.shape[0], axis=0)
-        return mx.array(rows_bias)
-
-    def hook(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
-             sinks: mx.array | None) -> mx.array:
-        plain_mask = mask
-        if biased:
-            mask = biased_mask(mask, bias_for(keys.shape[2], queries.shape[1]), queries.shape[2], keys.shape[2],
-                               queries.dtype)
-        if rows:
-            row_mask = mask[index] if isinstance(mask, mx.array) and mask.shape[0] == queries.shape[0] else mask
-            received = attention_received(queries[index], keys[index], scale, row_mask, sinks)
-            for i, b in enumerate(rows):
-                states[b].record(layer, received[i, :, : int(lengths[b])])
-        if not biased and attend is not None:
-            return attend(queries, keys, values, scale, plain_mask, sinks)
-        return original_sdpa(queries, keys, values, None, scale=scale, mask=mask, sinks=sinks)
-
-    return hook

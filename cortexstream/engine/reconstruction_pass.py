@@ -21,7 +21,8 @@ import mlx.core as mx
 
 from cortexstream.engine.forward import head_of
 from cortexstream.engine.policy_prompt_cache import policy_state_of
-from cortexstream.engine.policy_runtime import PolicyState, policy_caches
+from cortexstream.engine.policy_kv_cache import policy_caches
+from cortexstream.engine.policy_runtime import PolicyState
 from cortexstream.engine.reconstruction_prompt import ReconstructionPrompt
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.kv.sequence_kv import SequenceKV

@@ -32,7 +32,9 @@ from cortexstream.backend import ComputeBackend
 from cortexstream.engine.batch_cache import DecodeBatch
 from cortexstream.engine.forward import head_of, last_token_logits
 from cortexstream.engine.mixed_batch import MixedBatch
-from cortexstream.engine.policy_runtime import PolicyState, batch_attention_hook, needs_batch_hook, policy_caches
+from cortexstream.engine.policy_batch_hook import batch_attention_hook, needs_batch_hook
+from cortexstream.engine.policy_kv_cache import policy_caches
+from cortexstream.engine.policy_runtime import PolicyState
 from cortexstream.engine.prefill_batch import PrefillBatch, group_chunks
 from cortexstream.engine.request_sampler import ConstraintFactory, RequestSampler, SamplingFailed
 from cortexstream.engine.draft_verify import verify_draft

@@ -228,10 +228,13 @@ class SequenceKV:
             mx.eval(self.arena.arrays())
             return self._free_unused_blocks()
 
-    def replace(self, start: int, end: int, new_keys: Sequence[mx.array], new_values: Sequence[mx.array]) -> int:
+    def replace(self, start: int, end: int, new_keys: Sequence[mx.array], new_values: Sequence[mx.array],
+                evicts: bool = False) -> int:
         """Replace physical tokens [start, end) of every layer by M new tokens (compression, M <= end - start).
 
-        new_keys/new_values: per layer `[H, M, D]` (a list, or one array `[L, H, M, D]`). Returns blocks freed.
+        new_keys/new_values: per layer `[H, M, D]` (a list, or one array `[L, H, M, D]`). `evicts`: the new tokens
+        are some of the old ones rearranged (cells moved between heads, `engine.pooled_heads`), so the tokens gone
+        count as evicted, as `keep` counts them, not as compressed. Returns blocks freed.
         """
         cfg = self.arena.config
         if len(new_keys) != cfg.num_layers or len(new_values) != cfg.num_layers:
@@ -258,7 +261,10 @@ class SequenceKV:
                 mx.eval(k, v)
                 self.arena.write(layer, self.blocks, start, k, v)
                 self.lengths[layer] = new_length
-            self.arena.num_compressed_tokens += end - start - m
+                if evicts:
+                    self.arena.num_evicted_tokens += end - start - m
+            if not evicts:
+                self.arena.num_compressed_tokens += end - start - m
             mx.eval(self.arena.arrays())
             return self._free_unused_blocks()
 

@@ -1,5 +1,6 @@
 """KV policies: `FullCache` (default), `StreamingLLM` (sinks + window), `H2O` (heavy hitters + recent), `SnapKV`
-(the prompt's last queries vote for the keys to keep), `ExpectedAttention` (keys scored by the attention a query
+(the prompt's last queries vote for the keys to keep), `AdaKV` (SnapKV's votes, a layer's budget shared by its
+heads), `ExpectedAttention` (keys scored by the attention a query
 drawn from the prompt's query distribution would pay them), `KVzip` (keys scored by the attention a
 repetition of the context pays them: query-agnostic), and the merging policies (`merging`: `MeanPool`, the learned `Compressor` and `Sidecar`, `TokenMerging`).
 
@@ -8,6 +9,7 @@ see `base` for budgets and the policy protocol. Policies only select; the runtim
 the SDPA hook lives in the engine (`engine.policy_runtime`, `engine.attention_hook`, `engine.policy_prompt_cache`).
 """
 
+from cortexstream.policies.adakv import AdaKV
 from cortexstream.policies.base import FullCache, KVPolicy
 from cortexstream.policies.compressor import Compressor
 from cortexstream.policies.d2o import D2O
@@ -22,5 +24,5 @@ from cortexstream.policies.snapkv import SnapKV
 from cortexstream.policies.streaming_llm import StreamingLLM
 from cortexstream.policies.token_merging import TokenMerging
 
-__all__ = ["Compressor", "D2O", "ExpectedAttention", "FullCache", "H2O", "KVPolicy", "KVzip", "MeanPool", "Merged", "MergingPolicy", "Sidecar",
+__all__ = ["AdaKV", "Compressor", "D2O", "ExpectedAttention", "FullCache", "H2O", "KVPolicy", "KVzip", "MeanPool", "Merged", "MergingPolicy", "Sidecar",
            "SnapKV", "StreamingLLM", "TokenMerging", "parse_policy"]

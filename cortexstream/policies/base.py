@@ -83,6 +83,9 @@ class KVPolicy:
     - `reconstructs`: once a prompt is complete the model is made to repeat it (KVzip): the runtime records the
       most attention each key got from those reconstruction queries, and evicts only once that pass has run
       (see `engine.reconstruction`).
+    - `pools_heads`: a layer's budget is shared by its KV heads (Ada-KV): `select_cells` picks the stored cells
+      (column, slot) to keep, a head may keep more keys than there are slots, and the runtime stores the surplus
+      in other heads' columns, recording each cell's owner (`engine.pooled_heads`).
     - `parse_keys`: keys accepted in the policy's string form (key -> kind, see `parsing`).
     """
 
@@ -98,6 +101,7 @@ class KVPolicy:
     observation_window: int | None = None
     selects_per_head = False
     merges_per_head = False
+    pools_heads = False
     parse_keys: ClassVar[dict[str, str]] = {}
 
     def budget_tokens(self, context: int) -> int | None:
@@ -117,6 +121,13 @@ class KVPolicy:
         `needs_attention_scores`; else None.
         """
         return None
+
+    def select_cells(self, num_physical: int, context: int, scores: np.ndarray | None, positions: np.ndarray,
+                     owners: np.ndarray) -> np.ndarray | None:
+        """Only when `pools_heads`: a bool mask `[L, H, n]` of the stored cells to keep (the same count in every
+        layer, a multiple of H), or None. `positions`/`owners` `[L, H, n]`: each cell's logical position and the
+        KV head whose key it holds."""
+        raise NotImplementedError(f"{self.name}: does not pool heads")
 
     def merge_range(self, num_physical: int, context: int, mass: np.ndarray) -> tuple[int, int] | None:
         """Physical slots [start, end) to merge now, or None (only called when `merges`)."""

@@ -28,6 +28,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "sidecar": ("cortexstream.policies.sidecar", "Sidecar"),
     "tome": ("cortexstream.policies.token_merging", "TokenMerging"),
     "snapkv": ("cortexstream.policies.snapkv", "SnapKV"),
+    "adakv": ("cortexstream.policies.adakv", "AdaKV"),
     "expected": ("cortexstream.policies.expected_attention", "ExpectedAttention"),
     "d2o": ("cortexstream.policies.d2o", "D2O"),
     "kvzip": ("cortexstream.policies.kvzip", "KVzip"),

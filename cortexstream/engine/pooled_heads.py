@@ -1,0 +1,109 @@
+"""Budgets shared by a layer's KV heads (Ada-KV), stored without padding: cells that hold another head's key.
+
+A sequence's slot holds one key and value per KV head: the cell (h, s). A policy that shares a layer's budget
+among its heads (`KVPolicy.pools_heads`) may keep more keys of one head than the sequence keeps slots. Padding each
+head to the largest count would spend the memory the policy saves, so the surplus goes into the cells the other
+heads leave free, and the policy runtime records each cell's owning head (`PolicyState.owners`). The arena does not
+change (same blocks, slots and storage types, so quantized blocks, copy-on-write and the disk tier move cells as
+they move slots); attention does: each GQA group attends to the cells its KV head owns, wherever they are
+(`attend_owned`). That is the same number of key-query products as plain attention (every cell is attended by one
+group) and the gathers are transient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from cortexstream.engine.attention_hook import additive_mask, attention_received, original_sdpa
+from cortexstream.errors import InvalidArgumentError
+
+
+def column_owners(heads: int, num_slots: int) -> np.ndarray:
+    """Owners `[H, n]` of cells that hold their own column's key (every cell before any pooling)."""
+    return np.broadcast_to(np.arange(heads, dtype=np.int16)[:, None], (heads, num_slots)).copy()
+
+
+def place(keep: np.ndarray) -> np.ndarray:
+    """Where the kept cells go: `keep` bool `[H, n]` with `H x m` cells kept gives, for the new `[H, m]` layout,
+    each cell's source as a flat index `h * n + s`. A column keeps its own kept cells first (in slot order); the
+    heads that keep more than `m` lend their surplus, in head and slot order, to the columns left short."""
+    heads, n = keep.shape
+    total = int(keep.sum())
+    if total % heads:
+        raise InvalidArgumentError(f"pooled heads: {total} cells kept, not a multiple of the {heads} KV heads")
+    m = total // heads
+    own = [np.nonzero(keep[h])[0] + h * n for h in range(heads)]
+    surplus = np.concatenate([cells[m:] for cells in own])
+    out = np.empty((heads, m), dtype=np.int64)
+    taken = 0
+    for h, cells in enumerate(own):
+        mine = cells[:m]
+        need = m - len(mine)
+        out[h] = np.concatenate([mine, surplus[taken:taken + need]])
+        taken += need
+    return out
+
+
+def gather_cells(rows: np.ndarray, sources: np.ndarray) -> np.ndarray:
+    """Per-cell state `[H, n]` (scores, positions, owners, biases) moved as `place`'s `sources` `[H, m]` say."""
+    return rows.reshape(-1)[sources.reshape(-1)].reshape(sources.shape)
+
+
+def is_pooled(owners: np.ndarray) -> bool:
+    """Whether some cell holds another head's key."""
+    return bool((owners != np.arange(owners.shape[0])[:, None]).any())
+
+
+def attend_owned(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
+                 sinks: mx.array | None, owners: np.ndarray, bias: np.ndarray | None = None,
+                 valid: int | None = None, record_from: int | None = None) -> tuple[mx.array, mx.array | None]:
+    """Attention of one sequence whose cells have owners.
+
+    queries `[1, Hq, Q, D]`; keys / values `[1, H, T, D]` as the cache gives them (cell (h, s) at `[0, h, s]`);
+    `owners` `[H, T]`; `bias` `[H, T]` an additive logit per cell (merged slots) or None; only slots below
+    `valid` are real (a padded batch row). The mask is mlx-lm's for the `[Q, T]` slots; a cell takes its slot's.
+    Returns the output `[1, Hq, Q, Dv]` and, when `record_from` is given, the attention each cell received from
+    query rows `record_from:` summed over its group's query heads, `[H, valid]` float32 (else None).
+    """
+    _, q_heads, num_queries, dim = queries.shape
+    heads, num_keys = keys.shape[1], keys.shape[2]
+    if owners.shape != (heads, num_keys):
+        raise InvalidArgumentError(f"pooled heads: owners {owners.shape} for keys of {heads} heads x {num_keys}")
+    valid = num_keys if valid is None else int(valid)
+    group = q_heads // heads
+    flat_keys = keys[0].reshape(heads * num_keys, dim)
+    flat_values = values[0].reshape(heads * num_keys, values.shape[-1])
+    slots = np.tile(np.arange(num_keys), heads)
+    owner_of = owners.reshape(-1)
+    base = additive_mask(mask, 0, num_queries, num_queries, num_keys)
+    outs, received, order = [], [], []
+    for head in range(heads):
+        cells = np.nonzero((owner_of == head) & (slots < valid))[0]
+        index = mx.array(cells.astype(np.int32))
+        heads_of_group = slice(head * group, (head + 1) * group)
+        cell_mask = None
+        if base is not None:
+            rows = base if base.shape[1] == 1 else base[:, heads_of_group]
+            cell_mask = rows[..., mx.array(slots[cells].astype(np.int32))]
+        if bias is not None:
+            logits = mx.array(bias.reshape(-1)[cells].astype(np.float32))[None, None, None, :]
+            cell_mask = logits if cell_mask is None else cell_mask + logits
+        q = queries[:, heads_of_group]
+        k, v = flat_keys[index][None, None], flat_values[index][None, None]
+        group_sinks = None if sinks is None else sinks[heads_of_group]
+        outs.append(original_sdpa(q, k, v, None, scale=scale,
+                                  mask=None if cell_mask is None else cell_mask.astype(queries.dtype),
+                                  sinks=group_sinks))
+        if record_from is not None:
+            rows_mask = None if cell_mask is None else cell_mask[..., record_from:, :]
+            received.append(attention_received(q[:, :, record_from:], k, scale, rows_mask, group_sinks)[0, 0])
+            order.append(cells)
+    out = mx.concatenate(outs, axis=1)
+    if record_from is None:
+        return out, None
+    index = mx.array(np.concatenate(order).astype(np.int32))
+    flat = mx.zeros((heads * num_keys,), mx.float32).at[index].add(mx.concatenate(received))
+    return out, flat.reshape(heads, num_keys)[:, :valid]
