@@ -239,3 +239,51 @@ def test_several_ranks_refuse_it():
     from cortexstream.distributed import policy_problem
 
     assert "pools_heads" in policy_problem(AdaKV())
+
+
+def test_perplexity_and_the_server_take_it(sharp):
+    from cortexstream.evaluation.perplexity import perplexity
+    from server_harness import LiveServer
+
+    model, tokenizer = sharp
+    text = " ".join(["the river flows past the old mill and the garden"] * 12)
+    full = perplexity(model, tokenizer, text, chunk_size=16)
+    pooled = perplexity(model, tokenizer, text, "adakv:budget=32,window=8,floor=0", chunk_size=16)
+    assert np.isfinite(pooled) and pooled != full  # evicted (pooled) while scoring, not the full cache
+    with LiveServer(model, tokenizer, kv_tokens=2048) as live:
+        out = live.client().completions.create(model="tiny", prompt=random_token_ids(80), max_tokens=4, n=2,
+                                               temperature=0, extra_body={"kv_policy": "adakv:budget=32,window=8"})
+        assert [c.text for c in out.choices][0] == out.choices[1].text and out.usage.completion_tokens == 8
+        bad = live.client().with_options(max_retries=0)
+        with pytest.raises(Exception, match="floor"):
+            bad.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"kv_policy": "adakv:floor=2"})
+
+
+def test_kvzip_with_shared_head_budgets(sharp):
+    """KVzip's reconstruction scores with the layer's budget shared by its heads: the string form, the arena
+    holding the budget while some head keeps more, batched equal to alone, refused on several ranks."""
+    from cortexstream.distributed import policy_problem
+    from cortexstream.policies import KVzip
+
+    policy = parse_policy("kvzip:budget=24,sinks=2,chunk=16,shared=1,floor=0")
+    assert policy == KVzip(budget=24, sinks=2, chunk=16, shared=True, floor=0.0) and policy.pools_heads
+    assert parse_policy(policy.describe()) == policy and "shared" not in KVzip().describe()
+    assert "pools_heads" in policy_problem(policy) and policy_problem(KVzip()) is None
+    model, tokenizer = sharp
+    engine = Engine(model, tokenizer, kv_tokens=2048, prefill_step_size=128)  # room for the repeat's prefix
+    rid = engine.add_request(random_token_ids(70), max_tokens=6, kv_policy=policy)
+    seen = []
+    while engine.has_unfinished:
+        engine.step()
+        kv, state = engine.runner.kv_view(rid), engine.runner.policy_view(rid)
+        if state is not None and state.num_evictions:
+            seen.append((kv.num_tokens, max(int((o == h).sum()) for o in state.owners for h in range(2))))
+    assert seen and all(slots == 24 for slots, _ in seen) and max(most for _, most in seen) > 24
+    prompts = [random_token_ids(50, seed=s) for s in range(2)]
+    # (the prompt is held whole while it is reconstructed, so the budget check of assert_batched_matches_alone
+    # does not apply)
+    batched = engine_run(model, tokenizer, prompts, [policy, policy], max_tokens=8, prefill_step_size=256)
+    for i, prompt in enumerate(prompts):
+        alone = engine_run(model, tokenizer, [prompt], [policy], max_tokens=8, prefill_step_size=256)
+        assert batched[0][i] == alone[0][0]
+        np.testing.assert_allclose(batched[1][i], alone[1][0], atol=2e-4)

@@ -236,6 +236,9 @@ class PolicyState:
         """One sequence's attention over a layer whose cells have owners (`pooled_heads.attend_owned`), its
         logit biases added and, from query row `record_from` on (None: not at all), its scores recorded."""
         num_keys = keys.shape[2]
+        if self.reconstruction is not None and self.reconstruction.context is not None:
+            raise InvalidArgumentError(f"{self.policy.describe()}: a reconstruction pass over a cache whose heads "
+                                       "already share their budget is not supported")
         if not self.policy.needs_attention_scores or self.reconstruction is not None:
             record_from = None
         out, received = attend_owned(queries, keys, values, scale, mask, sinks, self.owners_for(layer, num_keys),

@@ -16,12 +16,45 @@ Always kept, per head: the first `sinks` keys and the last `window` (the observa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import numpy as np
 
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.policies.snapkv import SnapKV, pool_scores
+
+
+def shared_cells(scores: np.ndarray, positions: np.ndarray, owners: np.ndarray, front: int, recent: int,
+                 share: int, floor: float, pool: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """One layer's cells to keep (bool `[H, n]`) when its heads share `H x share` chosen keys: each head keeps its
+    first `front` and last `recent` keys by position, then its best `floor x share` by `pool`ed score (scores in
+    the head's position order), then the layer's best scores wherever they are, up to `H x share` in all."""
+    heads, n = scores.shape
+    flat_scores, flat_pos, flat_owner = scores.reshape(-1), positions.reshape(-1), owners.reshape(-1)
+    keep = np.zeros(heads * n, dtype=bool)
+    candidates, votes, minimum = [], [], []
+    for head in range(heads):
+        cells = np.nonzero(flat_owner == head)[0]
+        cells = cells[np.argsort(flat_pos[cells], kind="stable")]  # this head's keys in position order
+        if len(cells) < front + recent:
+            raise InvalidArgumentError(f"shared budget: head {head} holds {len(cells)} keys, fewer than its "
+                                       f"{front} first + {recent} last")
+        keep[cells[:front]] = True
+        keep[cells[len(cells) - recent:]] = True
+        pooled = pool(flat_scores[cells])[front:len(cells) - recent]
+        order = np.argsort(-pooled, kind="stable")
+        candidates.append(cells[front:len(cells) - recent][order])
+        votes.append(pooled[order])
+        minimum.append(min(len(order), int(floor * share)))
+    for head in range(heads):  # the safeguard: each head's best `floor` share first
+        keep[candidates[head][:minimum[head]]] = True
+    rest_cells = np.concatenate([c[m:] for c, m in zip(candidates, minimum)])
+    rest_votes = np.concatenate([v[m:] for v, m in zip(votes, minimum)])
+    left = heads * share - sum(minimum)
+    if left > len(rest_cells):
+        raise InvalidArgumentError(f"shared budget: {left} keys to choose from {len(rest_cells)} candidates")
+    keep[rest_cells[np.argsort(-rest_votes, kind="stable")[:left]]] = True
+    return keep.reshape(heads, n)
 
 
 @dataclass(frozen=True)
@@ -55,41 +88,11 @@ class AdaKV(SnapKV):
         if scores.shape != positions.shape or scores.shape != owners.shape or scores.shape[-1] != num_physical:
             raise InvalidArgumentError(f"AdaKV: scores {scores.shape}, positions {positions.shape} and owners "
                                        f"{owners.shape} must all be [layers, heads, {num_physical}]")
-        return np.stack([self._layer_cells(budget, s, p, o) for s, p, o in zip(scores, positions, owners)])
-
-    def _layer_cells(self, budget: int, scores: np.ndarray, positions: np.ndarray,
-                     owners: np.ndarray) -> np.ndarray:
-        heads, n = scores.shape
-        flat_scores, flat_pos, flat_owner = scores.reshape(-1), positions.reshape(-1), owners.reshape(-1)
         front = min(self.sinks, budget - 2)
         recent = min(self.window, budget - front - 1)
-        share = budget - front - recent  # voted keys per head under an equal split
-        total = heads * share
-        keep = np.zeros(heads * n, dtype=bool)
-        candidates, votes, minimum = [], [], []
-        for head in range(heads):
-            cells = np.nonzero(flat_owner == head)[0]
-            cells = cells[np.argsort(flat_pos[cells], kind="stable")]  # this head's keys in position order
-            if len(cells) < front + recent:
-                raise InvalidArgumentError(f"AdaKV: head {head} holds {len(cells)} keys, fewer than its "
-                                           f"{front} sinks + {recent} window")
-            keep[cells[:front]] = True
-            keep[cells[len(cells) - recent:]] = True
-            middle = cells[front:len(cells) - recent]
-            pooled = pool_scores(flat_scores[cells][None], self.kernel, self.pooling)[0][front:len(cells) - recent]
-            order = np.argsort(-pooled, kind="stable")
-            candidates.append(middle[order])
-            votes.append(pooled[order])
-            minimum.append(min(len(middle), int(self.floor * share)))
-        for head in range(heads):  # the safeguard: each head's best `floor` share first
-            keep[candidates[head][:minimum[head]]] = True
-        rest_cells = np.concatenate([c[m:] for c, m in zip(candidates, minimum)])
-        rest_votes = np.concatenate([v[m:] for v, m in zip(votes, minimum)])
-        left = total - sum(minimum)
-        if left > len(rest_cells):
-            raise InvalidArgumentError(f"AdaKV: {left} keys to choose from {len(rest_cells)} candidates")
-        keep[rest_cells[np.argsort(-rest_votes, kind="stable")[:left]]] = True
-        return keep.reshape(heads, n)
+        pool = lambda row: pool_scores(row[None], self.kernel, self.pooling)[0]  # noqa: E731
+        return np.stack([shared_cells(s, p, o, front, recent, budget - front - recent, self.floor, pool)
+                         for s, p, o in zip(scores, positions, owners)])
 
     def describe(self) -> str:
         return (f"adakv:budget={self.budget},window={self.window},kernel={self.kernel},"

@@ -13,6 +13,11 @@ With `kernel` > 1 a key's score is the most any key within `kernel // 2` places 
 the head's keys, as SnapKV pools its votes): a sentence fact is read through its neighbours, and keeping only the
 single tokens the reconstruction peaked on loses the words around them. `kernel=1` is the paper's selection.
 
+With `shared=1` a layer's heads share its budget as Ada-KV's do (`policies.adakv`, the non-uniform head budgets
+of the KVzip paper): the layer keeps `budget x heads` keys, each head its sinks and at least `floor` of an equal
+share, the rest going to the best-scored keys of any head (`pools_heads`; the surplus stored in cells other heads
+leave free, `engine.pooled_heads`).
+
 Tokens added after a reconstruction (generated tokens, a later turn's prompt before its own reconstruction) carry
 no reconstruction score yet: they are kept ahead of every scored key, so a cache over its budget gives up its
 least important context first.
@@ -39,6 +44,8 @@ class KVzip(KVPolicy):
     sinks: int = 4
     chunk: int = 2048
     kernel: int = 1
+    shared: bool = False
+    floor: float = 0.2
 
     name = "kvzip"
     evicts = True
@@ -46,9 +53,16 @@ class KVzip(KVPolicy):
     reconstructs = True
     # Each KV head ranks its own slots by the most attention its GQA group's reconstruction queries paid them, and
     # keeps sinks + budget - sinks of them: a count fixed by the budget and the lengths, the same in every head.
-    selects_per_head = True
     parse_keys: ClassVar[dict[str, str]] = {"budget": "budget", "sinks": "count", "chunk": "count",
-                                            "kernel": "count"}
+                                            "kernel": "count", "shared": "bool", "floor": "float"}
+
+    @property
+    def selects_per_head(self) -> bool:  # type: ignore[override]
+        return not self.shared
+
+    @property
+    def pools_heads(self) -> bool:  # type: ignore[override]
+        return self.shared
 
     def __post_init__(self) -> None:
         check_budget("budget", self.budget)
@@ -57,6 +71,10 @@ class KVzip(KVPolicy):
         check_count("kernel", self.kernel, 1)
         if self.kernel % 2 == 0:
             raise InvalidArgumentError(f"KVzip: kernel {self.kernel} must be odd (a window centred on each key)")
+        if not isinstance(self.shared, bool):
+            raise InvalidArgumentError(f"KVzip: shared {self.shared!r} must be a boolean")
+        if isinstance(self.floor, bool) or not isinstance(self.floor, (int, float)) or not 0 <= self.floor <= 1:
+            raise InvalidArgumentError(f"KVzip: floor {self.floor!r} must be a fraction in [0, 1]")
         if isinstance(self.budget, int) and self.budget < self.minimum_budget:
             raise InvalidArgumentError(f"KVzip: budget {self.budget} must be >= {self.minimum_budget} (sinks "
                                        f"{self.sinks} + 1 scored key)")
@@ -84,11 +102,32 @@ class KVzip(KVPolicy):
         if n != num_physical:
             raise InvalidArgumentError(f"KVzip: {n} scores for {num_physical} physical tokens")
         front = min(self.sinks, budget - 1)
-        fresh = np.isinf(scores)  # not scored yet: kept first, and not spread to their neighbours by pooling
-        pooled = np.where(fresh, scores, pool_scores(np.where(fresh, 0.0, scores), self.kernel, Pooling.MAX))
+        pooled = self._pooled(scores)
         chosen = np.argsort(-pooled[:, :, front:], axis=-1, kind="stable")[..., : budget - front] + front
         return np.concatenate([np.broadcast_to(np.arange(front), (layers, heads, front)),
                                np.sort(chosen, axis=-1)], axis=-1)
 
+    def _pooled(self, scores: np.ndarray) -> np.ndarray:
+        fresh = np.isinf(scores)  # not scored yet: kept first, and not spread to their neighbours by pooling
+        return np.where(fresh, scores, pool_scores(np.where(fresh, 0.0, scores), self.kernel, Pooling.MAX))
+
+    def select_cells(self, num_physical: int, context: int, scores: np.ndarray | None, positions: np.ndarray,
+                     owners: np.ndarray) -> np.ndarray | None:
+        """With `shared`: the cells to keep when a layer's heads share its budget (see the module docstring)."""
+        from cortexstream.policies.adakv import shared_cells
+
+        if not self.shared:
+            raise InvalidArgumentError("KVzip: select_cells needs shared=1")
+        budget = self.budget_tokens(context)
+        if num_physical <= budget:
+            return None
+        if scores is None:
+            raise InvalidArgumentError("KVzip: reconstruction scores are required but were not collected")
+        front = min(self.sinks, budget - 1)
+        pool = lambda row: self._pooled(row[None])[0]  # noqa: E731
+        return np.stack([shared_cells(s, p, o, front, 0, budget - front, self.floor, pool)
+                         for s, p, o in zip(scores, positions, owners)])
+
     def describe(self) -> str:
-        return f"kvzip:budget={self.budget},sinks={self.sinks},chunk={self.chunk},kernel={self.kernel}"
+        shared = f",shared=1,floor={self.floor:g}" if self.shared else ""
+        return f"kvzip:budget={self.budget},sinks={self.sinks},chunk={self.chunk},kernel={self.kernel}{shared}"
