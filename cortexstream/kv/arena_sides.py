@@ -21,7 +21,7 @@ import mlx.core as mx
 
 import numpy as np
 
-from cortexstream.kv.channel_quantized import ChannelBlocks, ChannelQuantizedRows
+from cortexstream.kv.channel_quantized import ChannelBlocks, ChannelQuantizedRows, block_slots
 from cortexstream.kv.kv_dtype import StorageType
 from cortexstream.kv.kv_rotation import rotation_signs
 from cortexstream.kv.quantized_blocks import CodeView, QuantizedRows
@@ -178,12 +178,6 @@ def full_float(side: Side, dtype: mx.Dtype) -> mx.array:
     if isinstance(side, _CODED):
         return side.dequantize(dtype)
     return side
-
-
-def block_slots(blocks: np.ndarray, block_size: int) -> mx.array:
-    """int32 slots of whole blocks, block after block."""
-    blocks = np.asarray(blocks, dtype=np.int64)
-    return mx.array((blocks[:, None] * block_size + np.arange(block_size)).reshape(-1).astype(np.int32))
 
 
 def take_blocks(side: Side, blocks: np.ndarray, block_size: int) -> Side | ChannelBlocks:

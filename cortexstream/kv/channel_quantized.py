@@ -45,6 +45,12 @@ class ChannelBlocks(NamedTuple):
     biases: mx.array
 
 
+
+def block_slots(blocks: np.ndarray, block_size: int) -> mx.array:
+    """int32 slots of whole blocks, block after block."""
+    blocks = np.asarray(blocks, dtype=np.int64)
+    return mx.array((blocks[:, None] * block_size + np.arange(block_size)).reshape(-1).astype(np.int32))
+
 def _shifts(bits: int) -> mx.array:
     return mx.arange(0, 32, bits, dtype=mx.uint32)
 
@@ -217,10 +223,10 @@ class ChannelQuantizedRows:
         self.fresh[touched] = False
         count = len(touched)
         block_ids = mx.array(touched.astype(np.int32))
-        block_slots = mx.array((touched[:, None] * bs + np.arange(bs)).reshape(-1).astype(np.int32))
+        touched_slots = block_slots(touched, bs)
         scales = mx.take(self.scales, block_ids, axis=2).astype(mx.float32)[:, :, :, None, :]  # [1, H, u, 1, D]
         biases = mx.take(self.biases, block_ids, axis=2).astype(mx.float32)[:, :, :, None, :]
-        stored = unpack_codes(mx.take(self.packed, block_slots, axis=2), self.bits)
+        stored = unpack_codes(mx.take(self.packed, touched_slots, axis=2), self.bits)
         values = self._dequantize(stored.reshape(1, heads, count, bs, dim), scales, biases)
         values = values.reshape(1, heads, count * bs, dim)
         position = which.reshape(-1) * bs + slots % bs
@@ -240,7 +246,7 @@ class ChannelQuantizedRows:
         # its codes
         step32, bias32 = step.astype(mx.float32), bias.astype(mx.float32)
         codes = mx.clip(mx.round((values - bias32) / mx.maximum(step32, 1e-30)), 0, self.levels)
-        self.packed[:, :, block_slots, :] = pack_codes(codes.reshape(1, heads, count * bs, dim), self.bits)
+        self.packed[:, :, touched_slots, :] = pack_codes(codes.reshape(1, heads, count * bs, dim), self.bits)
         self.scales[:, :, block_ids, :] = step[:, :, :, 0, :]
         self.biases[:, :, block_ids, :] = bias[:, :, :, 0, :]
 
@@ -248,8 +254,7 @@ class ChannelQuantizedRows:
     def take_blocks(self, blocks: np.ndarray) -> ChannelBlocks:
         """Whole blocks as stored (exact)."""
         blocks = np.asarray(blocks, dtype=np.int64)
-        slots = mx.array((blocks[:, None] * self.block_size + np.arange(self.block_size)).reshape(-1)
-                         .astype(np.int32))
+        slots = block_slots(blocks, self.block_size)
         ids = mx.array(blocks.astype(np.int32))
         return ChannelBlocks(mx.take(self.packed, slots, axis=2), mx.take(self.scales, ids, axis=2),
                              mx.take(self.biases, ids, axis=2))
@@ -284,8 +289,7 @@ class ChannelQuantizedRows:
                 1, self.num_heads, len(blocks) * self.block_size, self.packed.shape[-1]):
             raise InvalidArgumentError(f"stored: blocks of shape {tuple(stored.packed.shape)} / "
                                        f"{tuple(stored.scales.shape)} do not fit {len(blocks)} blocks here")
-        slots = mx.array((blocks[:, None] * self.block_size + np.arange(self.block_size)).reshape(-1)
-                         .astype(np.int32))
+        slots = block_slots(blocks, self.block_size)
         ids = mx.array(blocks.astype(np.int32))
         self.packed[:, :, slots, :] = stored.packed
         self.scales[:, :, ids, :] = stored.scales.astype(self.dtype)
