@@ -121,6 +121,19 @@ def test_attention_over_owned_cells_equals_each_head_over_its_own_keys():
                                    atol=1e-5)
 
 
+def test_the_largest_attention_per_owned_cell_is_each_heads_own():
+    from cortexstream.engine.pooled_heads import Reduce
+    from cortexstream.engine.reconstruction import attention_max
+
+    q, keys, values, owners, own, _, group = _ragged_case(2, queries=4)
+    _, best = attend_owned(q, keys, values, 0.5, None, None, owners, record_from=0, reduce=Reduce.MAX)
+    for head in range(2):
+        k = mx.array(own[head].astype(np.float32))[None, None]
+        want = np.asarray(attention_max(q[:, head * group:(head + 1) * group], k, 0.5)[0, 0])
+        got = np.asarray(best).reshape(-1)[np.asarray(owners).reshape(-1) == head]
+        np.testing.assert_allclose(np.sort(got), np.sort(want), atol=1e-6)
+
+
 def test_owned_cells_with_their_own_columns_are_plain_attention_with_a_causal_mask_and_a_bias():
     rng = np.random.default_rng(3)
     q = mx.array(rng.standard_normal((1, 4, 3, 8)).astype(np.float32))
@@ -287,3 +300,24 @@ def test_kvzip_with_shared_head_budgets(sharp):
         alone = engine_run(model, tokenizer, [prompt], [policy], max_tokens=8, prefill_step_size=256)
         assert batched[0][i] == alone[0][0]
         np.testing.assert_allclose(batched[1][i], alone[1][0], atol=2e-4)
+
+
+def test_kvzip_shared_reconstructs_a_later_turn_over_pooled_cells(sharp):
+    """Direct path (as `bench retrieval`'s later turn): a document compressed into pooled cells, then a question
+    fed and reconstructed over them; its maxima land on the owned cells and the cache is compressed again."""
+    from cortexstream.engine.reconstruction_pass import reconstruct
+    from cortexstream.engine.reconstruction_prompt import reconstruction_prompt
+
+    model, tokenizer = sharp
+    policy = parse_policy("kvzip:budget=24,sinks=2,chunk=32,shared=1,floor=0")
+    document, question = random_token_ids(70), random_token_ids(12, seed=4)
+    cache = make_prompt_cache(model, max_tokens=200)
+    state = direct.attach_policy(cache, policy, model)
+    repeat = reconstruction_prompt(tokenizer)
+    for end, ids, done in ((70, document, document), (82, question, question)):
+        state.expect_prompt_end(end)
+        model(mx.array([ids]), cache=cache)
+        direct.apply_policy(cache, 200)  # held until the reconstruction ran
+        reconstruct(model, cache, done, repeat, 200)
+        assert cache[0].size() == 24 and state.any_pooled()
+    assert state.reconstruction.num_passes >= 2 and not np.isinf(np.concatenate(state.scores)).any()

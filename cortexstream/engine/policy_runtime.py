@@ -20,7 +20,7 @@ from cortexstream.errors import InvalidArgumentError
 from cortexstream.kv.sequence_kv import SequenceKV
 from cortexstream.engine.evict_merge import merged_values, write_values
 from cortexstream.engine.observation import observation_for
-from cortexstream.engine.pooled_heads import attend_owned, column_owners, gather_cells, is_pooled, place
+from cortexstream.engine.pooled_heads import Reduce, attend_owned, column_owners, gather_cells, is_pooled, place
 from cortexstream.engine.query_statistics import QueryStatistics
 from cortexstream.engine.reconstruction import FRESH, ReconstructionScores
 from cortexstream.policies.base import KVPolicy
@@ -236,13 +236,17 @@ class PolicyState:
         """One sequence's attention over a layer whose cells have owners (`pooled_heads.attend_owned`), its
         logit biases added and, from query row `record_from` on (None: not at all), its scores recorded."""
         num_keys = keys.shape[2]
-        if self.reconstruction is not None and self.reconstruction.context is not None:
-            raise InvalidArgumentError(f"{self.policy.describe()}: a reconstruction pass over a cache whose heads "
-                                       "already share their budget is not supported")
-        if not self.policy.needs_attention_scores or self.reconstruction is not None:
+        owners, bias = self.owners_for(layer, num_keys), self.bias_row(layer, num_keys)
+        if self.reconstruction is not None:  # KVzip: maxima during a reconstruction pass only, never sums
+            if not self.reconstruction.recording:
+                return attend_owned(queries, keys, values, scale, mask, sinks, owners, bias, valid)[0]
+            out, received = attend_owned(queries, keys, values, scale, mask, sinks, owners, bias, valid, 0,
+                                         Reduce.MAX)
+            self.reconstruction.add(layer, received)
+            return out
+        if not self.policy.needs_attention_scores:
             record_from = None
-        out, received = attend_owned(queries, keys, values, scale, mask, sinks, self.owners_for(layer, num_keys),
-                                     self.bias_row(layer, num_keys), valid, record_from)
+        out, received = attend_owned(queries, keys, values, scale, mask, sinks, owners, bias, valid, record_from)
         if received is not None:
             self.record(layer, received)
         return out

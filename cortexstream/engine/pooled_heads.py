@@ -12,13 +12,23 @@ group) and the gathers are transient.
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from cortexstream.engine.attention_hook import additive_mask, attention_received, original_sdpa
+from cortexstream.engine.reconstruction import attention_max
 from cortexstream.errors import InvalidArgumentError
+
+
+class Reduce(enum.Enum):
+    """How the attention a cell received is reduced over queries and a group's heads: summed (H2O's and SnapKV's
+    votes, `attention_received`) or the largest (KVzip's reconstruction, `attention_max`)."""
+
+    SUM = "sum"
+    MAX = "max"
 
 
 def column_owners(heads: int, num_slots: int) -> np.ndarray:
@@ -59,14 +69,16 @@ def is_pooled(owners: np.ndarray) -> bool:
 
 def attend_owned(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
                  sinks: mx.array | None, owners: np.ndarray, bias: np.ndarray | None = None,
-                 valid: int | None = None, record_from: int | None = None) -> tuple[mx.array, mx.array | None]:
+                 valid: int | None = None, record_from: int | None = None,
+                 reduce: Reduce = Reduce.SUM) -> tuple[mx.array, mx.array | None]:
     """Attention of one sequence whose cells have owners.
 
     queries `[1, Hq, Q, D]`; keys / values `[1, H, T, D]` as the cache gives them (cell (h, s) at `[0, h, s]`);
     `owners` `[H, T]`; `bias` `[H, T]` an additive logit per cell (merged slots) or None; only slots below
     `valid` are real (a padded batch row). The mask is mlx-lm's for the `[Q, T]` slots; a cell takes its slot's.
     Returns the output `[1, Hq, Q, Dv]` and, when `record_from` is given, the attention each cell received from
-    query rows `record_from:` summed over its group's query heads, `[H, valid]` float32 (else None).
+    query rows `record_from:` and its group's query heads, summed or the largest (`reduce`), `[H, valid]` float32
+    (else None).
     """
     _, q_heads, num_queries, dim = queries.shape
     heads, num_keys = keys.shape[1], keys.shape[2]
@@ -99,7 +111,8 @@ def attend_owned(queries: mx.array, keys: mx.array, values: mx.array, scale: flo
                                   sinks=group_sinks))
         if record_from is not None:
             rows_mask = None if cell_mask is None else cell_mask[..., record_from:, :]
-            received.append(attention_received(q[:, :, record_from:], k, scale, rows_mask, group_sinks)[0, 0])
+            measure = attention_received if reduce is Reduce.SUM else attention_max
+            received.append(measure(q[:, :, record_from:], k, scale, rows_mask, group_sinks)[0, 0])
             order.append(cells)
     out = mx.concatenate(outs, axis=1)
     if record_from is None:

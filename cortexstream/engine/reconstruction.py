@@ -52,7 +52,16 @@ class ReconstructionScores:
         """The attention hook's call for one layer of a pass (ignored outside a reconstruction pass)."""
         if self.context is None:
             return
-        received = attention_max(queries, keys, scale, mask, sinks)[0, :, : self.context]
+        self.add(layer, attention_max(queries, keys, scale, mask, sinks)[0])
+
+    @property
+    def recording(self) -> bool:
+        """Whether a reconstruction pass is running (its attention is recorded)."""
+        return self.context is not None
+
+    def add(self, layer: int, received: mx.array) -> None:
+        """One layer's maxima `[H, K]` of a pass (the pooled-heads hook computes them per owned cell)."""
+        received = received[:, : self.context]
         prior = self.pending[layer]
         self.pending[layer] = received if prior is None else mx.maximum(prior, received)
 
