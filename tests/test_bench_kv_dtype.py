@@ -33,7 +33,7 @@ def test_run_measures_every_part_and_writes_the_report(model32, tiny, tmp_path):
     settings = KVDtypeSettings(contexts=(64,), group_size=32, passkey_contexts=(400,), passkey_trials=2,
                                passkey_storages=("float32", "int8", "int4", "k=int8,v=int4", "float16"),
                                passkey_policies=("full", "streaming", "h2o"), batches=(1, 2), decode_keys=(32,),
-                               decode_steps=2, rounds=2)
+                               decode_policies=("full", "h2o"), decode_steps=2, rounds=2)
     data = run(settings, "tiny", str(tmp_path), loaded=(model32, tiny[1]), log=lambda _: None)
     assert data["missing"] == []
     written = json.loads((tmp_path / "kv_dtype.json").read_text())
@@ -56,8 +56,9 @@ def test_run_measures_every_part_and_writes_the_report(model32, tiny, tmp_path):
         else:  # the arena's 4-bit keys keep a scale per channel per block: more bytes than mlx-lm's groups
             assert row["bytes_per_token"] < per_token[bits]
     assert len(written["passkey"]) == 15 and all(r["trials"] == 2 for r in written["passkey"])
-    assert {(r["batch"], r["storage"]) for r in written["decode"]} == {
-        (b, s) for b in (1, 2) for s in ("float32", "int8", "int4")}
+    assert {(r["batch"], r["storage"], r["policy"]) for r in written["decode"]} == {
+        (b, s, p) for b in (1, 2) for s in ("float32", "int8", "int4") for p in ("full", "h2o@0.25")}
+    assert {r["spec"] for r in written["decode"] if r["policy"] == "h2o@0.25"} == {"h2o:budget=0.25,sinks=4"}
     assert all(r["tokens"] == r["expected_tokens"] and len(r["tps"]) == 2 and r["tps_median"] > 0
                for r in written["decode"])
     text = (tmp_path / "kv_dtype.md").read_text()
@@ -134,6 +135,7 @@ def test_markdown_says_when_there_is_no_plot(monkeypatch):
     ("--passkey-contexts", "100", "--passkey-contexts"),
     ("--rounds", "0", "--rounds"),
     ("--passkey-policies", "full,lru", "--passkey-policies"),
+    ("--decode-policies", "h2o,lru", "--decode-policies"),
     ("--group-size", "48", "--group-size: 48 must be 32 or 64"),
     ("--budget", "1.5", "--budget"),
     ("--kv-dtypes", ";", "--kv-dtypes: give 'auto'"),

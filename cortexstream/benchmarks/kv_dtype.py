@@ -83,6 +83,8 @@ def run(settings: KVDtypeSettings = KVDtypeSettings(), model_source: str | None 
     policies = policies_for([s.budget])
     families = {f.value for f in s.passkey_policies}
     passkey_policies = [(label, p) for label, p in policies if label.split("@")[0] in families]
+    decode_families = {f.value for f in s.decode_policies}
+    decode_policies = [(label, p) for label, p in policies if label.split("@")[0] in decode_families]
     text, source = wiki_text()
     ids = list(tokenizer.encode(text))
     recorded = {"model": model_source or DEFAULT_MODEL, "model_record": record, "model_dtype": float_type,
@@ -92,11 +94,14 @@ def run(settings: KVDtypeSettings = KVDtypeSettings(), model_source: str | None 
                 "passkey_storages": [k.text for k in passkey_kinds],
                 "passkey_policies": [label for label, _ in passkey_policies], "passkey_trials": s.passkey_trials,
                 "passkey_chunk": s.passkey_chunk, "batches": list(s.batches), "decode_keys": list(s.decode_keys),
-                "decode_storages": [k.text for k in decode_kinds], "decode_steps": s.decode_steps,
+                "decode_storages": [k.text for k in decode_kinds],
+                "decode_policies": [label for label, _ in decode_policies], "decode_steps": s.decode_steps,
                 "rounds": s.rounds, "mlx_lm_bits": list(MLX_LM_BITS), "max_minutes": max_minutes, "seed": s.seed}
     name = result_name(quick)
     os.makedirs(out_dir, exist_ok=True)
     results = ResultStore(os.path.join(out_dir, f"{name}.json"), "kv_dtype", recorded, STORE_PARTS, resume=resume)
+    for row in results.data["decode"]:  # rows from before decode under policies timed the full cache
+        row.setdefault("policy", "full")
     started = time.perf_counter()
 
     def todo(part: str, what: str, **key: Any) -> bool:
@@ -144,12 +149,14 @@ def run(settings: KVDtypeSettings = KVDtypeSettings(), model_source: str | None 
                     add("passkey", cell, what, f"{cell['correct']}/{cell['trials']}")
     for keys in s.decode_keys if Part.DECODE in s.parts else ():
         for batch in s.batches:
-            left = [k for k in decode_kinds if todo("decode", f"decode batch={batch} keys={keys} {k.text}",
-                                                    batch=batch, keys=keys, storage=k.text)]
-            if left:
-                results.data["decode"] += decode_rows(model, tokenizer, left, batch, keys, steps=s.decode_steps,
-                                                      rounds=s.rounds, log=log)
-                results.save()
+            for label, policy in decode_policies:
+                left = [k for k in decode_kinds if todo("decode", f"decode batch={batch} keys={keys} {k.text} "
+                                                        f"{label}", batch=batch, keys=keys, storage=k.text,
+                                                        policy=label)]
+                if left:
+                    results.data["decode"] += decode_rows(model, tokenizer, left, batch, keys, steps=s.decode_steps,
+                                                          rounds=s.rounds, policy=(label, policy), log=log)
+                    results.save()
     results.data["missing"] = expected_but_absent(results.data, [label for label, _ in policies])
     results.data["targets"] = targets(results.data)
     results.data["runs"].append({"parts": [p.value for p in s.parts], "max_minutes": max_minutes,
@@ -174,8 +181,10 @@ def expected_but_absent(data: dict[str, Any], policies: list[str]) -> list[str]:
     missing += [f"passkey context={context} {storage} {p}" for context in s["passkey_contexts"]
                 for storage in s["passkey_storages"] for p in s["passkey_policies"]
                 if absent("passkey", context=context, storage=storage, policy=p)]
-    missing += [f"decode batch={batch} keys={keys} {storage}" for keys in s["decode_keys"] for batch in s["batches"]
-                for storage in s["decode_storages"] if absent("decode", batch=batch, keys=keys, storage=storage)]
+    missing += [f"decode batch={batch} keys={keys} {storage} {p}" for keys in s["decode_keys"]
+                for batch in s["batches"] for storage in s["decode_storages"]
+                for p in s.get("decode_policies", ["full"])
+                if absent("decode", batch=batch, keys=keys, storage=storage, policy=p)]
     return missing
 
 

@@ -33,7 +33,7 @@ PREFILL_STEP = 512  # prompt tokens per engine step while the prompts go in
 
 
 def prefilled_engine(model: Any, tokenizer: Any, prompts: list[list[int]], storage: Storage, max_tokens: int,
-                      warmup: int) -> Engine:
+                      warmup: int, kv_policy: Any = None) -> Engine:
     batch = len(prompts)
     margin = -(-sum(len(p) for p in prompts) // PREFILL_STEP) + batch  # tokens decoded while later prompts prefill
     max_tokens += margin
@@ -41,7 +41,7 @@ def prefilled_engine(model: Any, tokenizer: Any, prompts: list[list[int]], stora
                     max_num_seqs=batch, prefill_step_size=PREFILL_STEP, prefill_tokens_while_decoding=None,
                     kv_dtype=storage.text, kv_group_size=storage.group_size)
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    waiting = {engine.add_request(p, sampling) for p in prompts}
+    waiting = {engine.add_request(p, sampling, kv_policy=kv_policy) for p in prompts}
     while waiting:
         waiting -= {out.request_id for out in engine.step() if out.token is not None}
     for _ in range(warmup):
@@ -65,8 +65,12 @@ def _segment(engine: Engine, steps: int) -> tuple[int, float]:
 
 
 def decode_rows(model: Any, tokenizer: Any, storages: list[Storage], batch: int, keys: int, *, steps: int,
-                rounds: int, warmup: int = 8, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """One row per storage: decode tokens/s of each round and their median, at `batch` sequences of `keys` keys."""
+                rounds: int, warmup: int = 8, policy: tuple[str, Any] = ("full", None),
+                log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """One row per storage: decode tokens/s of each round and their median, at `batch` sequences of `keys` keys
+    (prompt tokens). `policy` (label, KV policy or None): every request evicts under it, so its keys stay near
+    the budget while it decodes."""
+    label, kv_policy = policy
     prompts = prompt_token_lists(tokenizer, batch, keys)
     max_tokens = warmup + rounds * steps + 16  # a few tokens more than the steps need: no request ends early
     engines: dict[str, Engine] = {}
@@ -75,8 +79,10 @@ def decode_rows(model: Any, tokenizer: Any, storages: list[Storage], batch: int,
     try:
         for storage in storages:
             tic = time.perf_counter()
-            engines[storage.text] = prefilled_engine(model, tokenizer, prompts, storage, max_tokens, warmup)
-            log(f"decode batch={batch} keys={keys} {storage.text}: prompts in ({time.perf_counter() - tic:.0f}s)")
+            engines[storage.text] = prefilled_engine(model, tokenizer, prompts, storage, max_tokens, warmup,
+                                                     kv_policy)
+            log(f"decode batch={batch} keys={keys} {storage.text} {label}: prompts in "
+                f"({time.perf_counter() - tic:.0f}s)")
         names = [s.text for s in storages]
         for r in range(rounds):
             shift = r % len(names)
@@ -88,11 +94,13 @@ def decode_rows(model: Any, tokenizer: Any, storages: list[Storage], batch: int,
         release_engines(engines)
     rows = []
     for storage in storages:
-        rows.append({"batch": batch, "keys": keys, "storage": storage.text, "group_size": storage.group_size,
+        rows.append({"batch": batch, "keys": keys, "storage": storage.text, "policy": label,
+                     "spec": kv_policy.describe() if kv_policy is not None else "full",
+                     "group_size": storage.group_size,
                      "steps": steps, "rounds": rounds, "warmup_steps": warmup, "tokens": tokens[storage.text],
                      "expected_tokens": batch * steps * rounds, "keys_at_end": keys + warmup + rounds * steps,
                      "tps": tps[storage.text], "tps_median": statistics.median(tps[storage.text])})
-        log(f"decode batch={batch} keys={keys} {storage.text}: {rows[-1]['tps_median']:.1f} tok/s (median of "
+        log(f"decode batch={batch} keys={keys} {storage.text} {label}: {rows[-1]['tps_median']:.1f} tok/s (median of "
             f"{rounds})")
     return rows
 

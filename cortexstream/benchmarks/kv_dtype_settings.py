@@ -62,6 +62,7 @@ class KVDtypeSettings:
     batches: tuple[int, ...] = (1, 8)
     decode_keys: tuple[int, ...] = (512, 4096)
     decode_storages: tuple[str, ...] = ()
+    decode_policies: tuple[PolicyFamily, ...] = (PolicyFamily.FULL,)
     decode_steps: int = 16
     rounds: int = 3
     parts: tuple[Part, ...] = tuple(Part)
@@ -84,6 +85,8 @@ class KVDtypeSettings:
         object.__setattr__(self, "parts", _members(self.parts, Part, "--parts"))
         object.__setattr__(self, "passkey_policies", _members(self.passkey_policies, PolicyFamily,
                                                               "--passkey-policies"))
+        object.__setattr__(self, "decode_policies", _members(self.decode_policies, PolicyFamily,
+                                                             "--decode-policies"))
 
     def quick(self) -> "KVDtypeSettings":
         """A smoke run of every part: 256-token contexts, 2 passkey trials, 128 keys, 4 steps, 1 round."""
@@ -129,6 +132,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-keys", default=ints(d.decode_keys), help="prompt tokens (keys) of each request")
     parser.add_argument("--decode-kv-dtypes", default=AUTO,
                         help="semicolon-separated storages to time (auto: the model's float type, int8, int4)")
+    parser.add_argument("--decode-policies", default=",".join(p.value for p in d.decode_policies),
+                        help=f"comma-separated among {', '.join(p.value for p in PolicyFamily)} (at --budget): "
+                             "each request of the timed batch evicts to the budget as it decodes")
     parser.add_argument("--decode-steps", type=int, default=d.decode_steps, help="timed steps per storage and round")
     parser.add_argument("--rounds", type=int, default=d.rounds, help="decode rounds (the storage order rotates)")
 
@@ -151,7 +157,8 @@ def from_args(args: argparse.Namespace) -> KVDtypeSettings:
         passkey_policies=name_list(args.passkey_policies), passkey_trials=args.passkey_trials,
         passkey_chunk=args.passkey_chunk, batches=int_list(args.batches, "--batches", 1),
         decode_keys=int_list(args.decode_keys, "--decode-keys", 16),
-        decode_storages=storages(args.decode_kv_dtypes, "--decode-kv-dtypes"), decode_steps=args.decode_steps,
+        decode_storages=storages(args.decode_kv_dtypes, "--decode-kv-dtypes"),
+        decode_policies=name_list(args.decode_policies), decode_steps=args.decode_steps,
         rounds=args.rounds, parts=name_list(args.parts))
     return settings.quick() if args.quick else settings
 
