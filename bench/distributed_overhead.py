@@ -12,7 +12,9 @@ through `batch_generate`, one warm-up pass first) in one process and on two rank
   `mlx_lm.batch_generate` on every rank) on the same weights (the GGUF written as an mlx-lm directory by
   `cortexstream convert`);
 - per step, the ms rank 0 spends encoding and sending each plan to the other rank, and the bytes sent
-  (DistributedLeader.stats(), counted inside the leader).
+  (DistributedLeader.stats(), counted inside the leader);
+- latency of one stream: the first prompt alone through each system's `stream_generate` after the timed batch,
+  time to the first token and mean time per token after it (TTFT, TPOT).
 
 Models: `tiny` (a random 2-layer model whose 4 query / 2 KV heads split over 2 ranks, written to a temporary GGUF)
 and `qwen` (the verified Qwen2.5-Coder-0.5B-Instruct asset; skipped with the reason when absent). Two ranks on
@@ -31,7 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 RESULT = "distributed"
 
@@ -42,6 +44,16 @@ def _workload(tokenizer: Any, requests: int) -> list[list[int]]:
 
     tokens = tokenizer.encode(wiki_text()[0][:50_000])
     return [tokens[800 * i: 800 * i + 24 + 8 * i] for i in range(requests)]
+
+
+def stream_latency(responses: Iterator[Any]) -> dict[str, float]:
+    """TTFT and mean time per later token of a stream of one response per token (timed from the first `next`)."""
+    start = time.perf_counter()
+    times = [time.perf_counter() for _ in responses]
+    if not times:
+        raise RuntimeError("the stream returned no token")
+    return {"ttft_s": times[0] - start, "tpot_s": (times[-1] - times[0]) / max(len(times) - 1, 1),
+            "stream_tokens": len(times)}
 
 
 def mlx_lm_worker(model_dir: str, requests: int, max_tokens: int, out: str) -> int:
@@ -65,9 +77,10 @@ def mlx_lm_worker(model_dir: str, requests: int, max_tokens: int, out: str) -> i
     response = mlx_lm.batch_generate(model, tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True)
     seconds = time.perf_counter() - start
     generated = sum(len(ids) for ids in response.token_ids)
+    latency = stream_latency(mlx_lm.stream_generate(model, tokenizer, prompts[0], max_tokens=max_tokens))
     if not launched() or mx.distributed.init().rank() == 0:
-        json.dump({"seconds": seconds, "generated": generated, "tokens_per_s": generated / seconds, "ranks": ranks},
-                  open(out, "w"))
+        json.dump({"seconds": seconds, "generated": generated, "tokens_per_s": generated / seconds, "ranks": ranks,
+                   **latency}, open(out, "w"))
     return 0
 
 
@@ -87,7 +100,9 @@ def worker(model_path: str, requests: int, max_tokens: int, out: str) -> int:
                                           return_token_ids=True)
         seconds = time.perf_counter() - start
         generated = sum(len(ids) for ids in out.token_ids)
-        return {"seconds": seconds, "generated": generated, "tokens_per_s": generated / seconds}
+        latency = stream_latency(cortexstream.stream_generate(model, tokenizer, prompts[0], max_tokens=max_tokens,
+                                                              engine=engine))
+        return {"seconds": seconds, "generated": generated, "tokens_per_s": generated / seconds, **latency}
 
     settings = {"kv_tokens": 4096, "max_num_seqs": max(requests, 1)}
     if not launched():
@@ -173,19 +188,23 @@ def _markdown(payload: dict) -> str:
              "machine's cores, so 2 ranks here measure what the split costs, not what two machines gain. mlx-lm: "
              "`sharded_load` (tensor parallel) on the same weights, written as an mlx-lm directory by `cortexstream "
              "convert`.", "",
+             "Steps, plan encode+send and bytes: the timed batch pass on 2 ranks. TTFT and TPOT: one stream of the "
+             "first prompt after the batch (`stream_generate`), ms.", "",
              "| model | system | tokens/s, 1 rank | tokens/s, 2 ranks | 2 ranks / 1 | steps | plan encode+send "
-             "ms/step | plan bytes/step |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "ms/step | plan bytes/step | TTFT 1 rank | TTFT 2 ranks | TPOT 1 rank | TPOT 2 ranks |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, cell in payload["models"].items():
         if "skipped" in cell:
-            lines.append(f"| {name} | skipped: {cell['skipped']} | | | | | | |")
+            lines.append(f"| {name} | skipped: {cell['skipped']} | | | | | | | | | | |")
             continue
         for system, runs in cell.items():
             one, two = runs["1"], runs["2"]
             relay = (f"{two['steps']} | {two['relay_ms_per_step']:.3f} | {two['plan_bytes_per_step']:.0f}"
                      if "steps" in two else "n/a | n/a | n/a")
+            latency = " | ".join(f"{1000 * run[key]:.1f}" if key in run else "n/a"
+                                 for key in ("ttft_s", "tpot_s") for run in (one, two))
             lines.append(f"| {name} | {system} | {one['tokens_per_s']:.1f} | {two['tokens_per_s']:.1f} | "
-                         f"{two['tokens_per_s'] / one['tokens_per_s']:.2f}x | {relay} |")
+                         f"{two['tokens_per_s'] / one['tokens_per_s']:.2f}x | {relay} | {latency} |")
     lines += ["", f"Rerun: `{payload['command']}`"]
     return "\n".join(lines) + "\n"
 
