@@ -22,6 +22,7 @@ DIAGNOSTICS: dict[str, str] = {
     "kv_quant_attention": "decode attention over int8/int4 K/V: dequantize first vs quantized matmul (issue #32)",
     "kv_decode_profile": "where a batched decode step's time goes per KV storage (MLX compute vs Python graph) (#32)",
     "kv_key_schemes": "4-bit key layouts on a model with a key bias: perplexity per scheme (accuracy only) (#32)",
+    "kv_reply_margin": "memory-bound serving replayed offline: empty replies per KV storage, end-of-text margins (#32)",
     "kv_quant_layout": "quantized decode attention in the arena's layout: one strided call vs one call per KV head",
     "memory_budget": "serve --max-memory: peak RSS vs the budget under a workload needing twice its arena (#35)",
     "serve_handoff": "server: handing tokens to the event loop once per step vs once per token",
