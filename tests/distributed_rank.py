@@ -9,7 +9,8 @@ unseeded sampled requests), "streaming" (a position-based KV policy), "idle" (ra
 IDLE_SECONDS without stepping, generates again), "long" (generates until a rank is killed; OUT.json.started
 appears after the first tokens). On a real model (Qwen2.5-Coder-0.5B), with prompts of Wikipedia text: "real"
 (one greedy stream and 8 concurrent requests), "real_long" (one prompt beyond 4k tokens), "real_streaming" (a
-position-based policy that evicts), "real_int8" (the same 8 requests on an int8 KV arena). "soak" (tiny model):
+position-based policy that evicts), "real_h2o" (the 8 requests under a per-head H2O budget that evicts, prompt chunks
+pinned so that one process evicts where rank 0 does), "real_int8" (the same 8 requests on an int8 KV arena). "soak" (tiny model):
 30 greedy requests of mixed lengths on a small arena that forces preemption, every seventh aborted after 5
 tokens; rank 0 also writes every rank's BlockLedger digest. "policies", "kvzip", "merging", "prefix", "fork":
 per-head KV policies (selecting, reconstructing, merging), the prefix cache and n > 1
@@ -77,7 +78,9 @@ def engine_settings(scenarios: str) -> dict:
         return {"kv_tokens": 2048, "max_num_seqs": 4, **kv_scenarios.FIXED_CHUNKS}
     if "real" not in scenarios:
         return {"kv_tokens": 2048, "max_num_seqs": 4}
-    return {"kv_tokens": LONG_PROMPT + 2048, "max_num_seqs": 8, "kv_dtype": "int8" if "int8" in scenarios else None}
+    pinned = kv_scenarios.FIXED_CHUNKS if "h2o" in scenarios else {}
+    return {"kv_tokens": LONG_PROMPT + 2048, "max_num_seqs": 8, "kv_dtype": "int8" if "int8" in scenarios else None,
+            **pinned}
 
 
 def real(model, tokenizer, engine_for, scenario: str) -> dict:
@@ -97,6 +100,10 @@ def real(model, tokenizer, engine_for, scenario: str) -> dict:
         out = cortexstream.batch_generate(model, tokenizer, short[4:], max_tokens=REAL_TOKENS * 2, engine=engine,
                                           kv_policy="streaming:sinks=4,window=32", return_token_ids=True)
         return {"real_streaming": out.token_ids}
+    if scenario == "real_h2o":
+        out = cortexstream.batch_generate(model, tokenizer, short, max_tokens=REAL_TOKENS * 2, engine=engine,
+                                          kv_policy="h2o:budget=32,sinks=4", return_token_ids=True)
+        return {"real_h2o": out.token_ids, "real_h2o_evicted": engine.stats()["evicted_tokens"]}
     if scenario == "real_int8":
         out = cortexstream.batch_generate(model, tokenizer, short, max_tokens=REAL_TOKENS, engine=engine,
                                           return_token_ids=True)

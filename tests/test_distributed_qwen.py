@@ -2,6 +2,8 @@
 
 - greedy tokens of two ranks equal one process's: one stream and 8 concurrent requests of Wikipedia text, and
   one prompt of 4200 tokens (its own test: the slowest part on a CPU);
+- with a per-head H2O budget that evicts (prompt chunks pinned), the tokens of 8 concurrent requests equal one
+  process's;
 - with the `streaming` policy (evicting) and with an int8 KV arena (quantized blocks on each rank), every rank
   samples the same tokens, and the int8 tokens equal one process's int8 tokens;
 - each rank holds half the KV bytes per token and less than one process's weights.
@@ -78,6 +80,14 @@ def test_qwen_on_two_ranks_with_an_int8_kv_arena(ring, qwen):
     assert rank0["real_int8"] == alone["real_int8"]
     assert_rank_tokens(rank0["real_int8"], rank1)
     assert rank0["kv_bytes_per_token"] * 2 == alone["kv_bytes_per_token"]
+
+
+def test_qwen_on_two_ranks_with_an_evicting_h2o_policy(ring, qwen):
+    alone = local(ring, qwen, "real_h2o")
+    rank0, rank1 = ranks(ring, qwen, "real_h2o")
+    assert rank0["real_h2o"] == alone["real_h2o"] and len(rank0["real_h2o"]) == 8
+    assert_rank_tokens(rank0["real_h2o"], rank1)
+    assert rank0["real_h2o_evicted"] == alone["real_h2o_evicted"] and alone["real_h2o_evicted"] > 0
 
 
 def test_qwen_on_two_ranks_with_a_prompt_beyond_4k_tokens(ring, qwen):
