@@ -21,6 +21,7 @@ from typing import Callable, ClassVar
 import numpy as np
 
 from cortexstream.errors import InvalidArgumentError
+from cortexstream.policies.base import check_real
 from cortexstream.policies.snapkv import SnapKV, pool_scores
 
 
@@ -69,8 +70,7 @@ class AdaKV(SnapKV):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.floor, bool) or not isinstance(self.floor, (int, float)) or not 0 <= self.floor <= 1:
-            raise InvalidArgumentError(f"AdaKV: floor {self.floor!r} must be a fraction in [0, 1]")
+        check_real("AdaKV", "floor", self.floor, 0, 1, "a fraction in [0, 1]")
 
     def select(self, num_physical: int, context: int, scores: np.ndarray | None) -> np.ndarray | None:
         raise InvalidArgumentError("AdaKV selects cells (select_cells): the runtime must pool heads")

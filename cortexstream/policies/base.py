@@ -47,6 +47,13 @@ def check_count(name: str, value: int, minimum: int = 0) -> int:
     return value
 
 
+def check_real(owner: str, name: str, value: float, low: float, high: float, rule: str) -> float:
+    """A number (not a bool) in [low, high], else an error naming the policy, the argument and `rule`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= float(value) <= high:
+        raise InvalidArgumentError(f"{owner}: {name} {value!r} must be {rule}")
+    return value
+
+
 def resolve_budget(value: Budget, context: int) -> int:
     """Tokens for a budget: ints as given, fractions of `context` rounded up."""
     if isinstance(value, int):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from cortexstream.errors import InvalidArgumentError
+from cortexstream.policies.base import check_real
 from cortexstream.policies.h2o import H2O
 
 
@@ -25,9 +25,7 @@ class D2O(H2O):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
-                or not -1.0 <= float(self.threshold) <= 1.0:
-            raise InvalidArgumentError(f"D2O: threshold {self.threshold!r} must be a cosine in [-1, 1]")
+        check_real("D2O", "threshold", self.threshold, -1.0, 1.0, "a cosine in [-1, 1]")
 
     def describe(self) -> str:
         recent = "" if self.recent is None else f",recent={self.recent}"

@@ -31,7 +31,7 @@ from typing import ClassVar
 import numpy as np
 
 from cortexstream.errors import InvalidArgumentError
-from cortexstream.policies.base import Budget, KVPolicy, check_budget, check_count, resolve_budget
+from cortexstream.policies.base import Budget, KVPolicy, check_budget, check_count, check_real, resolve_budget
 from cortexstream.policies.snapkv import Pooling, pool_scores
 
 
@@ -73,8 +73,7 @@ class KVzip(KVPolicy):
             raise InvalidArgumentError(f"KVzip: kernel {self.kernel} must be odd (a window centred on each key)")
         if not isinstance(self.shared, bool):
             raise InvalidArgumentError(f"KVzip: shared {self.shared!r} must be a boolean")
-        if isinstance(self.floor, bool) or not isinstance(self.floor, (int, float)) or not 0 <= self.floor <= 1:
-            raise InvalidArgumentError(f"KVzip: floor {self.floor!r} must be a fraction in [0, 1]")
+        check_real("KVzip", "floor", self.floor, 0, 1, "a fraction in [0, 1]")
         if isinstance(self.budget, int) and self.budget < self.minimum_budget:
             raise InvalidArgumentError(f"KVzip: budget {self.budget} must be >= {self.minimum_budget} (sinks "
                                        f"{self.sinks} + 1 scored key)")
