@@ -1,5 +1,5 @@
 """D2O-style merging on eviction: the values a direct computation gives, the budget kept, batched equal to
-unbatched, and the string form."""
+unbatched, and the string form; the same merging on SnapKV's and KVzip's choices (`merge=`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from cortexstream.engine.evict_merge import merged_values
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.evaluation.perplexity import token_nlls
 from cortexstream.kv.prompt_cache import make_prompt_cache
-from cortexstream.policies import D2O, H2O, parse_policy
-from test_policies_runtime import assert_batched_matches_alone
+from cortexstream.policies import D2O, H2O, KVzip, SnapKV, parse_policy
+
+from test_policies_runtime import assert_batched_matches_alone, engine_run
 from tiny_models import random_token_ids
 
 
@@ -72,3 +73,51 @@ def test_batched_equals_unbatched(sharp):
     prompts = [random_token_ids(50, seed=s) for s in range(3)]
     policies = [D2O(budget=24, recent=6), D2O(budget=0.4, threshold=0.0), None]
     assert_batched_matches_alone(model, tokenizer, prompts, policies, max_tokens=12, context=62)
+
+
+def test_merge_on_snapkv_and_kvzip_string_forms_and_refusals():
+    policy = parse_policy("snapkv:budget=0.2,merge=0.4")
+    assert policy == SnapKV(budget=0.2, merge=0.4) and policy.merges_evicted and policy.merge_threshold == 0.4
+    assert parse_policy(policy.describe()) == policy
+    assert not SnapKV(budget=0.2).merges_evicted and SnapKV(budget=0.2).merge_threshold is None
+    zipped = parse_policy("kvzip:budget=0.33,merge=0")
+    assert zipped.merges_evicted and zipped.merge_threshold == 0.0 and parse_policy(zipped.describe()) == zipped
+    for spec, words in (("snapkv:merge=1.5", "SnapKV: merge 1.5 must be a cosine"),
+                        ("kvzip:merge=-2", "KVzip: merge -2.0 must be a cosine"),
+                        ("kvzip:shared=1,merge=0.5", "KVzip: merge needs a per-head choice"),
+                        ("adakv:merge=0.5", "AdaKV: merge is not supported")):
+        with pytest.raises(InvalidArgumentError, match=words):
+            parse_policy(spec)
+
+
+def test_snapkv_merge_keeps_its_choice_and_budget_and_changes_only_values(sharp):
+    """Perplexity under SnapKV with merge=1.0 (nothing is that similar) equals plain SnapKV; merge=0 folds and
+    changes later tokens' losses; the slots kept stay SnapKV's (the budget after every pass)."""
+    model, _ = sharp
+    tokens = random_token_ids(90)
+    sizes = []
+    plain = token_nlls(model, tokens, SnapKV(budget=24, window=6), chunk_size=8)
+    never = token_nlls(model, tokens, SnapKV(budget=24, window=6, merge=1.0), chunk_size=8)
+    folded = token_nlls(model, tokens, SnapKV(budget=24, window=6, merge=0.0), chunk_size=8,
+                        on_chunk=lambda i, cache: sizes.append(cache[0].sequence.num_tokens))
+    np.testing.assert_allclose(never, plain, atol=1e-5)
+    assert folded.shape == plain.shape and not np.allclose(folded, plain)
+    assert max(sizes) == 24 and sizes[-1] == 24
+
+
+def test_merging_snapkv_and_kvzip_batched_equal_alone(sharp):
+    model, tokenizer = sharp
+    prompts = [random_token_ids(50, seed=s) for s in range(3)]
+    assert_batched_matches_alone(model, tokenizer, prompts, [SnapKV(budget=24, window=6, merge=0.0),
+                                                             SnapKV(budget=0.4, merge=0.3), None],
+                                 max_tokens=12, context=62)
+    policies = [KVzip(budget=30, chunk=32, merge=0.0), None]
+    tokens, logprobs, _, _ = engine_run(model, tokenizer, prompts[:2], policies, max_tokens=10,
+                                        prefill_step_size=256)
+    alone, alone_logprobs, _, _ = engine_run(model, tokenizer, prompts[:1], policies[:1], max_tokens=10,
+                                             prefill_step_size=256)
+    _, plain_logprobs, _, _ = engine_run(model, tokenizer, prompts[:1], [KVzip(budget=30, chunk=32)],
+                                         max_tokens=10, prefill_step_size=256)
+    assert tokens[0] == alone[0]
+    np.testing.assert_allclose(logprobs[0], alone_logprobs[0], atol=2e-4)
+    assert not np.allclose(logprobs[0], plain_logprobs[0], atol=1e-4)  # the folded values reach the logits

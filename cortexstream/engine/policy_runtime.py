@@ -156,7 +156,7 @@ class PolicyState:
             if self.policy.merges_evicted:
                 full = keep if keep.ndim == 3 else np.broadcast_to(keep, (len(self.scores), self.scores[0].shape[0],
                                                                           keep.shape[-1]))
-                new_values, folded = merged_values(seq, full, float(self.policy.threshold))
+                new_values, folded = merged_values(seq, full, float(self.policy.merge_threshold))
                 self.num_folded += folded
             seq.keep(keep)
             if new_values is not None:

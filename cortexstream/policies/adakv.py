@@ -71,6 +71,9 @@ class AdaKV(SnapKV):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_real("AdaKV", "floor", self.floor, 0, 1, "a fraction in [0, 1]")
+        if self.merge is not None:
+            raise InvalidArgumentError("AdaKV: merge is not supported: a pooled cell holds one head's key, and "
+                                       "folding dropped keys into kept ones needs a per-head choice (snapkv)")
 
     def select(self, num_physical: int, context: int, scores: np.ndarray | None) -> np.ndarray | None:
         raise InvalidArgumentError("AdaKV selects cells (select_cells): the runtime must pool heads")

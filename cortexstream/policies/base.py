@@ -54,6 +54,11 @@ def check_real(owner: str, name: str, value: float, low: float, high: float, rul
     return value
 
 
+def merge_suffix(merge: float | None) -> str:
+    """A policy string's `,merge=T` (nothing when the policy does not fold dropped keys into kept ones)."""
+    return "" if merge is None else f",merge={merge:g}"
+
+
 def resolve_budget(value: Budget, context: int) -> int:
     """Tokens for a budget: ints as given, fractions of `context` rounded up."""
     if isinstance(value, int):
@@ -77,7 +82,7 @@ class KVPolicy:
     - `uses_logit_bias`: merged slots carry an additive attention-logit bias the SDPA hook adds.
     - `rerotate`: kept keys are re-rotated to positions 0..n-1 after each eviction (needs the model's RoPE).
     - `merges_evicted`: before the slots `select` dropped are compacted away, each is folded into the value of
-      its most similar kept slot (`engine.evict_merge`; the policy's `threshold`).
+      its most similar kept slot (`engine.evict_merge`) when their keys' cosine reaches `merge_threshold`.
     - `needs_query_statistics`: the runtime keeps the prompt's query mean and covariance per layer and head and
       passes each key's expected attention to `select` as its scores (`engine.query_statistics`).
     - `observation_window`: None, or how many queries before the end of a prompt vote (SnapKV): the runtime
@@ -109,6 +114,7 @@ class KVPolicy:
     selects_per_head = False
     merges_per_head = False
     pools_heads = False
+    merge_threshold: float | None = None
     parse_keys: ClassVar[dict[str, str]] = {}
 
     def budget_tokens(self, context: int) -> int | None:

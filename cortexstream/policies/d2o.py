@@ -27,6 +27,10 @@ class D2O(H2O):
         super().__post_init__()
         check_real("D2O", "threshold", self.threshold, -1.0, 1.0, "a cosine in [-1, 1]")
 
+    @property
+    def merge_threshold(self) -> float:  # type: ignore[override]
+        return float(self.threshold)
+
     def describe(self) -> str:
         recent = "" if self.recent is None else f",recent={self.recent}"
         prefix = f",keep_prefix={self.keep_prefix}" if self.keep_prefix else ""

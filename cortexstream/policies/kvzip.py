@@ -21,6 +21,9 @@ leave free, `engine.pooled_heads`).
 Tokens added after a reconstruction (generated tokens, a later turn's prompt before its own reconstruction) carry
 no reconstruction score yet: they are kept ahead of every scored key, so a cache over its budget gives up its
 least important context first.
+
+`merge=T` (not with `shared=1`): a dropped key close to a kept key of its head (cosine >= T) folds its value into
+that kept key's value instead of being lost (CaM / D2O style, `engine.evict_merge`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from typing import ClassVar
 import numpy as np
 
 from cortexstream.errors import InvalidArgumentError
-from cortexstream.policies.base import Budget, KVPolicy, check_budget, check_count, check_real, resolve_budget
+from cortexstream.policies.base import (
+    Budget, KVPolicy, check_budget, check_count, check_real, merge_suffix, resolve_budget,
+)
 from cortexstream.policies.snapkv import Pooling, pool_scores
 
 
@@ -46,6 +51,7 @@ class KVzip(KVPolicy):
     kernel: int = 1
     shared: bool = False
     floor: float = 0.2
+    merge: float | None = None
 
     name = "kvzip"
     evicts = True
@@ -54,7 +60,8 @@ class KVzip(KVPolicy):
     # Each KV head ranks its own slots by the most attention its GQA group's reconstruction queries paid them, and
     # keeps sinks + budget - sinks of them: a count fixed by the budget and the lengths, the same in every head.
     parse_keys: ClassVar[dict[str, str]] = {"budget": "budget", "sinks": "count", "chunk": "count",
-                                            "kernel": "count", "shared": "bool", "floor": "float"}
+                                            "kernel": "count", "shared": "bool", "floor": "float",
+                                            "merge": "float"}
 
     @property
     def selects_per_head(self) -> bool:  # type: ignore[override]
@@ -63,6 +70,14 @@ class KVzip(KVPolicy):
     @property
     def pools_heads(self) -> bool:  # type: ignore[override]
         return self.shared
+
+    @property
+    def merges_evicted(self) -> bool:  # type: ignore[override]
+        return self.merge is not None
+
+    @property
+    def merge_threshold(self) -> float | None:  # type: ignore[override]
+        return None if self.merge is None else float(self.merge)
 
     def __post_init__(self) -> None:
         check_budget("budget", self.budget)
@@ -74,6 +89,12 @@ class KVzip(KVPolicy):
         if not isinstance(self.shared, bool):
             raise InvalidArgumentError(f"KVzip: shared {self.shared!r} must be a boolean")
         check_real("KVzip", "floor", self.floor, 0, 1, "a fraction in [0, 1]")
+        if self.merge is not None:
+            check_real("KVzip", "merge", self.merge, -1.0, 1.0,
+                       "a cosine in [-1, 1] (a dropped key folds into its most similar kept key at or above it)")
+            if self.shared:
+                raise InvalidArgumentError("KVzip: merge needs a per-head choice; shared=1 pools heads (a cell "
+                                           "holds one head's key), give one or the other")
         if isinstance(self.budget, int) and self.budget < self.minimum_budget:
             raise InvalidArgumentError(f"KVzip: budget {self.budget} must be >= {self.minimum_budget} (sinks "
                                        f"{self.sinks} + 1 scored key)")
@@ -129,4 +150,5 @@ class KVzip(KVPolicy):
 
     def describe(self) -> str:
         shared = f",shared=1,floor={self.floor:g}" if self.shared else ""
-        return f"kvzip:budget={self.budget},sinks={self.sinks},chunk={self.chunk},kernel={self.kernel}{shared}"
+        return (f"kvzip:budget={self.budget},sinks={self.sinks},chunk={self.chunk},kernel={self.kernel}{shared}"
+                f"{merge_suffix(self.merge)}")

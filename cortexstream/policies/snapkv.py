@@ -15,6 +15,9 @@ scores, as H2O accumulates its own. Without a known prompt end (perplexity over 
 queries of each forward pass vote and eviction follows every pass.
 
 GQA: a KV head's votes are summed over its query heads (as `attention_received` gives them).
+
+`merge=T` (CaM / D2O style, `engine.evict_merge`): a key the votes drop is not lost when it is close to a kept key
+of its head (cosine >= T): its value is folded into that kept key's value. Same slots and memory as without.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from cortexstream.errors import InvalidArgumentError
-from cortexstream.policies.base import Budget, KVPolicy, check_budget, check_count, resolve_budget
+from cortexstream.policies.base import (
+    Budget, KVPolicy, check_budget, check_count, check_real, merge_suffix, resolve_budget,
+)
 
 
 class Pooling(str, enum.Enum):
@@ -57,13 +62,14 @@ class SnapKV(KVPolicy):
     kernel: int = 7
     pooling: Pooling = Pooling.MAX
     sinks: int = 4
+    merge: float | None = None
 
     name = "snapkv"
     evicts = True
     needs_attention_scores = True
     selects_per_head = True  # votes pooled along one head's keys, a budget-fixed count per (layer, KV head)
     parse_keys: ClassVar[dict[str, str]] = {"budget": "budget", "window": "count", "kernel": "count",
-                                            "pooling": "str", "sinks": "count"}
+                                            "pooling": "str", "sinks": "count", "merge": "float"}
 
     def __post_init__(self) -> None:
         check_budget("budget", self.budget)
@@ -77,9 +83,20 @@ class SnapKV(KVPolicy):
         except ValueError:
             raise InvalidArgumentError(f"SnapKV: pooling {self.pooling!r} must be one of "
                                        f"{', '.join(p.value for p in Pooling)}") from None
+        if self.merge is not None:
+            check_real(type(self).__name__, "merge", self.merge, -1.0, 1.0,
+                       "a cosine in [-1, 1] (a dropped key folds into its most similar kept key at or above it)")
         if isinstance(self.budget, int) and self.budget < self.minimum_budget:
             raise InvalidArgumentError(f"SnapKV: budget {self.budget} must be >= {self.minimum_budget} (sinks "
                                        f"{self.sinks} + 1 voted key + at least 1 of the window)")
+
+    @property
+    def merges_evicted(self) -> bool:  # type: ignore[override]
+        return self.merge is not None
+
+    @property
+    def merge_threshold(self) -> float | None:  # type: ignore[override]
+        return None if self.merge is None else float(self.merge)
 
     @property
     def observation_window(self) -> int:
@@ -120,4 +137,4 @@ class SnapKV(KVPolicy):
 
     def describe(self) -> str:
         return (f"snapkv:budget={self.budget},window={self.window},kernel={self.kernel},"
-                f"pooling={self.pooling.value},sinks={self.sinks}")
+                f"pooling={self.pooling.value},sinks={self.sinks}{merge_suffix(self.merge)}")
