@@ -16,7 +16,8 @@ tokens; rank 0 also writes every rank's BlockLedger digest. "policies", "kvzip",
 per-head KV policies (selecting, reconstructing, merging), the prefix cache and n > 1
 (tests/distributed_kv_scenarios.py). "local" runs single and
 batch in one process without ranks, "local:SCENARIOS" those scenarios: the reference. Rank 0 also reports its
-weights' bytes and its arena's KV bytes per token.
+weights' bytes and its arena's KV bytes per token; every other rank writes its weights' bytes to
+OUT.json.rank<N>.footprint.
 """
 
 from __future__ import annotations
@@ -111,11 +112,14 @@ def real(model, tokenizer, engine_for, scenario: str) -> dict:
     raise SystemExit(f"unknown scenario {scenario!r}")
 
 
-def footprint(model, engine) -> dict:
+def param_bytes(model) -> int:
     from mlx.utils import tree_flatten
 
-    return {"param_bytes": sum(v.nbytes for _, v in tree_flatten(model.parameters())),
-            "kv_bytes_per_token": engine.arena.config.bytes_per_token}
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def footprint(model, engine) -> dict:
+    return {"param_bytes": param_bytes(model), "kv_bytes_per_token": engine.arena.config.bytes_per_token}
 
 
 def run(model, tokenizer, engine_for, scenario: str, copies=lambda: 0, score_items=lambda: 0) -> dict:
@@ -197,6 +201,7 @@ def main() -> int:
             ranks.follow()
             json.dump({rid: [int(t) for array in arrays for t in array.reshape(-1).tolist()]
                        for rid, arrays in sampled.items()}, open(out_path + f".rank{ranks.group.rank}", "w"))
+            json.dump({"param_bytes": param_bytes(model)}, open(out_path + f".rank{ranks.group.rank}.footprint", "w"))
             return 0
 
         engines: list[Engine] = []

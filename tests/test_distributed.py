@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from cortexstream.distributed.local_ranks import free_port_pair, rank_environment, write_local_hostfile
-from tiny_models import varied_tiny_model, write_tiny_gguf
+from tiny_models import TINY_CONFIG, varied_tiny_model, write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 RANK = str(ROOT / "tests" / "distributed_rank.py")
@@ -126,6 +126,12 @@ def test_two_ranks_generate_what_one_process_generates_through_mlx_launch(ring, 
     assert result["single"] == reference["single"] and len(set(result["single"])) > 5
     assert result["batch"] == reference["batch"]
     assert result["kv_heads"] == 1  # 2 KV heads split over 2 ranks: each arena holds one
+    # Attention, MLP, the embedding table (tied to the output head) split: each rank keeps about half the weights.
+    # Only the norms stay whole on both ranks (2 per layer and the final one, float32).
+    kept = [result["param_bytes"], json.loads(Path(f"{out}.rank1.footprint").read_text())["param_bytes"]]
+    norms = (2 * TINY_CONFIG["num_hidden_layers"] + 1) * TINY_CONFIG["hidden_size"] * 4
+    assert sum(kept) == reference["param_bytes"] + norms, (kept, reference["param_bytes"])
+    assert all(abs(k / reference["param_bytes"] - 0.5) < 0.01 for k in kept), (kept, reference["param_bytes"])
 
 
 def test_every_rank_samples_the_same_tokens_seeded_or_not(ring, split_model):

@@ -1,10 +1,13 @@
-"""Tensor parallelism: each rank keeps 1/N of every attention and MLP projection (mlx-lm's `model.shard`).
+"""Tensor parallelism: each rank keeps 1/N of every attention and MLP projection (mlx-lm's `model.shard`) and
+1/N of the vocabulary rows of the embedding table and the output head (vocab_parallel.py).
 
 mlx-lm's llama/qwen2/mistral-style `shard(group)` splits q/k/v/gate/up by output rows and o/down by input columns,
 so each rank holds `heads / N` query heads and `kv_heads / N` KV heads (its arena holds only those: the KV bytes per
-rank are 1/N), and the two all-sums per layer leave every rank with the same hidden states and logits. A model is
-refused, before anything changes, when it has no `shard`, or when a head count or the MLP width does not divide by
-the number of ranks (SmolLM2-135M: 9 query heads and 3 KV heads do not split over 2 ranks).
+rank are 1/N), and the two all-sums per layer leave every rank with the same hidden states. The split embedding
+all-sums each lookup and the split head all-gathers the logits, so every rank sees the same logits. A model is
+refused, before anything changes, when it has no `shard`, when a head count or the MLP width does not divide by
+the number of ranks (SmolLM2-135M: 9 query heads and 3 KV heads do not split over 2 ranks), or when its embedding
+table or output head cannot be split by vocabulary rows (`vocabulary_problem`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 import mlx.core as mx
 
 from cortexstream.distributed.errors import DistributedError
+from cortexstream.distributed.vocab_parallel import split_vocabulary, vocabulary_problem
 from cortexstream.models.split_mark import mark_split
 
 
@@ -39,7 +43,7 @@ def shard_problem(model: Any, size: int) -> str | None:
         have = ", ".join(f"{count} {name}" for name, count in counts)
         return (f"the model has {have}: its {' and '.join(bad)} do not divide by {size} ranks (tensor parallelism "
                 f"gives each rank 1/{size} of them); run on a number of ranks that divides them")
-    return None
+    return vocabulary_problem(model, size)
 
 
 def shard_model(model: Any, group: Any, size: int) -> None:
@@ -48,5 +52,6 @@ def shard_model(model: Any, group: Any, size: int) -> None:
     if problem is not None:
         raise DistributedError(f"cannot split the model over {size} ranks: {problem}")
     model.shard(group)
+    split_vocabulary(model, group, size, group.rank())
     mark_split(model, size)  # a split model run by one rank alone would wait in its all-sums forever
     mx.eval(model.parameters())
