@@ -60,6 +60,21 @@ def test_select_keeps_sinks_window_and_the_most_voted_keys_per_head():
     assert set(pooled[0, 0, :4].tolist()) <= {4, 5, 6, 8, 9, 10}  # neighbours of the top votes come with them
 
 
+def test_recent_keeps_more_of_the_newest_keys_than_the_window():
+    scores = np.zeros((1, 2, 30))
+    scores[0, :, [5, 9, 12, 20, 21]] = np.array([5, 4, 3, 2, 1])[:, None]
+    keep = SnapKV(budget=10, window=3, kernel=1, sinks=2, recent=5).select(30, 100, scores)
+    assert keep[0, 0].tolist() == [0, 1, 5, 9, 12, 25, 26, 27, 28, 29]  # 5 newest, 3 voted
+    half = SnapKV(budget=10, window=3, kernel=1, sinks=2, recent=0.5)
+    assert half.recent_tokens(10) == 5 and (half.select(30, 100, scores) == keep).all()
+    assert SnapKV(budget=10, window=3).recent_tokens(10) == 3  # default: the window
+    policy = parse_policy("snapkv:budget=0.2,recent=0.5,merge=0.3")
+    assert policy == SnapKV(budget=0.2, recent=0.5, merge=0.3) and parse_policy(policy.describe()) == policy
+    for spec in ("snapkv:recent=0", "snapkv:recent=1.5"):
+        with pytest.raises(InvalidArgumentError, match="recent"):
+            parse_policy(spec)
+
+
 def test_the_prompt_is_held_whole_while_it_is_prefilled():
     policy = SnapKV(budget=40)
     assert policy.max_physical_tokens(1000, 16, prompt_tokens=900) == 916

@@ -10,7 +10,8 @@ least that fraction of an equal share, so no head is left with only its sinks an
 Memory. A head may now keep more keys than the sequence has slots; the slots of a head that keeps fewer hold the
 surplus (`pools_heads`): the engine records each stored cell's owning head and attends each head over its own
 cells (`engine.pooled_heads`), so the arena holds `budget` slots per layer, as SnapKV's does, and no padding.
-Always kept, per head: the first `sinks` keys and the last `window` (the observation window), by position.
+Always kept, per head: the first `sinks` keys and the last `window` (the observation window; `recent` as SnapKV's),
+by position.
 """
 
 from __future__ import annotations
@@ -92,11 +93,12 @@ class AdaKV(SnapKV):
             raise InvalidArgumentError(f"AdaKV: scores {scores.shape}, positions {positions.shape} and owners "
                                        f"{owners.shape} must all be [layers, heads, {num_physical}]")
         front = min(self.sinks, budget - 2)
-        recent = min(self.window, budget - front - 1)
+        recent = min(self.recent_tokens(budget), budget - front - 1)
         pool = lambda row: pool_scores(row[None], self.kernel, self.pooling)[0]  # noqa: E731
         return np.stack([shared_cells(s, p, o, front, recent, budget - front - recent, self.floor, pool)
                          for s, p, o in zip(scores, positions, owners)])
 
     def describe(self) -> str:
         return (f"adakv:budget={self.budget},window={self.window},kernel={self.kernel},"
-                f"pooling={self.pooling.value},sinks={self.sinks},floor={self.floor:g}")
+                f"pooling={self.pooling.value},sinks={self.sinks},floor={self.floor:g}"
+                f"{'' if self.recent is None else f',recent={self.recent:g}'}")

@@ -16,6 +16,10 @@ queries of each forward pass vote and eviction follows every pass.
 
 GQA: a KV head's votes are summed over its query heads (as `attention_received` gives them).
 
+`recent` (default: the window) is how many of the newest keys are kept by position: a count, or a fraction of the
+budget (`recent=0.5` is H2O's split). Keeping more than the window serves text that is read on, not asked about
+(perplexity over a stream): the window alone keeps the last 32.
+
 `merge=T` (CaM / D2O style, `engine.evict_merge`): a key the votes drop is not lost when it is close to a kept key
 of its head (cosine >= T): its value is folded into that kept key's value. Same slots and memory as without.
 """
@@ -63,13 +67,15 @@ class SnapKV(KVPolicy):
     pooling: Pooling = Pooling.MAX
     sinks: int = 4
     merge: float | None = None
+    recent: Budget | None = None
 
     name = "snapkv"
     evicts = True
     needs_attention_scores = True
     selects_per_head = True  # votes pooled along one head's keys, a budget-fixed count per (layer, KV head)
     parse_keys: ClassVar[dict[str, str]] = {"budget": "budget", "window": "count", "kernel": "count",
-                                            "pooling": "str", "sinks": "count", "merge": "float"}
+                                            "pooling": "str", "sinks": "count", "merge": "float",
+                                            "recent": "budget"}
 
     def __post_init__(self) -> None:
         check_budget("budget", self.budget)
@@ -83,6 +89,8 @@ class SnapKV(KVPolicy):
         except ValueError:
             raise InvalidArgumentError(f"SnapKV: pooling {self.pooling!r} must be one of "
                                        f"{', '.join(p.value for p in Pooling)}") from None
+        if self.recent is not None:
+            check_budget("recent", self.recent)
         if self.merge is not None:
             check_real(type(self).__name__, "merge", self.merge, -1.0, 1.0,
                        "a cosine in [-1, 1] (a dropped key folds into its most similar kept key at or above it)")
@@ -115,6 +123,12 @@ class SnapKV(KVPolicy):
         bound = self.budget_tokens(max_total_tokens) + chunk
         return bound if prompt_tokens is None else max(bound, prompt_tokens + chunk)
 
+    def recent_tokens(self, budget: int) -> int:
+        """The newest keys kept by position: `recent` (a count, or a fraction of `budget`), else the window."""
+        if self.recent is None:
+            return self.window
+        return self.recent if isinstance(self.recent, int) else int(self.recent * budget)
+
     def select(self, num_physical: int, context: int, scores: np.ndarray | None) -> np.ndarray | None:
         budget = self.budget_tokens(context)
         if num_physical <= budget:
@@ -125,7 +139,7 @@ class SnapKV(KVPolicy):
         if n != num_physical:
             raise InvalidArgumentError(f"SnapKV: {n} scores for {num_physical} physical tokens")
         front = min(self.sinks, budget - 2)
-        recent = min(self.window, budget - front - 1)
+        recent = min(self.recent_tokens(budget), budget - front - 1)
         voted = budget - front - recent
         pooled = pool_scores(scores, self.kernel, self.pooling)[:, :, front : n - recent]
         order = np.argsort(-pooled, axis=-1, kind="stable")[..., :voted] + front
@@ -137,4 +151,5 @@ class SnapKV(KVPolicy):
 
     def describe(self) -> str:
         return (f"snapkv:budget={self.budget},window={self.window},kernel={self.kernel},"
-                f"pooling={self.pooling.value},sinks={self.sinks}{merge_suffix(self.merge)}")
+                f"pooling={self.pooling.value},sinks={self.sinks}"
+                f"{'' if self.recent is None else f',recent={self.recent:g}'}{merge_suffix(self.merge)}")
