@@ -14,10 +14,12 @@ pinned so that one process evicts where rank 0 does), "real_int8" (the same 8 re
 30 greedy requests of mixed lengths on a small arena that forces preemption, every seventh aborted after 5
 tokens; rank 0 also writes every rank's BlockLedger digest. "policies", "kvzip", "merging", "prefix", "fork":
 per-head KV policies (selecting, reconstructing, merging), the prefix cache and n > 1
-(tests/distributed_kv_scenarios.py). "local" runs single and
+(tests/distributed_kv_scenarios.py). "ngram": greedy requests with repetitive prompts under prompt-lookup
+speculation, with a fixed k and the default adaptive k (tokens, and the drafted and accepted counts). "local" runs
+single and
 batch in one process without ranks, "local:SCENARIOS" those scenarios: the reference. Rank 0 also reports its
-weights' bytes and its arena's KV bytes per token; every other rank writes its weights' bytes to
-OUT.json.rank<N>.footprint.
+weights' bytes and its arena's KV bytes per token; every other rank writes its weights' bytes and how many drafted
+tokens its runner accepted to OUT.json.rank<N>.footprint.
 """
 
 from __future__ import annotations
@@ -43,6 +45,30 @@ def wiki_prompts(tokenizer) -> tuple[list[list[int]], list[int]]:
     tokens = tokenizer.encode(wiki_text()[0][:200_000])
     short = [tokens[1000 * i: 1000 * i + 20 + 6 * i] for i in range(8)]
     return short, tokens[20_000: 20_000 + LONG_PROMPT]
+
+
+# Repetitive prompts, so that prompt lookup finds matches; the first form drafts k at every match (acceptance does
+# not depend on the steps' timings), the second is the default (k adapted to acceptance and measured step costs).
+NGRAM_PROMPTS = [[5, 17, 99, 42] * 6, [3, 8, 120, 64, 11] * 5, list(range(10, 30)) * 2, [77, 78] * 8]
+NGRAM_FORMS = {"ngram_fixed": "ngram:k=4,n=3,adaptive=0", "ngram": "ngram:k=4,n=3",
+               "ngram_sampled": "ngram:k=4,n=3,adaptive=0"}  # the last one sampled without a seed
+
+
+def ngram(model, tokenizer, engine) -> dict:
+    """The repetitive prompts under each prompt-lookup form (greedy, then sampled without a seed): tokens, and the tokens
+    drafted and accepted."""
+    result = {}
+    for key, form in NGRAM_FORMS.items():
+        before = engine.stats()
+        sampling = {"temperature": 0.3} if key == "ngram_sampled" else {}
+        out = cortexstream.batch_generate(model, tokenizer, NGRAM_PROMPTS, max_tokens=24, engine=engine,
+                                          speculative=form, return_token_ids=True, **sampling)
+        after = engine.stats()
+        result[key] = out.token_ids
+        for count in ("drafted", "accepted"):
+            name = f"spec_{count}_tokens"
+            result[f"{key}_{count}"] = after[name] - before[name]
+    return result
 
 
 SOAK_ENGINE = {"kv_tokens": 320, "max_num_seqs": 6}  # 20 blocks of 16 for up to 6 requests of up to ~130 tokens
@@ -153,6 +179,8 @@ def run(model, tokenizer, engine_for, scenario: str, copies=lambda: 0, score_ite
         out = cortexstream.batch_generate(model, tokenizer, PROMPTS[2:], max_tokens=40, engine=engine,
                                           kv_policy="streaming:sinks=4,window=16", return_token_ids=True)
         return {"streaming": out.token_ids}
+    if scenario == "ngram":
+        return ngram(model, tokenizer, engine_for(4))
     if scenario == "grammar":  # output constrained to JSON: every rank's grammar masks the same tokens
         engine = engine_for(2)
         out = cortexstream.batch_generate(model, tokenizer, PROMPTS[:2], max_tokens=24, engine=engine,
@@ -196,12 +224,19 @@ def main() -> int:
     with DistributedSession.start(model, tokenizer, timeout=timeout) as ranks:
         if not ranks.is_leader:
             sampled: dict[str, list] = {}
-            ranks.follower.on_result = lambda result: [sampled.setdefault(s.request_id, []).append(s.token)
-                                                       for s in result.sampled]
+            accepted = [0]
+
+            def record(result) -> None:
+                for s in result.sampled:
+                    sampled.setdefault(s.request_id, []).append(s.token)
+                accepted[0] += sum(result.accepted.values())
+
+            ranks.follower.on_result = record
             ranks.follow()
             json.dump({rid: [int(t) for array in arrays for t in array.reshape(-1).tolist()]
                        for rid, arrays in sampled.items()}, open(out_path + f".rank{ranks.group.rank}", "w"))
-            json.dump({"param_bytes": param_bytes(model)}, open(out_path + f".rank{ranks.group.rank}.footprint", "w"))
+            json.dump({"param_bytes": param_bytes(model), "accepted_drafts": accepted[0]},
+                      open(out_path + f".rank{ranks.group.rank}.footprint", "w"))
             return 0
 
         engines: list[Engine] = []
