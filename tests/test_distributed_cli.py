@@ -1,7 +1,8 @@
-"""What the command line does when a launcher (mlx.launch, mpirun) started it as one of several ranks, for the
-commands that do not run on ranks: `bench throughput` is refused before its model loads, with the reason and what
-measures ranks instead (`python -m bench.distributed_overhead`). Checked in one process: the launchers' variables
-are set, no rank is started. `generate` and `serve` on ranks: tests/test_distributed.py and
+"""What `bench throughput` does when a launcher (mlx.launch, mpirun) started it as one of several ranks, up to
+joining them: it goes on to load its model (it runs there, our engine's rows only), refuses an unverified
+--rank-backend before the model loads, and the library call `throughput.run` without the ranks' session is refused
+naming `ranks=`. Checked in one process: the launchers' variables are set, no rank is started. The benchmark on
+two ranks: tests/test_distributed_bench.py; `generate` and `serve` on ranks: tests/test_distributed.py and
 tests/test_distributed_mpi.py."""
 
 from __future__ import annotations
@@ -38,14 +39,19 @@ def bench_throughput(tmp_path) -> list[str]:
 
 
 @pytest.mark.parametrize("launcher", ["mlx.launch", "mpirun"])
-def test_bench_throughput_is_refused_as_one_of_several_ranks(monkeypatch, tmp_path, capsys, launcher):
+def test_bench_throughput_as_one_of_several_ranks_goes_on_to_load_its_model(monkeypatch, tmp_path, capsys, launcher):
     as_launched(monkeypatch, tmp_path, launcher)
     assert main(bench_throughput(tmp_path)) == 1
     err = capsys.readouterr().err
-    assert "bench throughput cannot run as one of several ranks" in err, err
-    assert "mlx-lm" in err and "python -m bench.distributed_overhead" in err
-    assert "missing.gguf" not in err  # refused before loading the model
-    assert not list((tmp_path / "results").glob("throughput*"))  # and before writing any result
+    assert "several ranks" not in err and "missing.gguf" in err, err  # not refused: it got as far as the model
+    assert not list((tmp_path / "results").glob("throughput*"))  # nothing written
+
+
+def test_an_unverified_rank_backend_is_refused_before_the_model_loads(monkeypatch, tmp_path, capsys):
+    as_launched(monkeypatch, tmp_path, "mlx.launch")
+    assert main([*bench_throughput(tmp_path), "--rank-backend", "nccl"]) == 1
+    err = capsys.readouterr().err
+    assert "--rank-backend" in err and "missing.gguf" not in err, err
 
 
 @pytest.mark.parametrize("launcher", ["none", "mlx.launch with one rank"])
@@ -56,10 +62,11 @@ def test_bench_throughput_alone_goes_on_to_load_its_model(monkeypatch, tmp_path,
     assert "several ranks" not in err and "missing.gguf" in err, err  # it got as far as loading the model
 
 
-def test_the_benchmark_module_refuses_too(monkeypatch, tmp_path):
+def test_the_library_call_without_the_ranks_session_is_refused(monkeypatch, tmp_path):
     from cortexstream.benchmarks import throughput
     from cortexstream.errors import InvalidArgumentError
 
     as_launched(monkeypatch, tmp_path, "mpirun")
-    with pytest.raises(InvalidArgumentError, match="python -m bench.distributed_overhead"):
-        throughput.main(bench_throughput(tmp_path)[2:])  # python -m cortexstream.benchmarks.throughput ...
+    with pytest.raises(InvalidArgumentError, match=r"no ranks= \(rank 0's DistributedSession\)"):
+        throughput.run(str(tmp_path / "missing.gguf"), str(tmp_path / "results"), throughput.Settings(quick=True))
+    assert not (tmp_path / "results").exists()  # refused before anything was written

@@ -9,6 +9,9 @@ Parts (`--parts`):
 Targets are reported, never enforced. The report is rewritten after every finished cell (marked partial until
 the end), and `--resume` measures only what an interrupted run of the same configuration left out
 (throughput_progress.py).
+
+Started as one of several ranks (mlx.launch, mpirun), every part runs with our engine on every rank and rank 0
+writes the results; mlx-lm's rows are not measured there (throughput_ranks.py says why).
 """
 
 from __future__ import annotations
@@ -24,12 +27,12 @@ if TYPE_CHECKING:
     from cortexstream.benchmarks.throughput_progress import ThroughputResults
 
 PARTS = ("matrix", "itl", "single")
-# Why the benchmark refuses to run as one of several ranks (mlx.launch, mpirun): see `refuse_ranks`.
-ON_RANKS = ("bench throughput cannot run as one of several ranks (mlx.launch or mpirun started this process): it "
-            "times mlx-lm's generate and batch_generate on the same model object in this process, which cannot "
-            "run on a model split over ranks, so each rank would run the whole benchmark alone. Run it in one "
-            "process; to measure ranks, `python -m bench.distributed_overhead` (from a checkout) compares the "
-            "tokens/s of 2 ranks with 1")
+# Why `run` refuses to start as one of several ranks without their session: see `refuse_ranks`.
+ON_RANKS = ("throughput.run: mlx.launch or mpirun started this process as one of several ranks, and no ranks= "
+            "(rank 0's DistributedSession) was given: it would time mlx-lm's generate and batch_generate on this "
+            "rank alone, which cannot run on a model split over ranks. Run `cortexstream bench throughput` (or "
+            "python -m cortexstream.benchmarks.throughput) under the launcher: it joins the ranks and measures our "
+            "engine on them")
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,17 @@ class Settings:
     single_prompt_tokens: tuple[int, ...] = (32, 2048)
     seed: int = 0
     quick: bool = False
+    ranks: int = 1  # processes the model is split over (mlx.launch, mpirun); 1: one process, mlx-lm measured too
+    rank_backend: str | None = None  # the MLX backend connecting them ("ring", "mpi"); None in one process
+
+    def __post_init__(self) -> None:
+        from cortexstream.errors import InvalidArgumentError
+
+        if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 1:
+            raise InvalidArgumentError(f"ranks: {self.ranks!r} must be an integer >= 1")
+        if (self.ranks > 1) != (self.rank_backend is not None):
+            raise InvalidArgumentError(f"rank_backend: {self.rank_backend!r} with ranks={self.ranks}: name the "
+                                       "backend exactly when there are several ranks")
 
 
 # --quick: 4 cells, still 3 rounds (alternating order needs more than one), the ITL and single parts unchanged.
@@ -75,6 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true",
                    help="keep the finished cells of <out>/<name>.json (same configuration, else an error) and "
                         "measure only the rest")
+    from cortexstream.cli.distributed import add_rank_args
+
+    add_rank_args(p)  # under mlx.launch or mpirun: our engine on every rank, mlx-lm's rows skipped
 
 
 def _ints(flag: str, text: str, minimum: int = 1) -> tuple[int, ...]:
@@ -124,9 +141,8 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
 
 
 def refuse_ranks() -> None:
-    """InvalidArgumentError when a launcher started this process as one rank of several: every rank would run the
-    whole benchmark on its own, and on a model split over the ranks mlx-lm's calls would wait for the others'
-    collectives forever."""
+    """InvalidArgumentError when a launcher started this process as one rank of several and `run` got no session:
+    every rank would run the whole benchmark on its own, mlx-lm's calls included."""
     from cortexstream.distributed import launched
 
     if launched():
@@ -166,10 +182,11 @@ def _label(part: str, what: Any) -> str:
 
 
 def run(model_source: str | None, out_dir: str, settings: Settings, model: Any = None, tokenizer: Any = None,
-        progress: bool = True, name: str | None = None, resume: bool = False) -> dict[str, Any]:
+        progress: bool = True, name: str | None = None, resume: bool = False, ranks: Any = None) -> dict[str, Any]:
     """Run the selected parts and write `<out>/<name>.{json,md,png}` (default name: throughput[_quick]) after
     every finished unit, partial until the end; `resume` keeps the units an earlier run of the same configuration
-    finished. Returns the payload."""
+    finished. Returns the payload. `ranks`: rank 0's DistributedSession over the (split) `model`, whose size and
+    backend `settings` record: our engine's rows only (throughput_ranks.py)."""
     from cortexstream.atomic_files import check_output_dir
     from cortexstream.backend import ensure_buffer_cache
     from cortexstream.benchmarks.machine import machine
@@ -178,7 +195,12 @@ def run(model_source: str | None, out_dir: str, settings: Settings, model: Any =
     from cortexstream.benchmarks.throughput_matrix import warm_up
     from cortexstream.benchmarks.throughput_single import warm_up_single
 
-    refuse_ranks()  # before the model loads
+    if ranks is None:
+        refuse_ranks()  # before the model loads
+    elif settings.ranks != ranks.size:
+        from cortexstream.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"settings.ranks: {settings.ranks} for a session of {ranks.size} ranks")
     check_output_dir(out_dir)  # fail in a second, not after a 30-minute run
     name = name or ("throughput_quick" if settings.quick else "throughput")
     results = ThroughputResults(out_dir, name, asdict(settings), resume)  # a mismatch fails before loading
@@ -190,9 +212,9 @@ def run(model_source: str | None, out_dir: str, settings: Settings, model: Any =
     # runs under the same limit in every round, not only in rounds after a CortexStream call.
     ensure_buffer_cache()
     started = time.perf_counter()
-    warm_up(model, tokenizer, text_windows(tokenizer, 2, 32))
+    warm_up(model, tokenizer, text_windows(tokenizer, 2, 32), ranks)
     if "single" in settings.parts:
-        warm_up_single(model, tokenizer)
+        warm_up_single(model, tokenizer, ranks)
     payload: dict[str, Any] = {
         "benchmark": name,
         "machine": machine(),
@@ -200,11 +222,15 @@ def run(model_source: str | None, out_dir: str, settings: Settings, model: Any =
         "settings": asdict(settings),
         "matrix": [], "itl": None, "single": [], "skipped": [],
     }
+    if ranks is not None:
+        from cortexstream.benchmarks.throughput_ranks import ANCHORS_SKIPPED
+
+        payload["mlx_lm_skipped"] = ANCHORS_SKIPPED
     units = _units(settings)
     results.begin(payload, sum(part == "matrix" for part, _ in units))
     bar = _Progress(progress, len(units))
     try:
-        _run_units(model, tokenizer, settings, units, payload, bar, started, results)
+        _run_units(model, tokenizer, settings, units, payload, bar, started, results, ranks)
     finally:
         bar.close()
     results.save(payload, started, complete=True)
@@ -212,7 +238,8 @@ def run(model_source: str | None, out_dir: str, settings: Settings, model: Any =
 
 
 def _run_units(model: Any, tokenizer: Any, settings: Settings, units: list[tuple[str, Any]],
-               payload: dict[str, Any], bar: "_Progress", started: float, results: "ThroughputResults") -> None:
+               payload: dict[str, Any], bar: "_Progress", started: float, results: "ThroughputResults",
+               ranks: Any = None) -> None:
     from cortexstream.benchmarks.throughput_itl import measure_itl
     from cortexstream.benchmarks.throughput_matrix import measure_cell
     from cortexstream.benchmarks.throughput_single import measure_single
@@ -228,14 +255,16 @@ def _run_units(model: Any, tokenizer: Any, settings: Settings, units: list[tuple
             bar.advance(label + " (skipped)")
             continue
         bar.describe(label)
+        on_ranks = {} if ranks is None else {"ranks": ranks}  # our engine on every rank, our rows alone
         if part == "matrix":
             kind, c, n = what
-            result = measure_cell(model, tokenizer, kind, c, n, settings.max_tokens, settings.rounds, settings.seed)
+            result = measure_cell(model, tokenizer, kind, c, n, settings.max_tokens, settings.rounds, settings.seed,
+                                  **on_ranks)
         elif part == "itl":
             result = measure_itl(model, tokenizer, settings.itl_streams, settings.itl_stream_prompt_tokens,
-                                 settings.admit_tokens, settings.rounds)
+                                 settings.admit_tokens, settings.rounds, **on_ranks)
         else:
-            result = measure_single(model, tokenizer, what, settings.max_tokens, settings.rounds)
+            result = measure_single(model, tokenizer, what, settings.max_tokens, settings.rounds, **on_ranks)
         results.add(payload, part, result, started)  # the partial report, rewritten atomically
         bar.advance(label)
 
@@ -272,7 +301,24 @@ def run_from_args(a: argparse.Namespace) -> int:
         from cortexstream.errors import InvalidArgumentError
 
         raise InvalidArgumentError(f"--name: '{name}' must be a plain file name stem (no '/', '\\' or '.')")
-    payload = run(a.model, a.out, settings, name=name, resume=getattr(a, "resume", False))
+    from cortexstream.cli.distributed import check_rank_args
+    from cortexstream.distributed import launched
+
+    check_rank_args(a)  # --rank-timeout, --rank-backend: before the model loads
+    resume = getattr(a, "resume", False)
+    if launched():  # one of several ranks: our engine on every rank, rank 0 measures and writes
+        from cortexstream.benchmarks.throughput_ranks import join_ranks
+
+        joined = join_ranks(a)
+        session = joined.session
+        if not session.is_leader:
+            session.follow()  # until rank 0 leaves the session
+            return 0
+        with session:  # leaving it stops the other ranks (with the error, when the run failed)
+            payload = run(a.model, a.out, replace(settings, ranks=session.size, rank_backend=joined.backend),
+                          model=joined.model, tokenizer=joined.tokenizer, name=name, resume=resume, ranks=session)
+    else:
+        payload = run(a.model, a.out, settings, name=name, resume=resume)
     from cortexstream.benchmarks.common import show_report
 
     return show_report(a.out, payload["benchmark"])

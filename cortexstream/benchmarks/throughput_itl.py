@@ -30,7 +30,7 @@ def _stats(intervals: list[float]) -> dict[str, float | int]:
 
 
 def _one_round(model: Any, tokenizer: Any, streams: int, stream_prompt_tokens: int,
-               admit_tokens: int) -> dict[str, Any]:
+               admit_tokens: int, ranks: Any = None) -> dict[str, Any]:
     from cortexstream.engine.engine import Engine
     from cortexstream.kv.arena import KVArena
     from cortexstream.kv.arena_config import ArenaConfig
@@ -43,6 +43,8 @@ def _one_round(model: Any, tokenizer: Any, streams: int, stream_prompt_tokens: i
     arena = KVArena(ArenaConfig.for_model(model, num_tokens=streams * (stream_prompt_tokens + budget) + admit_tokens
                                           + 256), preallocate=True)
     engine = Engine(model, tokenizer, arena=arena, max_num_seqs=streams + 1, prefix_caching=False)
+    if ranks is not None:  # every step runs on every rank (throughput_ranks.py)
+        ranks.attach(engine)
     ids = [engine.add_request(p, max_tokens=budget) for p in running_prompts]
     stamps: dict[str, list[float]] = {i: [] for i in ids}
     long_id: str | None = None
@@ -66,6 +68,8 @@ def _one_round(model: Any, tokenizer: Any, streams: int, stream_prompt_tokens: i
     for request_id in [*ids, long_id]:
         if request_id is not None:
             engine.abort(request_id)
+    if ranks is not None:
+        ranks.detach(engine)  # the other ranks free its arena
     engine.close()
     if admitted_at is None or first_long_token_at is None:
         raise RuntimeError("the admitted prompt produced no token (running streams ended before it?)")
@@ -83,12 +87,13 @@ def _one_round(model: Any, tokenizer: Any, streams: int, stream_prompt_tokens: i
 
 
 def measure_itl(model: Any, tokenizer: Any, streams: int = 8, stream_prompt_tokens: int = 128,
-                admit_tokens: int = 2048, rounds: int = 3) -> dict[str, Any]:
-    """Pool the intervals of `rounds` fresh engines (one round gives too few window intervals for a p99)."""
+                admit_tokens: int = 2048, rounds: int = 3, ranks: Any = None) -> dict[str, Any]:
+    """Pool the intervals of `rounds` fresh engines (one round gives too few window intervals for a p99). With
+    `ranks` (rank 0's DistributedSession) each engine is attached to every rank for its round."""
     pooled: dict[str, list[float]] = {"before": [], "window": [], "after": []}
     admitted_ttfts = []
     for _ in range(rounds):
-        one = _one_round(model, tokenizer, streams, stream_prompt_tokens, admit_tokens)
+        one = _one_round(model, tokenizer, streams, stream_prompt_tokens, admit_tokens, ranks)
         for key in pooled:
             pooled[key] += one[key]
         admitted_ttfts.append(one["admitted_ttft_s"])

@@ -26,11 +26,17 @@ def ratio_target(kind: str, concurrency: int) -> float:
     return BASE_TARGET
 
 
-def batch_calls(model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    """The two public calls, exactly as a user makes them (return_token_ids only to compare the outputs)."""
-    import mlx_lm
-
+def batch_calls(model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int,
+                ranks: Any = None) -> dict[str, Any]:
+    """The two public calls, exactly as a user makes them (return_token_ids only to compare the outputs). With
+    `ranks` (rank 0's DistributedSession) ours alone, as `batch_generate(..., ranks=)` runs on ranks: mlx-lm's call
+    cannot run on the split model (throughput_ranks.py)."""
     import cortexstream
+
+    if ranks is not None:
+        return {OURS: lambda: cortexstream.batch_generate(model, tokenizer, prompts, max_tokens=max_tokens,
+                                                          return_token_ids=True, ranks=ranks)}
+    import mlx_lm
 
     return {
         OURS: lambda: cortexstream.batch_generate(model, tokenizer, prompts, max_tokens=max_tokens,
@@ -40,17 +46,18 @@ def batch_calls(model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens
     }
 
 
-def warm_up(model: Any, tokenizer: Any, prompts: list[list[int]]) -> None:
+def warm_up(model: Any, tokenizer: Any, prompts: list[list[int]], ranks: Any = None) -> None:
     """One small untimed call per system (first-call costs: compiled kernels, allocator growth)."""
-    for call in batch_calls(model, tokenizer, prompts, 4).values():
+    for call in batch_calls(model, tokenizer, prompts, 4, ranks).values():
         call()
 
 
 def measure_cell(model: Any, tokenizer: Any, kind: str, concurrency: int, prompt_tokens: int, max_tokens: int,
-                 rounds: int, seed: int = 0) -> dict[str, Any]:
+                 rounds: int, seed: int = 0, ranks: Any = None) -> dict[str, Any]:
+    """One cell. With `ranks` (rank 0's DistributedSession): our row alone, without ratios or targets."""
     prompt_set = build_prompts(tokenizer, kind, concurrency, prompt_tokens, seed)
-    runs = alternate(batch_calls(model, tokenizer, prompt_set.prompts, max_tokens), rounds)
-    ours, reference = wall_summary(runs[OURS]), wall_summary(runs[REFERENCE])
+    runs = alternate(batch_calls(model, tokenizer, prompt_set.prompts, max_tokens, ranks), rounds)
+    ours = wall_summary(runs[OURS])
     ttfts = [t for m in runs[OURS] for t in m.result.stats.ttft]
     ours.update({
         "ttft_p50_s": percentile(ttfts, 50),
@@ -58,6 +65,11 @@ def measure_cell(model: Any, tokenizer: Any, kind: str, concurrency: int, prompt
         "decode_tps": _median(m.result.stats.generation_tps for m in runs[OURS]),
         "generated_tokens": sum(len(t) for t in runs[OURS][0].result.token_ids),
     })
+    cell = {"kind": kind, "concurrency": concurrency, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
+            "rounds": rounds, "prompts": prompt_set.describe(), OURS: ours}
+    if ranks is not None:
+        return cell
+    reference = wall_summary(runs[REFERENCE])
     reference.update({
         # mlx_lm.batch_generate exposes no per-request first-token time; only its total prompt-processing time.
         "prompt_time_s": _median(m.result.stats.prompt_time for m in runs[REFERENCE]),
@@ -69,13 +81,7 @@ def measure_cell(model: Any, tokenizer: Any, kind: str, concurrency: int, prompt
     cell_ratios = ratios(ours, reference)
     target = ratio_target(kind, concurrency)
     return {
-        "kind": kind,
-        "concurrency": concurrency,
-        "prompt_tokens": prompt_tokens,
-        "max_tokens": max_tokens,
-        "rounds": rounds,
-        "prompts": prompt_set.describe(),
-        OURS: ours,
+        **cell,
         REFERENCE: reference,
         **cell_ratios,
         **outputs,

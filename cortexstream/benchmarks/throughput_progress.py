@@ -9,7 +9,8 @@ end (cells `--max-minutes` left out are listed in `skipped`).
 
 `--resume` reads that JSON back. When it was made with the same configuration (every setting but those in
 `FREE_SETTINGS`, the same model, and the machine fields in `MACHINE_FIELDS`) its finished units are kept and only
-the missing ones are measured; any difference is refused with an error naming the file and the field.
+the missing ones are measured; any difference is refused with an error naming the file and the field. A setting
+added since a file was written (`ADDED_SETTINGS`: the rank count and backend) counts as the value it had then.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from cortexstream.errors import InvalidArgumentError, ModelLoadError
 
 # Settings a resumed run may change: the time budget, and --quick (it only picks defaults of compared settings).
 FREE_SETTINGS = ("max_minutes", "quick")
+# Settings added after results files were first written, with the value every run before them had (one process).
+ADDED_SETTINGS = {"ranks": 1, "rank_backend": None}
 # What the numbers depend on besides the settings and the model (the platform string may change with a reboot).
 MACHINE_FIELDS = ("cpu", "cpu_count", "device", "blas", "mlx", "mlx_lm")
 HINT = "--resume continues only a run of the same configuration; rerun without --resume or with another --name"
@@ -34,13 +37,16 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value))
 
 
-def _same(path: str, what: str, earlier: dict[str, Any], now: dict[str, Any], fields: Any = None) -> None:
+def _same(path: str, what: str, earlier: dict[str, Any], now: dict[str, Any], fields: Any = None,
+          absent: dict[str, Any] | None = None) -> None:
+    """`absent`: the value a key missing from `earlier` stands for."""
     keys = fields if fields is not None else sorted((set(earlier) | set(now)) - set(FREE_SETTINGS))
     now = _plain(now)
+    absent = absent or {}
     for key in keys:
-        if earlier.get(key) != now.get(key):
-            raise InvalidArgumentError(f"{path}: its {what} {key} is {earlier.get(key)!r}, this run's is "
-                                       f"{now.get(key)!r}; {HINT}")
+        was = earlier.get(key, absent.get(key))
+        if was != now.get(key):
+            raise InvalidArgumentError(f"{path}: its {what} {key} is {was!r}, this run's is {now.get(key)!r}; {HINT}")
 
 
 def find_unit(payload: dict[str, Any], part: str, what: Any) -> Any:
@@ -75,7 +81,7 @@ class ThroughputResults:
             if not isinstance(earlier, dict) or not isinstance(earlier.get("settings"), dict) \
                     or not isinstance(earlier.get("matrix"), list):
                 raise ModelLoadError(f"{self.path}: not a `bench throughput` results file; {HINT}")
-            _same(self.path, "setting", earlier["settings"], settings)
+            _same(self.path, "setting", earlier["settings"], settings, absent=ADDED_SETTINGS)
             self.earlier = earlier
 
     def begin(self, payload: dict[str, Any], planned_cells: int) -> None:
@@ -111,4 +117,4 @@ class ThroughputResults:
         write_report(payload, self.out_dir)
 
 
-__all__ = ["FREE_SETTINGS", "MACHINE_FIELDS", "ThroughputResults", "find_unit"]
+__all__ = ["ADDED_SETTINGS", "FREE_SETTINGS", "MACHINE_FIELDS", "ThroughputResults", "find_unit"]

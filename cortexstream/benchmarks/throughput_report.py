@@ -8,6 +8,7 @@ from typing import Any
 
 from cortexstream.benchmarks.common import write_results
 from cortexstream.benchmarks.throughput_heatmap import write_heatmap
+from cortexstream.benchmarks.throughput_ranks import on_ranks
 
 COLUMNS = """Columns. *ours / mlx-lm median (s)*: median wall time of the whole public call over the rounds
 (`cortexstream.batch_generate` vs `mlx_lm.batch_generate`, from the call to its return, engine construction
@@ -22,6 +23,13 @@ first-token time, only its total prompt-processing time (*mlx-lm prompt time*). 
 own `stats.generation_tps` (definitions differ slightly: a diagnostic, not the headline). *peak RSS*: process
 peak resident memory during the call (Linux `VmHWM`, reset before each call). Before every call MLX's buffer
 cache is emptied, so neither system starts with the other's buffers."""
+
+COLUMNS_ON_RANKS = """Columns. *median / best (s)*: wall time of the whole public call over the rounds
+(`cortexstream.batch_generate(..., ranks=session)`, or `cortexstream.generate` on a private engine attached to the
+ranks), from the call to its return, engine construction and attaching included. *TTFT p50/p99*: per-request time
+to first token (`BatchStats.ttft`, pooled over the rounds). *decode tok/s*: `stats.generation_tps`. *generated*:
+tokens the first round generated. *peak MLX mem*: `mx.get_peak_memory()` on rank 0 during the call, highest over
+the rounds (rank 0's shard of the weights included). *peak RSS*: rank 0's peak resident memory during the call."""
 
 
 def _jit(m: dict[str, Any]) -> str:
@@ -47,6 +55,22 @@ def _yes(flag: bool) -> str:
 
 def _header(payload: dict[str, Any]) -> list[str]:
     m, model, s = payload["machine"], payload["model"], payload["settings"]
+    if on_ranks(payload) > 1:
+        return [
+            f"# Throughput on {s['ranks']} ranks ({s['rank_backend']} backend): CortexStream's engine alone",
+            "",
+            f"Model: {model.get('source')} ({model.get('weights', 'weights as loaded')}), loaded on every rank with "
+            f"`cortexstream.load()` and split tensor-parallel over the {s['ranks']} ranks; rank 0 schedules and "
+            "measures, every rank computes each step. Real-text prompts (Python docs) as token ids; greedy; "
+            f"{s['max_tokens']} new tokens; {_count(s['rounds'], 'round')} after one warm-up call.",
+            f"Machine (rank 0): {m.get('platform')}, {m.get('cpu_count')} cores, {m.get('device')}, BLAS: "
+            f"{m.get('blas')}, mlx {m.get('mlx')}{_jit(m)}. Run took {_f(payload.get('elapsed_minutes'), 1)} minutes.",
+            "",
+            "## mlx-lm not measured",
+            "",
+            payload.get("mlx_lm_skipped", "") + ".",
+            "",
+        ]
     return [
         "# Throughput: what a user feels, CortexStream vs mlx-lm (issue #17)",
         "",
@@ -144,6 +168,34 @@ def _itl(itl: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def _matrix_on_ranks(cells: list[dict[str, Any]]) -> list[str]:
+    if not cells:
+        return []
+    lines = ["## Matrix: whole `batch_generate(..., ranks=session)` call", "",
+             "| kind | concurrency | prompt tokens (min-max) | median (s) | best (s) | TTFT p50 (s) | TTFT p99 (s) | "
+             "decode tok/s | generated | peak MLX mem (GB) | peak RSS (GB) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for c in cells:
+        us, p = c["cortexstream"], c["prompts"]
+        lines.append(f"| {c['kind']} | {c['concurrency']} | {p['min']}-{p['max']} | {_f(us['wall_median_s'])} | "
+                     f"{_f(us['wall_best_s'])} | {_f(us['ttft_p50_s'])} | {_f(us['ttft_p99_s'])} | "
+                     f"{_f(us['decode_tps'], 1)} | {us['generated_tokens']} | {_f(us['peak_memory_gb'], 3)} | "
+                     f"{_f(us['peak_rss_gb'])} |")
+    return lines + [""]
+
+
+def _single_on_ranks(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    lines = ["## Single stream: `cortexstream.generate` on the ranks", "",
+             "| prompt tokens | median (s) | best (s) | peak MLX mem (GB) |", "|---:|---:|---:|---:|"]
+    for r in rows:
+        us = r["cortexstream"]
+        lines.append(f"| {r['prompt_tokens']} | {_f(us['wall_median_s'])} | {_f(us['wall_best_s'])} | "
+                     f"{_f(us['peak_memory_gb'], 3)} |")
+    return lines + [""]
+
+
 def _single(rows: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
@@ -174,16 +226,22 @@ def _progress(payload: dict[str, Any]) -> list[str]:
 
 
 def markdown(payload: dict[str, Any]) -> str:
-    lines = _header(payload) + _progress(payload) + _summary(payload) + _matrix(payload) + _itl(payload.get("itl"))
-    lines += _single(payload["single"])
+    """The report; on several ranks our rows alone (no targets, ratios or mlx-lm columns)."""
+    if on_ranks(payload) > 1:
+        lines = _header(payload) + _progress(payload) + _matrix_on_ranks(payload["matrix"])
+        lines += _itl(payload.get("itl")) + _single_on_ranks(payload["single"])
+    else:
+        lines = _header(payload) + _progress(payload) + _summary(payload) + _matrix(payload)
+        lines += _itl(payload.get("itl")) + _single(payload["single"])
     if payload["skipped"]:
         lines += ["## Not measured (--max-minutes reached)", "", *[f"- {s}" for s in payload["skipped"]], ""]
-    lines += [COLUMNS, ""]
+    lines += [COLUMNS_ON_RANKS if on_ranks(payload) > 1 else COLUMNS, ""]
     return "\n".join(lines)
 
 
 def write_report(payload: dict[str, Any], out_dir: str) -> None:
     name = payload["benchmark"]
     png = os.path.join(out_dir, f"{name}.png")
-    payload["heatmap"] = f"{name}.png" if write_heatmap(payload, png) else None
+    # The heat map shows mlx-lm / ours per cell: nothing to show on several ranks.
+    payload["heatmap"] = f"{name}.png" if on_ranks(payload) == 1 and write_heatmap(payload, png) else None
     write_results(out_dir, name, payload, markdown(payload))
