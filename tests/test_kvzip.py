@@ -277,6 +277,49 @@ def test_refused_where_no_reconstruction_can_run(sharp):
                            prompt_cache=make_prompt_cache(model))
 
 
+def test_an_arena_without_room_for_the_reconstruction_pass_rejects_the_request_by_name(sharp):
+    """The scoring pass sits after the prompt, beyond the request's own tokens: an arena that holds prompt +
+    max_tokens but not prompt + a pass rejects the request at once with the reason (it used to wait for room that
+    never came, stepping forever), and an arena with room runs it."""
+    model, tokenizer = sharp
+    prompt = random_token_ids(100, seed=4)
+    engine = Engine(model, tokenizer, kv_tokens=144, block_size=16, prefill_step_size=64)
+    rid = engine.add_request(prompt, max_tokens=2, kv_policy=KVzip(budget=30, chunk=32))
+    outs = []
+    for _ in range(20):
+        outs += engine.step()
+        if not engine.has_unfinished:
+            break
+    assert not engine.has_unfinished
+    (last,) = [o for o in outs if o.request_id == rid and o.finish_reason is not None]
+    assert last.finish_reason.value == "rejected" and "repeats the prompt" in last.error
+    engine.close()
+    plan_tokens = len(reconstruction_prompt(tokenizer).prefix) + 32
+    roomy = Engine(model, tokenizer, kv_tokens=16 * (-(-(100 + plan_tokens) // 16)), block_size=16,
+                   prefill_step_size=64)
+    roomy.add_request(prompt, max_tokens=2, kv_policy=KVzip(budget=30, chunk=32))
+    tokens = []
+    for _ in range(40):
+        tokens += [o.token for o in roomy.step() if o.token is not None]
+        if not roomy.has_unfinished:
+            break
+    assert len(tokens) == 2 and not roomy.has_unfinished
+    roomy.close()
+
+
+def test_a_private_engine_is_sized_for_the_reconstruction_pass(sharp):
+    from cortexstream.engine.sizing import job_kv_tokens
+    from cortexstream.generation.stream import generate
+    from cortexstream.policies import FullCache
+
+    assert job_kv_tokens([(100, 2, KVzip(budget=30, chunk=32))], 16, 64) >= 100 + 64  # the prompt and a pass
+    assert job_kv_tokens([(100, 2, FullCache())], 16, 64) == 16 * (7 + 1)  # its text in blocks, + one
+    model, tokenizer = sharp
+    text = generate(model, tokenizer, random_token_ids(100, seed=5), max_tokens=2, kv_policy="kvzip:budget=30",
+                    prefill_step_size=64)
+    assert isinstance(text, str)
+
+
 def test_forked_completions_and_a_preempted_request_each_reconstruct(sharp):
     """n > 1 completions fork before the prompt's last token: every child repeats its context and is compressed.
     A request preempted mid-reconstruction is recomputed and reconstructs from the start."""

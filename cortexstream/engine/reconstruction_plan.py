@@ -53,6 +53,11 @@ class ReconstructionPlan:
         tokens with the prefix (at least one)."""
         return max(1, min(self.chunk, seq.num_computed - self.scored, step_size - len(self.prefix)))
 
+    def largest_item(self, context: int, step_size: int) -> int:
+        """Most tokens one scoring pass over a context of `context` tokens holds after it (prefix + piece): the
+        slots the sequence needs beyond its context while it is reconstructed."""
+        return len(self.prefix) + max(1, min(self.chunk, context, step_size - len(self.prefix)))
+
     def next_tokens(self, seq: Any, step_size: int) -> tuple[tuple[int, ...], bool]:
         """The next item's tokens (see `piece`) and whether it is the last; the plan advances as if it ran (the
         runner does it next)."""

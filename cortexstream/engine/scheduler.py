@@ -53,17 +53,25 @@ class Scheduler:
             self._set_finished(
                 seq, FinishReason.REJECTED,
                 f"needs {needed} KV blocks ({self.physical_budget(seq)} tokens) but the arena has {total}; "
-                "lower max_tokens, shorten the prompt, or use a KV policy with a budget",
+                + ("its kv_policy repeats the prompt after it (a reconstruction pass of up to prefill_step_size "
+                   "tokens): give the engine more KV or shorten the prompt" if seq.reconstruction is not None else
+                   "lower max_tokens, shorten the prompt, or use a KV policy with a budget"),
             )
             self._finished.append(seq)
             return
         self.waiting.append(seq)
 
     def physical_budget(self, seq: Sequence) -> int:
-        """Most KV slots the sequence can ever hold: its policy's bound, else prompt + max_tokens."""
+        """Most KV slots the sequence can ever hold: its policy's bound, else prompt + max_tokens; a reconstructing
+        policy's scoring passes (KVzip) sit after the prompt for a step each, beyond the sequence's own tokens."""
         limit = seq.kv_policy.max_physical_tokens(seq.max_total_tokens, self.config.prefill_step_size,
                                                   len(seq.prompt_ids))
-        return min(seq.max_total_tokens, limit) if limit else seq.max_total_tokens
+        own = min(seq.max_total_tokens, limit) if limit else seq.max_total_tokens
+        plan = seq.reconstruction
+        if plan is None:
+            return own
+        context = len(seq.prompt_ids)
+        return max(own, context + plan.largest_item(context, self.config.prefill_step_size))
 
     def live_sequences(self) -> list[Sequence]:
         """Waiting then running sequences."""

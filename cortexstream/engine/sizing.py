@@ -73,9 +73,8 @@ def job_kv_tokens(requests: Sequence[tuple[int, int, KVPolicy]], block_size: int
     blocks plus one block for copy-on-write."""
     blocks = 0
     for prompt_tokens, max_tokens, policy in requests:
-        total = prompt_tokens + max_tokens
-        bound = policy.max_physical_tokens(total, prefill_step_size, prompt_tokens)
-        blocks += -(-min(total, bound or total) // block_size) + 1
+        peak = policy.peak_tokens(prompt_tokens + max_tokens, prefill_step_size, prompt_tokens)
+        blocks += -(-peak // block_size) + 1
     return blocks * block_size
 
 

@@ -127,6 +127,15 @@ class KVPolicy:
         budget = self.budget_tokens(max_total_tokens)
         return None if budget is None else budget + chunk
 
+    def peak_tokens(self, max_total_tokens: int, chunk: int, prompt_tokens: int | None = None) -> int:
+        """Most KV slots a request holds at once: `max_physical_tokens`, at most its own text (prompt +
+        max_tokens), except for a policy that also holds tokens that are not its text (`reconstructs`: KVzip's
+        scoring passes sit after the prompt, up to a pass of `chunk` tokens)."""
+        bound = self.max_physical_tokens(max_total_tokens, chunk, prompt_tokens)
+        if bound is None:
+            return max_total_tokens
+        return bound if self.reconstructs else min(max_total_tokens, bound)
+
     def select(self, num_physical: int, context: int, scores: np.ndarray | None) -> np.ndarray | None:
         """Physical indices to keep (`[n]` for every layer/head, or `[L, H, n]`), or None to keep everything.
 

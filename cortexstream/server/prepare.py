@@ -123,9 +123,7 @@ def _fit(prompt_len: int, requested: int | None, default: int, n: int, policy: A
     """max_tokens for the request: the requested value if it fits, the default shrunk to fit otherwise."""
     def blocks(max_tokens: int) -> int:
         if policy.evicts:
-            limit = policy.max_physical_tokens(prompt_len + max_tokens, 512, prompt_len)
-            if limit:
-                return n * arena.blocks_for(min(prompt_len + max_tokens, limit))
+            return n * arena.blocks_for(policy.peak_tokens(prompt_len + max_tokens, 512, prompt_len))
         # n completions share the prompt's blocks; each has its own for its tokens (+1 copied on write).
         extra = 0 if n == 1 else n * (arena.blocks_for(max_tokens) + 1)
         return arena.blocks_for(prompt_len + (max_tokens if n == 1 else 0)) + extra
