@@ -29,7 +29,8 @@ def token_times(model: Any, tokenizer: Any, prompt: list[int], policy: str, chun
     """Seconds from the request to its first and to its second token."""
     from cortexstream.engine.engine import Engine
 
-    engine = Engine(model, tokenizer, kv_tokens=len(prompt) + 64, prefill_step_size=chunk, max_num_seqs=1)
+    # room for the prompt, a scoring pass of up to `chunk` tokens after it (KVzip) and the two tokens
+    engine = Engine(model, tokenizer, kv_tokens=len(prompt) + chunk + 64, prefill_step_size=chunk, max_num_seqs=1)
     try:
         tic = time.perf_counter()
         engine.add_request(prompt, max_tokens=2, kv_policy=policy)
