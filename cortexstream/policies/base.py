@@ -66,6 +66,20 @@ def resolve_budget(value: Budget, context: int) -> int:
     return max(1, math.ceil(value * max(int(context), 1)))
 
 
+class FoldsDropped:
+    """For a policy whose optional `merge` field (a cosine, or None) folds each dropped key into its most similar kept
+    key of the same head (`merges_evicted`, `engine.evict_merge`): SnapKV's and KVzip's `merge=T`."""
+
+    @property
+    def merges_evicted(self) -> bool:
+        return getattr(self, "merge") is not None
+
+    @property
+    def merge_threshold(self) -> float | None:
+        merge = getattr(self, "merge")
+        return None if merge is None else float(merge)
+
+
 class KVPolicy:
     """Base class and the whole policy protocol: every capability the runtime reads is declared here, so the
     engine reads `policy.evicts` and friends directly (a request without a policy gets `FullCache`, never None).

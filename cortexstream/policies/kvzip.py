@@ -35,13 +35,13 @@ import numpy as np
 
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.policies.base import (
-    Budget, KVPolicy, check_budget, check_count, check_real, merge_suffix, resolve_budget,
+    Budget, FoldsDropped, KVPolicy, check_budget, check_count, check_real, merge_suffix, resolve_budget,
 )
 from cortexstream.policies.snapkv import Pooling, pool_scores
 
 
 @dataclass(frozen=True)
-class KVzip(KVPolicy):
+class KVzip(FoldsDropped, KVPolicy):
     """Keep `budget` tokens (int, or a fraction of the context) per layer and KV head: sinks, then the keys the
     context's reconstruction attended to most."""
 
@@ -70,14 +70,6 @@ class KVzip(KVPolicy):
     @property
     def pools_heads(self) -> bool:  # type: ignore[override]
         return self.shared
-
-    @property
-    def merges_evicted(self) -> bool:  # type: ignore[override]
-        return self.merge is not None
-
-    @property
-    def merge_threshold(self) -> float | None:  # type: ignore[override]
-        return None if self.merge is None else float(self.merge)
 
     def __post_init__(self) -> None:
         check_budget("budget", self.budget)

@@ -35,7 +35,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.policies.base import (
-    Budget, KVPolicy, check_budget, check_count, check_real, merge_suffix, resolve_budget,
+    Budget, FoldsDropped, KVPolicy, check_budget, check_count, check_real, merge_suffix, resolve_budget,
 )
 
 
@@ -57,7 +57,7 @@ def pool_scores(scores: np.ndarray, kernel: int, pooling: Pooling) -> np.ndarray
 
 
 @dataclass(frozen=True)
-class SnapKV(KVPolicy):
+class SnapKV(FoldsDropped, KVPolicy):
     """Keep `budget` tokens (int, or a fraction of the context) per layer and KV head: sinks, the observation
     window, and the keys the window's queries voted for."""
 
@@ -97,14 +97,6 @@ class SnapKV(KVPolicy):
         if isinstance(self.budget, int) and self.budget < self.minimum_budget:
             raise InvalidArgumentError(f"SnapKV: budget {self.budget} must be >= {self.minimum_budget} (sinks "
                                        f"{self.sinks} + 1 voted key + at least 1 of the window)")
-
-    @property
-    def merges_evicted(self) -> bool:  # type: ignore[override]
-        return self.merge is not None
-
-    @property
-    def merge_threshold(self) -> float | None:  # type: ignore[override]
-        return None if self.merge is None else float(self.merge)
 
     @property
     def observation_window(self) -> int:
