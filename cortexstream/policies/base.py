@@ -70,6 +70,13 @@ class FoldsDropped:
     """For a policy whose optional `merge` field (a cosine, or None) folds each dropped key into its most similar kept
     key of the same head (`merges_evicted`, `engine.evict_merge`): SnapKV's and KVzip's `merge=T`."""
 
+    def check_merge(self, owner: str) -> None:
+        """`merge`, when given, is a cosine in [-1, 1] (else an error naming `owner` and the argument)."""
+        merge = getattr(self, "merge")
+        if merge is not None:
+            check_real(owner, "merge", merge, -1.0, 1.0,
+                       "a cosine in [-1, 1] (a dropped key folds into its most similar kept key at or above it)")
+
     @property
     def merges_evicted(self) -> bool:
         return getattr(self, "merge") is not None

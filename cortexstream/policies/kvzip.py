@@ -81,12 +81,10 @@ class KVzip(FoldsDropped, KVPolicy):
         if not isinstance(self.shared, bool):
             raise InvalidArgumentError(f"KVzip: shared {self.shared!r} must be a boolean")
         check_real("KVzip", "floor", self.floor, 0, 1, "a fraction in [0, 1]")
-        if self.merge is not None:
-            check_real("KVzip", "merge", self.merge, -1.0, 1.0,
-                       "a cosine in [-1, 1] (a dropped key folds into its most similar kept key at or above it)")
-            if self.shared:
-                raise InvalidArgumentError("KVzip: merge needs a per-head choice; shared=1 pools heads (a cell "
-                                           "holds one head's key), give one or the other")
+        self.check_merge("KVzip")
+        if self.merge is not None and self.shared:
+            raise InvalidArgumentError("KVzip: merge needs a per-head choice; shared=1 pools heads (a cell "
+                                       "holds one head's key), give one or the other")
         if isinstance(self.budget, int) and self.budget < self.minimum_budget:
             raise InvalidArgumentError(f"KVzip: budget {self.budget} must be >= {self.minimum_budget} (sinks "
                                        f"{self.sinks} + 1 scored key)")

@@ -35,7 +35,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.policies.base import (
-    Budget, FoldsDropped, KVPolicy, check_budget, check_count, check_real, merge_suffix, resolve_budget,
+    Budget, FoldsDropped, KVPolicy, check_budget, check_count, merge_suffix, resolve_budget,
 )
 
 
@@ -91,9 +91,7 @@ class SnapKV(FoldsDropped, KVPolicy):
                                        f"{', '.join(p.value for p in Pooling)}") from None
         if self.recent is not None:
             check_budget("recent", self.recent)
-        if self.merge is not None:
-            check_real(type(self).__name__, "merge", self.merge, -1.0, 1.0,
-                       "a cosine in [-1, 1] (a dropped key folds into its most similar kept key at or above it)")
+        self.check_merge(type(self).__name__)
         if isinstance(self.budget, int) and self.budget < self.minimum_budget:
             raise InvalidArgumentError(f"SnapKV: budget {self.budget} must be >= {self.minimum_budget} (sinks "
                                        f"{self.sinks} + 1 voted key + at least 1 of the window)")
