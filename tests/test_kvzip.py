@@ -14,7 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache as mlx_lm_cache
 from cortexstream.engine.attention_hook import attention_received, original_sdpa
 from cortexstream.engine.engine import Engine
 from cortexstream.engine.policy_prompt_cache import make_policy_cache, policy_state_of
-from cortexstream.engine.reconstruction import attention_max
+from cortexstream.engine.reconstruction import attend_and_max, attention_max
 from cortexstream.engine.reconstruction_pass import reconstruct, score_pass
 from cortexstream.engine.reconstruction_prompt import PLAIN_PREFIX, REQUEST, reconstruction_prompt
 from cortexstream.engine.step_plan import WorkKind
@@ -101,6 +101,25 @@ def test_scores_equal_max_attention_of_the_reconstruction_queries_in_a_plain_for
         want = probs.reshape(heads, -1, keys)[:, :, :40].max(axis=1)
         np.testing.assert_allclose(state.scores[layer], want, rtol=2e-3, atol=2e-5)
     assert len(seen) == len(cache)
+
+
+@pytest.mark.parametrize("mask", [None, "causal", "array"])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_one_computation_gives_the_sdpa_output_and_the_maxima(mask, with_sinks):
+    """A pass's attention output from the scoring probabilities equals the model's SDPA (GQA, 3 query blocks, a
+    causal, boolean or no mask, learned sinks or none), and its maxima equal `attention_max`'s."""
+    rng = np.random.default_rng(3)
+    queries = mx.array(rng.normal(size=(1, 6, 300, 16)).astype(np.float32))
+    keys = mx.array(rng.normal(size=(1, 2, 340, 16)).astype(np.float32))
+    values = mx.array(rng.normal(size=(1, 2, 340, 16)).astype(np.float32))
+    if mask == "array":
+        mask = mx.array(rng.random((300, 340)) > 0.3)
+    sinks = mx.array(rng.normal(size=(6,)).astype(np.float32)) if with_sinks else None
+    out, best = attend_and_max(queries, keys, values, 0.25, mask, sinks)
+    want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.25, mask=mask, sinks=sinks)
+    np.testing.assert_allclose(np.array(out), np.array(want), rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(np.array(best), np.array(attention_max(queries, keys, 0.25, mask, sinks)))
+    assert out.dtype == queries.dtype and out.shape == (1, 6, 300, 16)
 
 
 def test_maximum_keeps_the_key_one_query_needs_where_the_sum_keeps_the_hubs():

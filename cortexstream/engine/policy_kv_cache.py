@@ -38,7 +38,9 @@ class PolicyKVCache(ArenaKVCache):
             mask = biased_mask(mask, bias, queries.shape[2], keys.shape[2], queries.dtype)
         state.add_queries(self.layer, queries[0], self.offset)
         if state.reconstruction is not None:  # records during a reconstruction pass only
-            state.reconstruction.observe(self.layer, queries, keys, scale, mask, sinks)
+            out = state.reconstruction.attend(self.layer, queries, keys, values, scale, mask, sinks)
+            if out is not None:
+                return out
         elif state.policy.needs_attention_scores:
             first = state.voting_row(self.offset, queries.shape[2])
             if first is not None:

@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from cortexstream.engine.attention_hook import additive_mask, attention_received, original_sdpa
-from cortexstream.engine.reconstruction import attention_max
+from cortexstream.engine.reconstruction import attend_and_max, attention_max
 from cortexstream.errors import InvalidArgumentError
 
 
@@ -106,6 +106,12 @@ def attend_owned(queries: mx.array, keys: mx.array, values: mx.array, scale: flo
         q = queries[:, heads_of_group]
         k, v = flat_keys[index][None, None], flat_values[index][None, None]
         group_sinks = None if sinks is None else sinks[heads_of_group]
+        if reduce is Reduce.MAX and record_from == 0:  # a reconstruction pass: one computation for both
+            out_head, best = attend_and_max(q, k, v, scale, cell_mask, group_sinks)
+            outs.append(out_head)
+            received.append(best[0, 0])
+            order.append(cells)
+            continue
         outs.append(original_sdpa(q, k, v, None, scale=scale,
                                   mask=None if cell_mask is None else cell_mask.astype(queries.dtype),
                                   sinks=group_sinks))

@@ -38,6 +38,28 @@ def attention_max(queries: mx.array, keys: mx.array, scale: float, mask: Any = N
     return best
 
 
+def attend_and_max(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
+                   sinks: mx.array | None = None, query_block: int = 128) -> tuple[mx.array, mx.array]:
+    """A reconstruction pass's attention output and `attention_max` from one computation of the probabilities.
+
+    The scores need the probabilities explicitly; the output is their product with the values, so the pass does
+    not run the model's SDPA over the whole context a second time. Returns the output `[B, Hq, N, Dv]` in the
+    queries' dtype and the maxima float32 `[B, H, K]`. The output equals the SDPA's up to float rounding: it feeds
+    the pass's next layers only (a pass is scoring work, rolled back; nothing of it is sampled)."""
+    batch, q_heads, num_queries, _ = queries.shape
+    kv_heads, num_keys = keys.shape[1], keys.shape[2]
+    v = values.astype(mx.float32)  # [B, H, K, Dv]
+    best = mx.zeros((batch, kv_heads, num_keys), mx.float32)
+    outs = []
+    for start, probs in zip(range(0, num_queries, query_block),
+                            attention_blocks(queries, keys, scale, mask, sinks, query_block)):
+        n = min(num_queries, start + query_block) - start
+        best = mx.maximum(best, probs.max(axis=2))
+        outs.append((probs @ v).reshape(batch, q_heads, n, values.shape[-1]))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+    return out.astype(queries.dtype), best
+
+
 class ReconstructionScores:
     """The reconstruction side of one sequence's `PolicyState` (see the module docstring)."""
 
@@ -47,12 +69,15 @@ class ReconstructionScores:
         self.scored_end = 0  # logical end of the context the last completed reconstruction covered
         self.num_passes = 0
 
-    def observe(self, layer: int, queries: mx.array, keys: mx.array, scale: float, mask: Any,
-                sinks: mx.array | None) -> None:
-        """The attention hook's call for one layer of a pass (ignored outside a reconstruction pass)."""
+    def attend(self, layer: int, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
+               sinks: mx.array | None) -> mx.array | None:
+        """The attention hook's call for one layer: during a pass, the layer's attention output with the maxima
+        recorded (`attend_and_max`); outside a reconstruction pass None (the caller attends as usual)."""
         if self.context is None:
-            return
-        self.add(layer, attention_max(queries, keys, scale, mask, sinks)[0])
+            return None
+        out, best = attend_and_max(queries, keys, values, scale, mask, sinks)
+        self.add(layer, best[0])
+        return out
 
     @property
     def recording(self) -> bool:
