@@ -22,7 +22,7 @@ from typing import Callable, ClassVar
 import numpy as np
 
 from cortexstream.errors import InvalidArgumentError
-from cortexstream.policies.base import check_real
+from cortexstream.policies.base import check_real, option_suffix
 from cortexstream.policies.snapkv import SnapKV, pool_scores
 
 
@@ -101,4 +101,4 @@ class AdaKV(SnapKV):
     def describe(self) -> str:
         return (f"adakv:budget={self.budget},window={self.window},kernel={self.kernel},"
                 f"pooling={self.pooling.value},sinks={self.sinks},floor={self.floor:g}"
-                f"{'' if self.recent is None else f',recent={self.recent:g}'}")
+                f"{option_suffix('recent', self.recent)}")

@@ -54,9 +54,14 @@ def check_real(owner: str, name: str, value: float, low: float, high: float, rul
     return value
 
 
+def option_suffix(key: str, value: float | None) -> str:
+    """A policy string's `,key=value` for an optional number (nothing when it is None)."""
+    return "" if value is None else f",{key}={value:g}"
+
+
 def merge_suffix(merge: float | None) -> str:
     """A policy string's `,merge=T` (nothing when the policy does not fold dropped keys into kept ones)."""
-    return "" if merge is None else f",merge={merge:g}"
+    return option_suffix("merge", merge)
 
 
 def resolve_budget(value: Budget, context: int) -> int:

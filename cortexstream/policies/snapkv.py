@@ -35,7 +35,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.policies.base import (
-    Budget, FoldsDropped, KVPolicy, check_budget, check_count, merge_suffix, resolve_budget,
+    Budget, FoldsDropped, KVPolicy, check_budget, check_count, merge_suffix, option_suffix, resolve_budget,
 )
 
 
@@ -142,4 +142,4 @@ class SnapKV(FoldsDropped, KVPolicy):
     def describe(self) -> str:
         return (f"snapkv:budget={self.budget},window={self.window},kernel={self.kernel},"
                 f"pooling={self.pooling.value},sinks={self.sinks}"
-                f"{'' if self.recent is None else f',recent={self.recent:g}'}{merge_suffix(self.merge)}")
+                f"{option_suffix('recent', self.recent)}{merge_suffix(self.merge)}")
