@@ -13,12 +13,16 @@ each pass (engine/mixed_batch.py, chunks only).
 Draft tokens are drawn from the draft model's distribution under the request's own sampling settings (greedy: its
 argmax), and those distributions go with them to the rejection sampler, so the output is exactly the target's
 (greedy) or follows it (sampled): engine/speculative_sampling.py.
+
+An agreement check (`DraftRunner.agree_with`) sees every pass's proposals before the target verifies them: on
+several ranks each rank drafts with its own whole copy of the draft model, and the check stops the ranks when their
+drafts differ (cortexstream/distributed/draft_agreement.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
@@ -41,6 +45,10 @@ class Proposal:
 
     tokens: tuple[int, ...]
     logprobs: mx.array
+
+
+# What checks a drafting pass's proposals (request id -> Proposal) given the requests' sampling; raises to stop.
+AgreementCheck = Callable[[dict[str, Proposal], dict[str, SamplingParams]], None]
 
 
 def vocab_size(model: Any) -> int | None:
@@ -76,6 +84,8 @@ class DraftRunner:
             raise RuntimeError(f"draft arena: {config.num_blocks} blocks for the target's "
                                f"{target_arena.config.num_blocks}")
         self.arena = KVArena(config)
+        # Called with every pass's proposals and the requests' sampling before they are verified, or None.
+        self._agreement: AgreementCheck | None = None
 
     @classmethod
     def load(cls, source: str, target: Any, target_tokenizer: Any, target_arena: KVArena) -> "DraftRunner":
@@ -84,6 +94,11 @@ class DraftRunner:
         draft, draft_tokenizer = load(source)
         check_pair(target, target_tokenizer, draft, draft_tokenizer, source)
         return cls(draft, target_arena, source)
+
+    def agree_with(self, check: "AgreementCheck | None") -> None:
+        """Call `check(proposals, samplings)` after each drafting pass, before the target verifies (it raises to
+        stop the step); None: no check."""
+        self._agreement = check
 
     def mirror(self, num_blocks_used: int, copies: tuple[tuple[int, int], ...]) -> None:
         """Back the blocks the target uses and apply its copy-on-write copies to the draft KV too."""
@@ -112,7 +127,10 @@ class DraftRunner:
                 drafted[item.request_id].append(token)
                 rows[item.request_id].append(lp[0])
                 feeds[item.request_id] = [token]
-        return {rid: Proposal(tuple(tokens), mx.stack(rows[rid])) for rid, tokens in drafted.items()}
+        proposals = {rid: Proposal(tuple(tokens), mx.stack(rows[rid])) for rid, tokens in drafted.items()}
+        if self._agreement is not None:
+            self._agreement(proposals, samplings)
+        return proposals
 
     def _forward(self, chunks: list[tuple[SequenceKV, list[int]]]) -> list[mx.array]:
         """One draft pass over every chunk; each chunk's last-row logits `[V]`."""
@@ -136,4 +154,4 @@ def load_drafter(config: SpeculativeConfig | None, model: Any, tokenizer: Any, a
     return DraftRunner.load(str(config.model), model, tokenizer, arena)
 
 
-__all__ = ["DraftRunner", "Proposal", "check_pair", "load_drafter"]
+__all__ = ["AgreementCheck", "DraftRunner", "Proposal", "check_pair", "load_drafter"]
