@@ -1,9 +1,11 @@
 """What every rank but 0 does: run rank 0's plans on its own shard of the model until rank 0 says stop.
 
 Per `OpenEngine` a rank builds what the engine on rank 0 has beside its scheduler: an arena of the same layout
-(holding only this rank's KV heads), the compute backend with the same small-batch setting, a grammar compiler
-and a `ModelRunner`. Each `RunStep` is executed as rank 0's engine executes it (the sharded model's all-sums pair
-the ranks' forward passes), with the step's random seed when it has one. Sampling is the same everywhere (the
+(holding only this rank's KV heads), the compute backend with the same small-batch setting, a grammar compiler,
+the draft model when rank 0's engine has one (loaded whole from the source rank 0 names, checked against the
+target as rank 0 checked it, its drafts compared with every rank's: draft_agreement.py) and a `ModelRunner`.
+Each `RunStep` is executed as rank 0's engine executes it (the sharded model's all-sums pair the ranks' forward
+passes), with the step's random seed when it has one. Sampling is the same everywhere (the
 logits after the last all-sum are the same on every rank), and a decode item that carries the token rank 0 read
 is checked against the token this rank sampled: a difference stops the ranks with an error naming both. So is a
 request whose KV policy evicts: the KV slots each plan says it starts from (what rank 0's policy left) must be
@@ -28,11 +30,13 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from cortexstream.backend import ComputeBackend
+from cortexstream.distributed.draft_agreement import DraftAgreement
 from cortexstream.distributed.errors import DistributedError
 from cortexstream.distributed.follower_channel import FollowerChannel, LeaderState
 from cortexstream.distributed.ledger import BlockLedger
 from cortexstream.distributed.messages import CloseEngine, Heartbeat, OpenEngine, RunStep, Stop
 from cortexstream.distributed.plan_wire import PlanDecoder
+from cortexstream.engine.draft_runner import DraftRunner
 from cortexstream.engine.runner import ModelRunner
 from cortexstream.engine.step_plan import StepPlan, StepResult
 from cortexstream.grammar.compiler import GrammarCompiler
@@ -40,16 +44,33 @@ from cortexstream.kv.arena import KVArena
 from cortexstream.models.eos import eos_ids
 
 
+def load_draft(source: str, model: Any, tokenizer: Any, arena: KVArena, rank: int) -> DraftRunner:
+    """The draft model rank 0's engine runs, loaded whole on this rank, or DistributedError saying why not."""
+    try:
+        return DraftRunner.load(source, model, tokenizer, arena)
+    except Exception as exc:  # noqa: BLE001 - a missing file, a hub error, a refused pair: all end the session
+        raise DistributedError(f"rank {rank}: speculative: cannot load the draft model {source!r} on this rank "
+                               f"({type(exc).__name__}: {exc}); every rank loads the draft model whole from the "
+                               "source rank 0 names, so it must be there on every rank (the same path, relative "
+                               "to each rank's working directory, or a hub id)") from exc
+
+
 class RankEngine:
     """One engine's runner on this rank."""
 
-    def __init__(self, model: Any, tokenizer: Any, spec: OpenEngine) -> None:
+    def __init__(self, model: Any, tokenizer: Any, spec: OpenEngine, rank: int,
+                 agreement: DraftAgreement | None = None) -> None:
         # Key centers come from this rank's own heads (kv_center.py), not rank 0's.
         self.arena = KVArena(spec.arena.with_key_centers(model) if spec.arena.key_centers is not None else spec.arena)
+        drafter = None if spec.draft_model is None else load_draft(spec.draft_model, model, tokenizer, self.arena,
+                                                                   rank)
+        if drafter is not None:
+            drafter.agree_with(agreement)
         self.backend = ComputeBackend.for_engine(spec.small_batch_rows, model=model)
         self.runner = ModelRunner(model, self.arena, self.backend, batch_prefill=spec.batch_prefill,
                                   mixed_prefill=spec.mixed_prefill,
-                                  constraints=GrammarCompiler(tokenizer, eos_ids(tokenizer)).constraint)
+                                  constraints=GrammarCompiler(tokenizer, eos_ids(tokenizer)).constraint,
+                                  drafter=drafter)
 
     def execute(self, plan: StepPlan) -> StepResult:
         """As `Engine.step` runs a plan: the backend held for the step, and past it while a pass is in flight."""
@@ -114,7 +135,9 @@ class Follower:
         if isinstance(message, RunStep):
             self._step(message)
         elif isinstance(message, OpenEngine):
-            self._engines[message.engine_id] = RankEngine(self.model, self.tokenizer, message)
+            agreement = None if message.draft_model is None else DraftAgreement(self.channel.group.group,
+                                                                                 self.channel.group.size)
+            self._engines[message.engine_id] = RankEngine(self.model, self.tokenizer, message, self.rank, agreement)
         elif isinstance(message, CloseEngine):
             self._settle()
             engine = self._engines.pop(message.engine_id, None)

@@ -29,7 +29,7 @@ class FollowerChannel:
     def __init__(self, group: RankGroup, timeout: float) -> None:
         if not timeout > 0:
             raise DistributedError(f"timeout: {timeout!r} must be a number of seconds > 0")
-        self.rank, self.timeout = group.rank, float(timeout)
+        self.group, self.rank, self.timeout = group, group.rank, float(timeout)
         values = group.broadcast_ints([0] * (WIRE_INTS + TOKEN_WORDS))
         address, token = ControlAddress.from_ints(values[:WIRE_INTS]), values[WIRE_INTS:]
         self._sock = self._connect(address)

@@ -4,6 +4,11 @@
 an arena of the same layout, and installs itself as the engine's `plan_listener`: the scheduler keeps deciding on
 rank 0 alone, and each plan reaches every rank (plan_wire.py) before rank 0 runs it. What is refused, and why, is
 listed in plan_wire.py and `engine_problem`.
+
+An engine with a draft model (draft-model speculation) sends its source: every rank loads the draft model whole
+and drafts on the same inputs, and each drafting pass's drafts are compared across the ranks before the target
+verifies them (draft_agreement.py). `attach` waits until every rank has loaded it, so a draft model that only rank 0
+can load ends the session with the rank's error at once.
 """
 
 from __future__ import annotations
@@ -14,12 +19,12 @@ from typing import Any
 
 import mlx.core as mx
 
+from cortexstream.distributed.draft_agreement import DraftAgreement
 from cortexstream.distributed.errors import DistributedError
 from cortexstream.distributed.leader_channel import LeaderChannel
 from cortexstream.distributed.ledger import BlockLedger
 from cortexstream.distributed.messages import CloseEngine, OpenEngine, RunStep
 from cortexstream.distributed.plan_wire import PlanEncoder, policy_problem
-from cortexstream.engine.speculative_config import SpeculativeMethod
 from cortexstream.engine.step_plan import StepPlan
 
 
@@ -27,9 +32,6 @@ def engine_problem(engine: Any) -> str | None:
     """Why `engine`, as built, cannot run on several ranks, or None."""
     if engine.disk is not None:
         return "kv_disk: the disk tier cannot run on several ranks yet (each rank's KV holds only its heads)"
-    speculative = engine.speculative
-    if speculative is not None and speculative.method is SpeculativeMethod.DRAFT:
-        return "speculative: draft-model speculation cannot run on several ranks yet"
     problem = policy_problem(engine.kv_policy)
     if problem is not None:
         return problem
@@ -70,8 +72,13 @@ class DistributedLeader:
             raise DistributedError(f"cannot run this engine on {self.channel.group.size} ranks: {problem}")
         engine_id, self._next_engine = self._next_engine, self._next_engine + 1
         runner = engine.runner
+        drafter = runner.drafter
         self.channel.send(OpenEngine(engine_id, engine.arena.config, runner.batch_prefill, runner.mixed_prefill,
-                                     getattr(engine.backend, "small_batch_rows", 0)))
+                                     getattr(engine.backend, "small_batch_rows", 0),
+                                     None if drafter is None else drafter.source))
+        if drafter is not None:
+            self.channel.wait_answered()  # every rank loaded the draft model (or the session failed, saying why)
+            drafter.agree_with(DraftAgreement(self.channel.group.group, self.channel.group.size))
         engine.plan_listener = _Relay(self, engine_id)
         return engine
 
@@ -80,6 +87,8 @@ class DistributedLeader:
         relay = engine.plan_listener
         if isinstance(relay, _Relay) and relay.leader is self:
             engine.plan_listener = None
+            if engine.runner.drafter is not None:
+                engine.runner.drafter.agree_with(None)
             self.channel.send(CloseEngine(relay.engine_id))
 
     def stats(self) -> dict[str, float]:

@@ -106,6 +106,19 @@ class LeaderChannel:
             if unreachable is not None:
                 raise DistributedError(f"the ranks have stopped: {self._failed}") from unreachable
 
+    def wait_answered(self) -> None:
+        """Wait until every rank has answered every message sent so far. DistributedError when the session fails
+        meanwhile (a rank's failure, or no answer within `timeout`: the watchdog's verdict)."""
+        deadline = time.monotonic() + 2 * self.timeout  # the watchdog fails the session after `timeout`
+        while time.monotonic() < deadline:
+            if self._failed is not None:
+                raise DistributedError(f"the ranks have stopped: {self._failed}")
+            with self._state:
+                if all(since is None for since in self._waiting.values()):
+                    return
+            time.sleep(0.01)
+        raise DistributedError(f"the ranks did not answer within {2 * self.timeout:g} s")
+
     def close(self, error: str | None = None) -> None:
         """Tell every rank to stop (with `error` when rank 0 failed) and wait up to `timeout` for them to go."""
         if self._failed is None and not self._closing:

@@ -1,9 +1,9 @@
 """What rank 0 tells the other ranks (pickled over the control channel), and what they answer (JSON).
 
-Rank 0 -> ranks: `OpenEngine` (an engine was attached: its arena's layout and the runner's settings), `RunStep`
-(one step's plan, as plain data), `CloseEngine`, `Heartbeat` (rank 0 is alive and idle) and `Stop` (exit; with an
-error when rank 0 failed). Ranks -> rank 0: `Ack` (every step up to `step` is computed) or `Failure` (why this rank
-stops). Answers are JSON, so rank 0 never unpickles what another process sent.
+Rank 0 -> ranks: `OpenEngine` (an engine was attached: its arena's layout, the runner's settings and the source of
+its draft model), `RunStep` (one step's plan, as plain data), `CloseEngine`, `Heartbeat` (rank 0 is alive and idle)
+and `Stop` (exit; with an error when rank 0 failed). Ranks -> rank 0: `Ack` (every step up to `step` is computed)
+or `Failure` (why this rank stops). Answers are JSON, so rank 0 never unpickles what another process sent.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ class OpenEngine:
     batch_prefill: bool
     mixed_prefill: bool
     small_batch_rows: int  # rank 0's small-batch kernel rows: every rank's matmuls take the same path
+    draft_model: str | None = None  # the draft model's source (draft-model speculation): every rank loads it whole
 
 
 @dataclass(frozen=True)

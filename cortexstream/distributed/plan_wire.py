@@ -7,8 +7,10 @@ Almost all of a plan is plain data already. What is not:
   request's seed, so every rank draws the same tokens, also after a preempted request is re-admitted;
 - a request sampled without a seed draws from MLX's global random state: rank 0 picks a seed for each step that
   samples such a request and every rank seeds with it before running the step (`PlanEncoder.encode`'s flag);
-- a caller's own sampler callable, a caller's prompt cache, disk-tier restores (rank 0's disk holds only its own
-  KV heads) and draft-model speculation cannot be sent: refused with a DistributedError naming the option;
+- a caller's own sampler callable, a caller's prompt cache and disk-tier restores (rank 0's disk holds only its own
+  KV heads) cannot be sent: refused with a DistributedError naming the option;
+- a draft-model item (`WorkItem.model_draft`) is plain data: every rank runs it with its own whole copy of the draft
+  model (leader.py), drawing sampled drafts from the step's seed like any unseeded draw;
 - KV policies decide on each rank from what that rank sees. Policies that decide from positions alone (StreamingLLM's
   sinks + window) make the same choice on every rank. Policies that select per KV head (`selects_per_head`: H2O,
   Expected Attention, D2O, SnapKV, KVzip) do too: each rank holds whole KV heads and the query heads of their GQA
@@ -92,9 +94,6 @@ class PlanEncoder:
         for request_id in plan.dropped:
             self._unseeded.discard(request_id)
         news = tuple(self._encode_request(spec) for spec in plan.new_requests)
-        for item in plan.decode:
-            if item.model_draft is not None:
-                raise DistributedError("speculative: draft-model speculation cannot run on several ranks yet")
         items = plan.prefill + plan.decode
         random = any(item.request_id in self._unseeded and (item.sample or item.draft) for item in items)
         return replace(plan, new_requests=news), random
