@@ -15,7 +15,9 @@ pinned so that one process evicts where rank 0 does), "real_int8" (the same 8 re
 tokens; rank 0 also writes every rank's BlockLedger digest. "policies", "kvzip", "merging", "prefix", "fork":
 per-head KV policies (selecting, reconstructing, merging), the prefix cache and n > 1
 (tests/distributed_kv_scenarios.py). "ngram": greedy requests with repetitive prompts under prompt-lookup
-speculation, with a fixed k and the default adaptive k (tokens, and the drafted and accepted counts). "local" runs
+speculation, with a fixed k and the default adaptive k (tokens, and the drafted and accepted counts). "draft":
+draft-model speculation (tests/distributed_draft_scenarios.py; the draft model's source is the fifth argument, else
+draft.gguf beside MODEL). "local" runs
 single and
 batch in one process without ranks, "local:SCENARIOS" those scenarios: the reference. Rank 0 also reports its
 weights' bytes and its arena's KV bytes per token; every other rank writes its weights' bytes and how many drafted
@@ -29,6 +31,7 @@ import sys
 import time
 
 import cortexstream
+import distributed_draft_scenarios as draft_scenarios
 import distributed_kv_scenarios as kv_scenarios
 from cortexstream.distributed import DistributedSession
 from cortexstream.engine.engine import Engine
@@ -99,6 +102,8 @@ def soak(model, tokenizer, engine) -> dict:
 
 def engine_settings(scenarios: str) -> dict:
     """The engine of a run: the real-model scenarios need room for 8 requests and the long prompt."""
+    if scenarios in draft_scenarios.SCENARIOS:
+        return draft_scenarios.settings(sys.argv[1])
     if scenarios == "soak":
         return SOAK_ENGINE
     if any(name in kv_scenarios.SCENARIOS for name in scenarios.split(",")):
@@ -181,6 +186,8 @@ def run(model, tokenizer, engine_for, scenario: str, copies=lambda: 0, score_ite
         return {"streaming": out.token_ids}
     if scenario == "ngram":
         return ngram(model, tokenizer, engine_for(4))
+    if scenario in draft_scenarios.SCENARIOS:
+        return draft_scenarios.run(model, tokenizer, engine_for(4))
     if scenario == "grammar":  # output constrained to JSON: every rank's grammar masks the same tokens
         engine = engine_for(2)
         out = cortexstream.batch_generate(model, tokenizer, PROMPTS[:2], max_tokens=24, engine=engine,
