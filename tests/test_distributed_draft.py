@@ -109,6 +109,24 @@ def test_drafts_that_differ_between_ranks_stop_both_ranks(ring, split_model, dra
         assert "draft-model speculation: rank 1 drafted" in err, err[-2000:]
 
 
+def test_cortexstream_generate_with_a_draft_model_under_mlx_launch_prints_what_one_process_prints(
+        ring, split_model, draft):  # noqa: F811
+    """The CLI on two ranks: `generate --speculative draft:...` builds rank 0's engine with the draft model (every
+    rank loads it) and prints one process's greedy text."""
+    from test_distributed import LAUNCH, free_port_pair
+
+    command = [str(Path(sys.executable).parent / "cortexstream"), "generate", "--model", split_model, "-p",
+               "hello world", "-m", "24", "--no-chat-template", "--rank-timeout", str(TIMEOUT),
+               "--speculative", f"draft:model={draft},k=3"]
+    plain = subprocess.run(command[:-2], capture_output=True, timeout=START)
+    alone = subprocess.run(command, capture_output=True, timeout=START)
+    launched = subprocess.run([LAUNCH, "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2", "-p",
+                               str(free_port_pair()), "--", *command], capture_output=True, timeout=START)
+    assert plain.returncode == 0 and alone.returncode == 0, alone.stderr[-2000:]
+    assert launched.returncode == 0, launched.stderr[-2000:]
+    assert launched.stdout == alone.stdout == plain.stdout and len(alone.stdout) > 24  # rank 1 printed nothing
+
+
 # --- the agreement check alone (one process; `gather` stands in for the all-gather of two ranks) ----------------
 
 def _proposals(tokens: dict[str, list[int]], shift: float = 0.0) -> dict:

@@ -104,3 +104,20 @@ def test_bad_draft_models_are_refused(tiny, tiny_gguf, tmp_path):
     plain = Engine(model, tokenizer, kv_tokens=1024, block_size=BS)
     with pytest.raises(InvalidArgumentError, match="has not loaded"):
         plain.add_request([5, 6, 7], max_tokens=4, speculative=f"draft:model={tiny_gguf}")
+
+
+def test_the_public_calls_load_a_draft_model_for_their_private_engine(tiny, other_draft):
+    """`generate`, `stream_generate` and `batch_generate` without an engine: the private engine loads the draft
+    model the request names, and the greedy text is plain decoding's."""
+    from cortexstream import batch_generate, generate, stream_generate
+
+    model, tokenizer = tiny
+    prompts = _prompts(3, seed=4)
+    spec = f"draft:model={other_draft},k=3"
+    plain = batch_generate(model, tokenizer, prompts, max_tokens=16)
+    drafted = batch_generate(model, tokenizer, prompts, max_tokens=16, speculative=spec)
+    assert drafted.texts == plain.texts
+    alone = generate(model, tokenizer, prompts[0], max_tokens=16)
+    assert generate(model, tokenizer, prompts[0], max_tokens=16, speculative=spec) == alone
+    streamed = list(stream_generate(model, tokenizer, prompts[0], max_tokens=16, speculative=spec))
+    assert "".join(r.text for r in streamed) == alone and len(streamed) == 16

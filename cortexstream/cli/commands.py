@@ -113,7 +113,8 @@ def run_generate(args: argparse.Namespace) -> int:
     last = None
     with ranks if ranks is not None else contextlib.nullcontext():  # leaving it stops the other ranks
         engine = None if ranks is None else distributed.generate_engine(ranks, model, tokenizer, prompt, sampling,
-                                                                        policy, kv_dtype, kv_group_size)
+                                                                        policy, kv_dtype, kv_group_size,
+                                                                        args.speculative)
         for response in stream_generate(model, tokenizer, prompt, sampling=sampling, kv_policy=policy,
                                         context_overflow=args.context_overflow, kv_dtype=kv_dtype,
                                         kv_group_size=kv_group_size, speculative=args.speculative, engine=engine):

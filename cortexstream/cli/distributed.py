@@ -90,9 +90,10 @@ def follow(ranks: Any) -> int:
 
 
 def generate_engine(ranks: Any, model: Any, tokenizer: Any, prompt: Any, sampling: Any, policy: Any,
-                    kv_dtype: str | None, kv_group_size: int | None) -> Any:
+                    kv_dtype: str | None, kv_group_size: int | None, speculative: str | None = None) -> Any:
     """Rank 0's engine for one `generate` request (sized as stream_generate sizes its private one), attached to
-    the other ranks. DistributedError for a --kv-policy the ranks cannot share."""
+    the other ranks; `speculative` its default (a draft model is loaded by every rank). DistributedError for a
+    --kv-policy the ranks cannot share."""
     from cortexstream.distributed import DistributedError, policy_problem
     from cortexstream.engine.engine import Engine
     from cortexstream.engine.prompt import prompt_to_tokens
@@ -106,5 +107,6 @@ def generate_engine(ranks: Any, model: Any, tokenizer: Any, prompt: Any, samplin
     job = [(len(prompt_to_tokens(tokenizer, prompt)), sampling.max_tokens, policy)]
     arena = private_arena(model, job, block_size=16, prefill_step_size=512, kv_dtype=kv_dtype,
                           kv_group_size=kv_group_size)
-    engine = Engine(model, tokenizer, max_num_seqs=1, prefill_step_size=512, prefix_caching=False, arena=arena)
+    engine = Engine(model, tokenizer, max_num_seqs=1, prefill_step_size=512, prefix_caching=False, arena=arena,
+                    speculative=speculative)
     return ranks.attach(engine)

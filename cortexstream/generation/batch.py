@@ -57,7 +57,9 @@ def batch_generate(
     """Generate for every prompt concurrently; texts come back in prompt order.
 
     `kv_policy`: one policy (object or string) for every prompt, or a list with one per prompt (None: full cache).
-    `speculative`: "ngram:k=4,n=3" for every prompt (prompt lookup, verified in the batched decode pass), or None.
+    `speculative`: "ngram:k=4,n=3" for every prompt (prompt lookup, verified in the batched decode pass),
+    "draft:model=SRC,k=4" (a draft model, loaded with the private engine; an `engine` must have been built with
+    it), or None.
     `kv_dtype` / `kv_group_size`: how the private engine's arena stores K/V (as in `stream_generate`; with an
     `engine` they must match its arena or be left out).
     `ranks`: rank 0's `DistributedSession` (under mlx.launch or mpirun): the engine this call builds runs on every
@@ -123,6 +125,7 @@ def batch_generate(
             max_num_seqs=max_num_seqs or len(prompts),
             prefill_step_size=prefill_step_size,
             prefill_tokens_while_decoding=None,
+            speculative=speculative,  # a draft model is loaded with the engine
         )
         if ranks is not None:
             attach_private(ranks, engine)

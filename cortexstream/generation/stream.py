@@ -68,7 +68,9 @@ def stream_generate(
     engine's arena stores K/V; with an `engine` or a `prompt_cache` it must match what they store (or be left out).
 
     `speculative`: "ngram:k=4,n=3" drafts tokens by prompt lookup and verifies them in one pass (greedy output is
-    unchanged; see docs/speculative.md); None: the engine's default (off for a private engine).
+    unchanged; see docs/speculative.md); "draft:model=SRC,k=4" drafts with a smaller model (loaded with the private
+    engine, on every call: for many calls build an `Engine` with it as its default and pass `engine=`); None: the
+    engine's default (off for a private engine).
     """
     from cortexstream.engine.speculative_config import parse_speculative
 
@@ -111,8 +113,10 @@ def _engine_generate(
         arena = None if prompt_cache is not None else private_arena(
             model, job, block_size=16, prefill_step_size=prefill_step_size, kv_dtype=storage[0],
             kv_group_size=storage[1])
+        # Its default speculation is the request's: a draft model is loaded with the engine (ngram needs nothing).
         engine = Engine(model, tokenizer, max_num_seqs=1, prefill_step_size=prefill_step_size,
-                        prefix_caching=False, kv_tokens=16 if arena is None else None, arena=arena)
+                        prefix_caching=False, kv_tokens=16 if arena is None else None, arena=arena,
+                        speculative=speculative)
     if sampling.max_tokens == 0:
         if owned:
             engine.close()
