@@ -8,7 +8,8 @@ of the plans alone): blocks reached by a prefix-cache hit, a disk restore or a p
 drafter yet. So each drafting item (`WorkItem.model_draft`) first feeds the draft model the tokens it has not seen
 (a catch-up chunk; a block shared through the prefix cache gets the same values from every sequence, since draft
 KV is a function of the block's tokens), then drafts k tokens one pass at a time, all drafting requests batched in
-each pass (engine/mixed_batch.py, chunks only).
+each pass: a packed chunk pass while some request has more than one token to feed (engine/mixed_batch.py), a decode
+step when each feeds one (engine/draft_decode.py).
 
 Draft tokens are drawn from the draft model's distribution under the request's own sampling settings (greedy: its
 argmax), and those distributions go with them to the rejection sampler, so the output is exactly the target's
@@ -27,6 +28,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
+from cortexstream.engine.draft_decode import one_token_pass
 from cortexstream.engine.forward import head_of
 from cortexstream.engine.mixed_batch import MixedBatch
 from cortexstream.engine.sampling import SamplingParams
@@ -118,7 +120,13 @@ class DraftRunner:
         rows: dict[str, list[mx.array]] = {item.request_id: [] for item in items}
         for step in range(max(item.model_draft.k for item in items)):
             active = [item for item in items if step < item.model_draft.k]
-            logits = self._forward([(kvs[item.request_id], feeds[item.request_id]) for item in active])
+            chunks = [(kvs[item.request_id], feeds[item.request_id]) for item in active]
+            if all(len(feed) == 1 for _, feed in chunks):  # a decode step (engine/draft_decode.py)
+                logits = one_token_pass(self.model, self.arena, [kv for kv, _ in chunks],
+                                        [feed[0] for _, feed in chunks])
+                mx.eval(logits)
+            else:  # the first pass feeds the tokens the draft model has not seen
+                logits = self._forward(chunks)
             for item, row in zip(active, logits):
                 sampling = samplings[item.request_id]
                 lp = target_logprobs(row[None] - mx.logsumexp(row, keepdims=True), sampling)
