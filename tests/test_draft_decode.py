@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cortexstream.backend.sdpa import route_sdpa
-from cortexstream.engine.draft_decode import one_token_pass
+from cortexstream.engine.draft_decode import feed_chunks, one_token_pass
 from cortexstream.engine.forward import head_of
 from cortexstream.engine.mixed_batch import MixedBatch
 from cortexstream.errors import InvalidArgumentError
@@ -75,3 +75,26 @@ def test_a_token_per_sequence(tiny):
     arena, seqs = _sequences(model, [(0, 1, 2, 3)], [[5, 6, 7]])
     with pytest.raises(InvalidArgumentError, match="1 sequences for 2 tokens"):
         one_token_pass(model, arena, seqs, [1, 2])
+
+
+@pytest.mark.parametrize("tables", [[(5, 2, 9, 4)], [(0, 1, 2, 3), (7, 4, 12, 10)]])
+def test_feeding_chunks_writes_what_the_packed_pass_writes(tiny, tables):
+    """`feed_chunks` (a prompt chunk the draft model computes in the target's prefill step), after earlier tokens:
+    the same K/V and lengths as the packed chunk pass."""
+    model, _ = tiny
+    rng = np.random.default_rng(5)
+    prompts = [[int(x) for x in rng.integers(3, 250, size=n)] for n in (6, 9)[: len(tables)]]
+    chunks = [[int(x) for x in rng.integers(3, 250, size=n)] for n in (7, 4)[: len(tables)]]
+    packed, packed_seqs = _sequences(model, tables, prompts)
+    fed, fed_seqs = _sequences(model, tables, prompts)
+    _chunk_pass(model, packed, packed_seqs, chunks)
+    feed_chunks(model, fed, fed_seqs, chunks)
+    for a, b in zip(packed_seqs, fed_seqs):
+        assert (a.num_tokens, a.logical_length) == (b.num_tokens, b.logical_length)
+        for layer in range(packed.config.num_layers):
+            ka, va = packed.read(layer, a.blocks, a.num_tokens)
+            kb, vb = fed.read(layer, b.blocks, b.num_tokens)
+            np.testing.assert_allclose(np.array(kb), np.array(ka), rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(np.array(vb), np.array(va), rtol=1e-5, atol=1e-5)
+    with pytest.raises(InvalidArgumentError, match="each non-empty"):
+        feed_chunks(model, fed, fed_seqs, [[]] * len(tables))

@@ -121,3 +121,28 @@ def test_the_public_calls_load_a_draft_model_for_their_private_engine(tiny, othe
     assert generate(model, tokenizer, prompts[0], max_tokens=16, speculative=spec) == alone
     streamed = list(stream_generate(model, tokenizer, prompts[0], max_tokens=16, speculative=spec))
     assert "".join(r.text for r in streamed) == alone and len(streamed) == 16
+
+
+def test_the_draft_model_computes_each_prompt_chunk_in_its_step(tiny, other_draft, monkeypatch):
+    """With a draft model, each prefill chunk is fed to it in the chunk's own step (`WorkItem.model_draft`, k=0),
+    so the first drafting pass after the prompt feeds one token, not the prompt: no pause of a draft-model prefill
+    between the first two output tokens. Greedy output is plain decoding's."""
+    from cortexstream.engine.draft_runner import DraftRunner
+
+    model, tokenizer = tiny
+    prompt = _prompts(1, seed=9)[0] * 3  # 15-117 tokens: several chunks of 16
+    expected = _plain(model, tokenizer, [prompt], max_tokens=12)
+    feeds, contexts = [], []
+    feed, propose = DraftRunner.feed, DraftRunner.propose
+    monkeypatch.setattr(DraftRunner, "feed", lambda self, items: (
+        feeds.extend((i.model_draft.start, len(i.model_draft.context), i.model_draft.k) for i in items),
+        feed(self, items))[1])
+    monkeypatch.setattr(DraftRunner, "propose", lambda self, items, samplings: (
+        contexts.extend(len(i.model_draft.context) for i in items), propose(self, items, samplings))[1])
+    engine = Engine(model, tokenizer, kv_tokens=4096, block_size=BS, prefill_step_size=16,
+                    speculative=f"draft:model={other_draft},k=3")
+    rid = engine.add_request(prompt, max_tokens=12)
+    assert run_all(engine)[rid]["tokens"] == expected[0]
+    assert [start for start, _, _ in feeds] == list(range(0, len(prompt), 16))
+    assert sum(n for _, n, _ in feeds) == len(prompt) and {k for _, _, k in feeds} == {0}
+    assert contexts and contexts[0] == 1 and max(contexts) <= 3  # the sampled token, then kept drafts + one

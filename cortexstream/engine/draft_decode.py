@@ -1,10 +1,12 @@
-"""The draft model's one-token passes (engine/draft_runner.py): the decode path, not a packed chunk.
+"""The draft model's passes on the engine's plain paths (engine/draft_runner.py), not as packed chunks.
 
-After a drafting item's first pass (which feeds the tokens the draft model has not seen, a chunk), every later pass
-of a proposal feeds one token per sequence: exactly a decode step. Run as one, it takes the path plain decoding
-takes: one sequence attends through its own per-layer cache (a zero-copy view of a contiguous block table), several
-through one `DecodeBatch` (the arena's batched decode attention), instead of the packed prefill of
-`engine/mixed_batch.py`, which gathers each sequence's KV and attends row by row.
+- One-token passes. After a drafting item's first pass (which feeds the tokens the draft model has not seen),
+  every later pass of a proposal feeds one token per sequence: exactly a decode step, run the way plain decoding
+  runs one: one sequence through its own per-layer cache (a zero-copy view of a contiguous block table), several
+  through one `DecodeBatch` (the arena's batched decode attention).
+- Prompt chunks. A prompt chunk the target prefills is fed to the draft model in the same step (`feed_chunks`),
+  so its KV is ready when decoding starts: without it, the first drafting pass would compute the whole prompt in
+  the draft model between two output tokens, a stall as long as the draft model's prefill. No logits.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from cortexstream.engine.batch_cache import DecodeBatch
+from cortexstream.engine.forward import head_of
+from cortexstream.engine.prefill_batch import PrefillBatch
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_cache import ArenaKVCache
@@ -36,4 +40,22 @@ def one_token_pass(model: Any, arena: KVArena, sequences: Sequence[SequenceKV], 
     return logits[:, -1, :]
 
 
-__all__ = ["one_token_pass"]
+def feed_chunks(model: Any, arena: KVArena, sequences: Sequence[SequenceKV], chunks: Sequence[Sequence[int]]) -> None:
+    """Compute each sequence's chunk in `model` (its K/V written to `arena`, no logits), evaluated; each
+    sequence's lengths advance by its chunk."""
+    if not sequences or len(sequences) != len(chunks) or any(not chunk for chunk in chunks):
+        raise InvalidArgumentError(f"draft feed: {len(sequences)} sequences for {len(chunks)} chunks, each non-empty")
+    arena.grow_ahead()
+    body = getattr(model, "model", None)
+    runs = body if body is not None and head_of(model) is not None else model  # no logits needed
+    if len(sequences) == 1:
+        ids = mx.array([int(t) for t in chunks[0]], dtype=mx.uint32)[None]
+        out = runs(ids, cache=[ArenaKVCache(sequences[0], layer) for layer in range(arena.config.num_layers)])
+    else:
+        batch = PrefillBatch(arena, list(sequences), [[int(t) for t in chunk] for chunk in chunks])
+        out = runs(batch.tokens, cache=batch.caches())
+        batch.commit()
+    mx.eval(out, arena.arrays())
+
+
+__all__ = ["feed_chunks", "one_token_pass"]

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
-from cortexstream.engine.draft_decode import one_token_pass
+from cortexstream.engine.draft_decode import feed_chunks, one_token_pass
 from cortexstream.engine.forward import head_of
 from cortexstream.engine.mixed_batch import MixedBatch
 from cortexstream.engine.sampling import SamplingParams
@@ -107,6 +107,18 @@ class DraftRunner:
         self.arena.ensure_blocks(num_blocks_used)
         for src, dst in copies:
             self.arena.copy_block(src, dst)
+
+    def feed(self, items: list[WorkItem]) -> None:
+        """Compute prefill items' chunks in the draft model too (`item.model_draft`, k=0: from where its KV stops
+        being valid through the chunk's end), all in one pass (engine/draft_decode.py)."""
+        if not items:
+            return
+        kvs = []
+        for item in items:
+            kv = SequenceKV(self.arena, contiguous=False, managed=True)
+            kv.sync(item.block_table, item.model_draft.start, item.model_draft.start)
+            kvs.append(kv)
+        feed_chunks(self.model, self.arena, kvs, [item.model_draft.context for item in items])
 
     def propose(self, items: list[WorkItem], samplings: dict[str, SamplingParams]) -> dict[str, Proposal]:
         """Draft `item.model_draft.k` tokens after each item's token, all items batched in each pass."""

@@ -143,6 +143,8 @@ class ModelRunner:
         if plan.restores:
             import_blocks(self.arena, [block for block, _ in plan.restores], [data for _, data in plan.restores])
         self.copy_blocks(plan.copies)
+        if self.drafter is not None:  # prompt chunks the draft model computes too (engine/draft_decode.py)
+            self.drafter.feed([item for item in plan.prefill if item.model_draft is not None])
         out = _Outcome()
         decode = list(plan.decode)
         mixed = self._mixable(decode, plan.prefill) if self.mixed_prefill and decode else []

@@ -236,6 +236,14 @@ class Scheduler:
         room = min(seq.sampling.max_tokens - len(seq.output_ids) - 1, seq.max_total_tokens - seq.num_tokens)
         return seq.speculation.plan(seq.all_ids, room) if room > 0 else ((), None)
 
+    @staticmethod
+    def _draft_feed(seq: Sequence, end: int) -> ModelDraft | None:
+        """What the runner's draft model computes of a prompt chunk ending at `end`, in the same step (None: no
+        draft model, or a sequence that will never draft)."""
+        if seq.speculation is None or not seq.uses_arena or seq.kv_policy.evicts:
+            return None
+        return seq.speculation.feed(seq.all_ids, end)
+
     def accept_drafts(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """The runner kept `accepted` of the `proposed` drafted tokens: their KV is the sequence's now (the rest
         is past its length, overwritten later), and blocks taken only for rejected ones go back at once."""
@@ -268,7 +276,8 @@ class Scheduler:
             prefill_items.append(WorkItem(
                 seq.request_id, WorkKind.PREFILL, seq.token_slice(start, start + n), start, seq.num_physical,
                 tuple(seq.block_table), sample=start + n == seq.num_tokens, alone=seq.prefills_alone,
-                mixable=seq.uses_arena and not seq.prefills_alone and seq.hook is None))
+                mixable=seq.uses_arena and not seq.prefills_alone and seq.hook is None,
+                model_draft=self._draft_feed(seq, start + n)))
             seq.num_computed += n
             seq.num_physical += n
         decode_items = []

@@ -76,6 +76,16 @@ class SpeculationState:
             self.length.record(0, 0)  # nothing matched: costs nothing, says nothing about acceptance
         return draft, None
 
+    def feed(self, tokens: Sequence[int], end: int) -> ModelDraft | None:
+        """A prompt chunk ending at `end` (of `tokens`, the sequence's prompt and output so far): for a draft model,
+        the tokens it has not seen through `end`, computed by it in the chunk's step (`ModelDraft` with k=0), so its
+        KV is ready when decoding starts; None for prompt lookup or when it has seen them."""
+        if not self.by_model or end <= self.draft_len:
+            return None
+        feed = ModelDraft(0, self.draft_len, tuple(tokens[self.draft_len:end]))
+        self.draft_len = end
+        return feed
+
     def record(self, proposed: int, accepted: int) -> None:
         """A verified draft: `accepted` of its `proposed` tokens were kept."""
         self.length.record(proposed, accepted)

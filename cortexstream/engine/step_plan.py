@@ -72,7 +72,9 @@ class WorkItem:
     # Speculative decoding: tokens proposed after `token_ids` (a decode of one known token). The runner computes
     # them in the same pass, keeps the longest prefix the model agrees with and samples one more token.
     draft: tuple[int, ...] = ()
-    model_draft: ModelDraft | None = None  # tokens the runner's draft model proposes instead (engine/draft_runner.py)
+    # Draft-model speculation (engine/draft_runner.py): on a decode item, the draft model proposes the tokens; on a
+    # prefill item (k=0), it computes the chunk (and what it has not seen before it) in the same step.
+    model_draft: ModelDraft | None = None
     compress: bool = False  # a SCORE item that ends its reconstruction: the policy then evicts to its budget
 
     @property
