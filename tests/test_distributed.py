@@ -214,13 +214,15 @@ def http(port: int, path: str, body: dict | None = None, timeout: float = 20) ->
         return exc.code, json.loads(exc.read())
 
 
-def start_server(ring: Path, model: str) -> tuple[list[subprocess.Popen], int, dict]:
-    """`cortexstream serve` on two ranks, once it answered a first completion: (processes, port, that answer)."""
+def start_server(ring: Path, model: str, *extra: str) -> tuple[list[subprocess.Popen], int, dict]:
+    """`cortexstream serve` on two ranks (`extra`: more serve options), once it answered a first completion:
+    (processes, port, that answer)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         http_port = probe.getsockname()[1]
     procs = start_ranks(ring, "serve", "--model", model, "--port", str(http_port), "--kv-tokens", "1024",
-                        "--rank-timeout", str(TIMEOUT), program=str(Path(sys.executable).parent / "cortexstream"))
+                        "--rank-timeout", str(TIMEOUT), *extra,
+                        program=str(Path(sys.executable).parent / "cortexstream"))
     deadline = time.monotonic() + START
     while True:
         try:

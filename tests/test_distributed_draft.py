@@ -128,6 +128,33 @@ def test_cortexstream_generate_with_a_draft_model_under_mlx_launch_prints_what_o
     assert launched.stdout == alone.stdout == plain.stdout and len(alone.stdout) > 24  # rank 1 printed nothing
 
 
+def test_cortexstream_serve_with_a_draft_model_on_two_ranks_answers_as_one_process_generates(
+        ring, split_model, draft):  # noqa: F811
+    """`serve --speculative draft:...` under two ranks: greedy completions (drafting, and a request that turns
+    speculation off) give one process's `generate` text; both ranks stop with the server."""
+    import signal
+
+    from test_distributed import http, start_server
+
+    command = [str(Path(sys.executable).parent / "cortexstream"), "generate", "--model", split_model, "-p",
+               "hello world", "-m", "16", "--no-chat-template"]
+    alone = subprocess.run(command, capture_output=True, text=True, timeout=START)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    procs, port, _ = start_server(ring, split_model, "--speculative", f"draft:model={draft},k=3")
+    try:
+        body = {"prompt": "hello world", "max_tokens": 16, "temperature": 0}
+        drafted, plain = http(port, "/v1/completions", body), http(port, "/v1/completions",
+                                                                  {**body, "speculative": "off"})
+        assert drafted[0] == plain[0] == 200, (drafted, plain)
+        assert drafted[1]["choices"][0]["text"] == plain[1]["choices"][0]["text"] == alone.stdout.rstrip("\n")
+        procs[0].send_signal(signal.SIGTERM)
+        results = finish(procs, 30)
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert [code for code, _ in results] == [0, 0], [err[-1500:] for _, err in results]
+
+
 # --- the agreement check alone (one process; `gather` stands in for the all-gather of two ranks) ----------------
 
 def _proposals(tokens: dict[str, list[int]], shift: float = 0.0) -> dict:
