@@ -43,6 +43,17 @@ def _chunk_pass(model, arena, seqs, feeds):
     return head_of(model)(hidden[mx.array(np.asarray(rows, dtype=np.int32))])[:, 0, :]
 
 
+def _assert_same_kv(want_arena, want_seqs, got_arena, got_seqs):
+    """Both arenas hold the same K/V for each pair of sequences, of the same lengths."""
+    for a, b in zip(want_seqs, got_seqs):
+        assert (a.num_tokens, a.logical_length) == (b.num_tokens, b.logical_length)
+        for layer in range(want_arena.config.num_layers):
+            ka, va = want_arena.read(layer, a.blocks, a.num_tokens)
+            kb, vb = got_arena.read(layer, b.blocks, b.num_tokens)
+            np.testing.assert_allclose(np.array(kb), np.array(ka), rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(np.array(vb), np.array(va), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("tables", [
     [(0, 1, 2, 3)],  # one sequence, contiguous
     [(5, 2, 9, 4)],  # one sequence, paged
@@ -61,13 +72,7 @@ def test_one_token_passes_equal_the_packed_chunk_pass(tiny, tables):
         got = one_token_pass(model, decoded, decoded_seqs, tokens)
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
         assert np.abs(np.array(want)).max() > 0.1  # logits, not zeros
-    for a, b in zip(packed_seqs, decoded_seqs):
-        assert (a.num_tokens, a.logical_length) == (b.num_tokens, b.logical_length)
-        for layer in range(packed.config.num_layers):
-            ka, va = packed.read(layer, a.blocks, a.num_tokens)
-            kb, vb = decoded.read(layer, b.blocks, b.num_tokens)
-            np.testing.assert_allclose(np.array(kb), np.array(ka), rtol=1e-5, atol=1e-5)
-            np.testing.assert_allclose(np.array(vb), np.array(va), rtol=1e-5, atol=1e-5)
+    _assert_same_kv(packed, packed_seqs, decoded, decoded_seqs)
 
 
 def test_a_token_per_sequence(tiny):
@@ -89,12 +94,6 @@ def test_feeding_chunks_writes_what_the_packed_pass_writes(tiny, tables):
     fed, fed_seqs = _sequences(model, tables, prompts)
     _chunk_pass(model, packed, packed_seqs, chunks)
     feed_chunks(model, fed, fed_seqs, chunks)
-    for a, b in zip(packed_seqs, fed_seqs):
-        assert (a.num_tokens, a.logical_length) == (b.num_tokens, b.logical_length)
-        for layer in range(packed.config.num_layers):
-            ka, va = packed.read(layer, a.blocks, a.num_tokens)
-            kb, vb = fed.read(layer, b.blocks, b.num_tokens)
-            np.testing.assert_allclose(np.array(kb), np.array(ka), rtol=1e-5, atol=1e-5)
-            np.testing.assert_allclose(np.array(vb), np.array(va), rtol=1e-5, atol=1e-5)
+    _assert_same_kv(packed, packed_seqs, fed, fed_seqs)
     with pytest.raises(InvalidArgumentError, match="each non-empty"):
         feed_chunks(model, fed, fed_seqs, [[]] * len(tables))
