@@ -1,9 +1,11 @@
 """The server's `speculative` request field: prompt lookup gives the same greedy answer as plain decoding, with
-batching (concurrent requests) and n > 1; a bad setting is a 400 naming the field."""
+batching (concurrent requests) and n > 1; a bad setting is a 400 naming the field; /metrics counts drafted and
+accepted tokens."""
 
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 
 import openai
 import pytest
@@ -60,4 +62,13 @@ def test_server_default_speculation_and_request_off(tiny):
         assert drafted > 0
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0,
                                   extra_body={"speculative": "off"})
-        assert server.engine.stats()["spec_drafted_tokens"] == drafted
+        stats = server.engine.stats()
+        assert stats["spec_drafted_tokens"] == drafted
+        # /metrics shows the same counters (acceptance = accepted / drafted)
+        with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        shown = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                 if line.startswith("cortexstream:spec_")}
+        assert shown == {"cortexstream:spec_verify_steps_total": stats["spec_verify_steps"],
+                         "cortexstream:spec_drafted_tokens_total": drafted,
+                         "cortexstream:spec_accepted_tokens_total": stats["spec_accepted_tokens"]}

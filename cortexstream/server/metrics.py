@@ -72,6 +72,14 @@ _DISK_METRICS = {
 }
 
 
+# Speculative decoding counters shown in /metrics: the engine stats key (engine/scheduler.py) -> help.
+_SPECULATIVE_METRICS = {
+    "spec_verify_steps": "Verify passes that checked drafted tokens (speculative decoding).",
+    "spec_drafted_tokens": "Tokens drafted (prompt lookup or a draft model).",
+    "spec_accepted_tokens": "Drafted tokens the target model accepted.",
+}
+
+
 def _disk_lines(labels: str, view: EngineView | None, problem: str | None) -> list[str]:
     """The disk tier: whether it is on (with the reason when a directory was given but cannot be used, or
     writing stopped), and its counters."""
@@ -172,6 +180,9 @@ class Metrics:
         if view is not None:
             lines += single("cortexstream:num_preemptions_total", "counter", "Sequences preempted for KV blocks.",
                             view.num_preemptions)
+            for key, help_text in _SPECULATIVE_METRICS.items():
+                if key in view.stats:
+                    lines += single(f"cortexstream:{key}_total", "counter", help_text, view.stats[key])
         name = "cortexstream:request_success_total"
         lines += [f"# HELP {name} Finished completions by finish reason.", f"# TYPE {name} counter"]
         for reason, count in sorted(self.finished.items()):
