@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from cortexstream.engine.batch_cache import DecodeBatch
-from cortexstream.engine.forward import head_of
+from cortexstream.engine.forward import body_of
 from cortexstream.engine.prefill_batch import PrefillBatch
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.kv.arena import KVArena
@@ -46,8 +46,7 @@ def feed_chunks(model: Any, arena: KVArena, sequences: Sequence[SequenceKV], chu
     if not sequences or len(sequences) != len(chunks) or any(not chunk for chunk in chunks):
         raise InvalidArgumentError(f"draft feed: {len(sequences)} sequences for {len(chunks)} chunks, each non-empty")
     arena.grow_ahead()
-    body = getattr(model, "model", None)
-    runs = body if body is not None and head_of(model) is not None else model  # no logits needed
+    runs = body_of(model)  # no logits needed
     if len(sequences) == 1:
         ids = mx.array([int(t) for t in chunks[0]], dtype=mx.uint32)[None]
         out = runs(ids, cache=[ArenaKVCache(sequences[0], layer) for layer in range(arena.config.num_layers)])

@@ -27,6 +27,12 @@ def head_of(model: nn.Module) -> Any:
     return None
 
 
+def body_of(model: nn.Module) -> Any:
+    """What to call when no logits are needed: the decoder without its output projection (`model.model`) for the
+    known layouts, else the whole model."""
+    return model.model if head_of(model) is not None else model
+
+
 def last_token_logits(model: nn.Module, tokens: mx.array, cache: list[Any]) -> mx.array:
     """Logits of the last position only, `[B, 1, V]`: the prompt's other positions never go through the
     vocabulary projection (the largest matmul of a small model's prefill)."""

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from cortexstream.engine.forward import head_of
+from cortexstream.engine.forward import body_of
 from cortexstream.engine.policy_prompt_cache import policy_state_of
 from cortexstream.engine.policy_kv_cache import policy_caches
 from cortexstream.engine.policy_runtime import PolicyState
@@ -39,9 +39,7 @@ def score_pass(model: Any, seq: SequenceKV, state: PolicyState, tokens: Sequence
     lengths, offsets = list(seq.lengths), list(seq.offsets)
     rec.context = seq.num_tokens
     try:
-        body = getattr(model, "model", None)
-        runs = body if body is not None and head_of(model) is not None else model  # no logits needed
-        runs(mx.array(list(tokens), dtype=mx.uint32)[None], cache=policy_caches(seq, state))
+        body_of(model)(mx.array(list(tokens), dtype=mx.uint32)[None], cache=policy_caches(seq, state))
         mx.eval(rec.arrays(), seq.arena.arrays())
     finally:
         rec.context = None

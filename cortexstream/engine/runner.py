@@ -30,7 +30,7 @@ import numpy as np
 
 from cortexstream.backend import ComputeBackend
 from cortexstream.engine.batch_cache import DecodeBatch
-from cortexstream.engine.forward import head_of, last_token_logits
+from cortexstream.engine.forward import body_of, head_of, last_token_logits
 from cortexstream.engine.mixed_batch import MixedBatch
 from cortexstream.engine.policy_batch_hook import batch_attention_hook, needs_batch_hook
 from cortexstream.engine.policy_kv_cache import policy_caches
@@ -199,8 +199,7 @@ class ModelRunner:
             logits = last_token_logits(self.model, tokens, caches)[0]
         else:
             logits = None
-            body = getattr(self.model, "model", None)
-            (body if body is not None and head_of(self.model) is not None else self.model)(tokens, cache=caches)
+            body_of(self.model)(tokens, cache=caches)
         # Evaluate now, not with the step's other logits: a later pass in the same step writing the arena while
         # this graph (holding views of the layer buffers) is pending would make MLX copy every layer buffer.
         policy = request.policy
