@@ -8,7 +8,7 @@ import pytest
 
 from cortexstream.engine.adaptive_draft import AdaptiveDraftLength
 from cortexstream.engine.step_plan import ModelDraft, SampledToken, StepPlan, StepResult, WorkItem, WorkKind
-from cortexstream.engine.verify_cost import PRIOR_COST_PER_DRAFT, VerifyCostModel, timed_pass
+from cortexstream.engine.verify_cost import PRIOR_COST_PER_DRAFT, VerifyCostModel, drafted_passes, timed_pass
 from cortexstream.errors import InvalidArgumentError
 
 
@@ -139,6 +139,52 @@ def test_a_pipelined_pass_is_not_timed_and_a_mixed_one_is():
     assert timed_pass(plan, StepResult(in_flight), 0.01) is None  # launched: computed during the next step
     assert timed_pass(plan, StepResult(in_flight, accepted={"a": 0}), 0.01) is None  # drafts dropped, launched
     assert timed_pass(plan, StepResult(in_flight, mixed_tokens=30), 0.2) == (2 + 30, 0.2)  # evaluated in the step
+
+
+def test_the_draft_models_passes_are_taken_out_of_the_verify_sample_and_kept_as_their_own():
+    plan = StepPlan(decode=(_item("a", model_draft=ModelDraft(3, 0, (5,))), _item("b")))
+    sampled = tuple(SampledToken(rid, None, None, ready=True) for rid in "ab")
+    result = StepResult(sampled, accepted={"a": 2}, draft_seconds=0.15, draft_passes=3, draft_sequences=1)
+    assert timed_pass(plan, result, 0.25) == (4 + 1, pytest.approx(0.10))
+    assert drafted_passes(result) == (1, 3, 0.15)
+    assert drafted_passes(StepResult(sampled)) is None
+    # a step whose time is all draft passes (a clock this coarse) gives no verify sample
+    assert timed_pass(plan, StepResult(sampled, accepted={"a": 0}, draft_seconds=0.3, draft_passes=3,
+                                       draft_sequences=1), 0.25) is None
+
+
+def test_draft_passes_add_their_share_of_a_plain_step_to_the_cost_per_draft():
+    model = VerifyCostModel()
+    _feed(model, a=0.010, b=0.004, rows=[4, 8, 16, 32] * 10)
+    rows_only = model.cost_per_draft(8)
+    assert model.draft_cost(8) == 0.0  # no draft pass measured yet
+    model.observe_draft(8, 4, 0.4)  # the first pass of a shape is not a sample
+    assert model.cost_per_draft(8) == rows_only
+    for _ in range(5):
+        model.observe_draft(8, 4, 4 * 0.021)  # 21 ms per pass of 8 drafting sequences
+    plain_step = 0.010 + 0.004 * 8
+    assert model.draft_cost(8) == pytest.approx(0.021 / plain_step)
+    assert model.cost_per_draft(8) == pytest.approx(rows_only + 0.021 / plain_step)
+    # the nearest measured count stands in for another batch
+    assert model.draft_cost(6) == pytest.approx(0.021 / (0.010 + 0.004 * 6))
+    # at 92% acceptance, drafting pays on the rows alone and not once the draft model's passes are counted
+    draft = AdaptiveDraftLength(4, initial_rate=0.92, cost_per_draft=rows_only)
+    assert draft.k > 0
+    draft.set_cost_per_draft(model.cost_per_draft(8))
+    assert draft.k == 0
+    for args, name in [((0, 1, 0.1), "sequences"), ((1, 0, 0.1), "passes"), ((1, 1, 0.0), "seconds")]:
+        with pytest.raises(InvalidArgumentError, match=name):
+            model.observe_draft(*args)
+
+
+def test_before_the_fit_the_latest_verify_sample_stands_in_for_a_plain_step():
+    model = VerifyCostModel()
+    model.observe(5, 0.3)
+    model.observe(5, 0.2)  # one row count: not fitted
+    model.observe_draft(1, 4, 0.4)
+    model.observe_draft(1, 4, 0.4)
+    assert not model.fitted and model.draft_cost(1) == pytest.approx(0.1 / 0.2)
+    assert model.cost_per_draft(1) == pytest.approx(PRIOR_COST_PER_DRAFT + 0.5)
 
 
 # --- the draft length follows the cost ------------------------------------------------------------------------

@@ -160,7 +160,9 @@ class ModelRunner:
             self._decode([replace(item, draft=(), model_draft=None) for item in decode], mixed, out)
             out.accepted.update({item.request_id: 0 for item in drafting})
         return StepResult(tuple(out.sampled), out.physical, out.errors, sum(i.num_tokens for i in separate),
-                          out.prefill_seconds, sum(i.num_tokens for i in mixed), accepted=out.accepted)
+                          out.prefill_seconds, sum(i.num_tokens for i in mixed), accepted=out.accepted,
+                          draft_seconds=out.draft_seconds, draft_passes=out.draft_passes,
+                          draft_sequences=out.draft_sequences)
 
     def _mixable(self, decode: list[WorkItem], items: tuple[WorkItem, ...]) -> list[WorkItem]:
         """The prefill items that may ride in the decode forward: none unless every decode row can (on the arena,
@@ -262,8 +264,13 @@ class ModelRunner:
         plain = [i for i in items if not (i.draft or i.model_draft)]
         drafted = [i for i in items if i.draft or i.model_draft]
         by_model = [i for i in drafted if i.model_draft]
-        proposals = self.drafter.propose(by_model, {i.request_id: self._requests[i.request_id].spec.sampling
-                                                    for i in by_model}) if by_model else {}
+        proposals = {}
+        if by_model:  # synchronous (each pass is read to feed the next): timed for the verify-cost estimate
+            tic = time.perf_counter()
+            proposals = self.drafter.propose(by_model, {i.request_id: self._requests[i.request_id].spec.sampling
+                                                        for i in by_model})
+            out.draft_seconds = time.perf_counter() - tic
+            out.draft_passes, out.draft_sequences = max(i.model_draft.k for i in by_model), len(by_model)
         drafted = [replace(i, draft=proposals[i.request_id].tokens) if i.model_draft else i for i in drafted]
         self.arena.grow_ahead()
         self.backend.before_forward(sum(item.num_tokens for item in items + chunks))
@@ -396,3 +403,6 @@ class _Outcome:
         self.errors: dict[str, str] = {}
         self.accepted: dict[str, int] = {}
         self.prefill_seconds = 0.0
+        self.draft_seconds = 0.0
+        self.draft_passes = 0
+        self.draft_sequences = 0

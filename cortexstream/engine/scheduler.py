@@ -24,7 +24,7 @@ from cortexstream.engine.reconstruction_plan import plan_scoring, scoring
 from cortexstream.engine.scheduler_config import SchedulerConfig
 from cortexstream.engine.sequence import Sequence, SequenceHook, SequenceStatus
 from cortexstream.engine.step_plan import ModelDraft, NewRequest, StepPlan, StepResult, WorkItem, WorkKind
-from cortexstream.engine.verify_cost import VerifyCostModel, timed_pass
+from cortexstream.engine.verify_cost import VerifyCostModel, drafted_passes, timed_pass
 from cortexstream.errors import InvalidArgumentError
 
 
@@ -258,7 +258,8 @@ class Scheduler:
     def observe_step(self, plan: StepPlan, result: StepResult, decode_seconds: float | None) -> None:
         """Feed a step's timing to the verify-cost estimate (engine/verify_cost.py); every running sequence's draft
         length is chosen again for the batch's cost per draft."""
-        cost = self.verify_cost.after_step(timed_pass(plan, result, decode_seconds), len(self.running))
+        cost = self.verify_cost.after_step(timed_pass(plan, result, decode_seconds), len(self.running),
+                                           drafted_passes(result))
         for seq in (s for s in self.running if s.speculation is not None):
             seq.speculation.set_cost_per_draft(cost)
 

@@ -126,3 +126,8 @@ class StepResult:
     decode_seconds: float | None = None
     # request id -> how many of its drafted tokens were accepted (every request that had a draft this step)
     accepted: Mapping[str, int] = field(default_factory=dict)
+    # Draft-model passes this step (engine/draft_runner.py): their seconds (within the step's time), how many passes
+    # and the sequences drafting in them; the verify-cost estimate counts them as their own term.
+    draft_seconds: float = 0.0
+    draft_passes: int = 0
+    draft_sequences: int = 0

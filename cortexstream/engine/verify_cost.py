@@ -35,7 +35,14 @@ samples. Their time includes the step's Python (graph building, a draft model's 
 is what a verify step costs; the plain pipelined step's cost `a + b*B` is extrapolated from them. A pipelined step
 hides part of that Python behind the pass, so it costs less than `a + b*B`, and `c` understates what drafting costs
 by the overlap it gives up: most where the step's Python is large next to its pass (a small model, a small batch).
-A draft model's passes grow with k, not with the rows, and are counted in `b` as if they did.
+
+A draft model's passes are a term of their own: they grow with k, not with the verify rows. The runner times them
+(`StepResult.draft_seconds`, out of the verify sample's seconds) and the estimate keeps their mean seconds per pass
+by the number of sequences drafting in it (`observe_draft`, first pass of each count skipped as above). Drafting k
+tokens takes k such passes for the whole batch, so one drafted token costs one sequence `t_d(B) / B` seconds, in
+units of its share of a plain step `(a + b*B) / B`: `r = t_d(B) / (a + b*B)`, added to `c`. A 0.5B model drafting
+for a 1.5B one costs about a third of a step per drafted token, which a weight-bound single stream recovers and a
+compute-bound batch on a CPU does not.
 """
 
 from __future__ import annotations
@@ -60,7 +67,17 @@ def timed_pass(plan: StepPlan, result: StepResult, decode_seconds: float | None)
     read_now = bool(result.accepted) and all(s.ready for s in result.sampled if s.request_id in decoding)
     if not (read_now or result.mixed_tokens):
         return None  # launched asynchronously: its compute falls in the next step's timer
-    return sum(item.num_tokens for item in plan.decode) + result.mixed_tokens, decode_seconds
+    seconds = decode_seconds - result.draft_seconds  # the draft model's passes are their own term
+    if not seconds > 0:
+        return None
+    return sum(item.num_tokens for item in plan.decode) + result.mixed_tokens, seconds
+
+
+def drafted_passes(result: StepResult) -> tuple[int, int, float] | None:
+    """(sequences, passes, seconds) of the step's draft-model passes, or None when it ran none."""
+    if result.draft_passes < 1 or result.draft_sequences < 1 or not result.draft_seconds > 0:
+        return None
+    return result.draft_sequences, result.draft_passes, result.draft_seconds
 
 
 def _number(name: str, value: float, low: float, high: float, closed: bool = False) -> float:
@@ -93,6 +110,9 @@ class VerifyCostModel:
         self._first_rows: int | None = None
         self._distinct = False  # two row counts seen
         self._shapes: set[int] = set()  # row counts whose first pass was seen (and not taken as a sample)
+        self._last_seconds: float | None = None  # the latest verify sample's seconds (a plain step's upper bound)
+        self._draft_pass: dict[int, float] = {}  # sequences drafting -> decayed mean seconds of one draft pass
+        self._draft_shapes: set[int] = set()
 
     @property
     def fitted(self) -> bool:
@@ -130,6 +150,7 @@ class VerifyCostModel:
         if self._first_rows is None:
             self._first_rows = rows
         self._distinct = self._distinct or rows != self._first_rows
+        self._last_seconds = float(seconds)
         x, y = float(rows), float(seconds)
         self._sums = [self.decay * s + v for s, v in zip(self._sums, (1.0, x, x * x, y, x * y))]
         self.samples += 1
@@ -144,11 +165,41 @@ class VerifyCostModel:
         if self.seconds_per_row is not None:  # the level follows the data; a slope kept while rows hardly vary
             self.fixed_seconds = max(0.0, mean_y - self.seconds_per_row * mean_x)
 
-    def after_step(self, timed: tuple[int, float] | None, batch: int) -> float:
-        """Record a step's timed pass (`timed_pass`; None: nothing timed) and return the cost per draft for a batch
-        of `batch` decoding sequences."""
+    def observe_draft(self, sequences: int, passes: int, seconds: float) -> None:
+        """A step's draft-model passes: `passes` passes with `sequences` sequences drafting took `seconds`."""
+        for name, value in (("sequences", sequences), ("passes", passes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{name}: {value!r} must be an integer >= 1")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+            raise InvalidArgumentError(f"seconds: {seconds!r} must be a finite number > 0")
+        if sequences not in self._draft_shapes:  # as in `observe`: a new shape's first pass is not a sample
+            self._draft_shapes.add(sequences)
+            return
+        per_pass = seconds / passes
+        old = self._draft_pass.get(sequences)
+        self._draft_pass[sequences] = per_pass if old is None else self.decay * old + (1 - self.decay) * per_pass
+
+    def draft_cost(self, batch: int) -> float:
+        """The draft model's share of one drafted token, `t_d(B) / (a + b*B)` (see the module docstring): 0 before
+        any draft pass was measured; the nearest measured count of drafting sequences stands in for `batch`; before
+        the fit, the latest verify sample's seconds stand in for a plain step (an upper bound: drafting is not
+        turned off on a guess)."""
+        if not self._draft_pass:
+            return 0.0
+        nearest = min(self._draft_pass, key=lambda n: (abs(n - batch), n))
+        step = self.predict(max(1, batch)) if self.fitted else self._last_seconds
+        if step is None or not step > 0:
+            return 0.0
+        return self._draft_pass[nearest] / step
+
+    def after_step(self, timed: tuple[int, float] | None, batch: int,
+                   drafted: tuple[int, int, float] | None = None) -> float:
+        """Record a step's timed pass (`timed_pass`; None: nothing timed) and its draft-model passes
+        (`drafted_passes`), and return the cost per draft for a batch of `batch` decoding sequences."""
         if timed is not None:
             self.observe(*timed)
+        if drafted is not None:
+            self.observe_draft(*drafted)
         return self.cost_per_draft(batch)
 
     def measured_cost(self, batch: int) -> float | None:
@@ -166,9 +217,8 @@ class VerifyCostModel:
         """What one drafted token costs a sequence in a batch of `batch` decoding sequences, in units of its share
         of a plain step: the measured cost blended with the prior by `confidence`."""
         measured = self.measured_cost(batch)
-        if measured is None:
-            return self.prior
-        return self.confidence * measured + (1.0 - self.confidence) * self.prior
+        rows = self.prior if measured is None else self.confidence * measured + (1.0 - self.confidence) * self.prior
+        return rows + self.draft_cost(batch)
 
 
-__all__ = ["PRIOR_COST_PER_DRAFT", "VerifyCostModel", "timed_pass"]
+__all__ = ["PRIOR_COST_PER_DRAFT", "VerifyCostModel", "drafted_passes", "timed_pass"]
