@@ -133,12 +133,16 @@ def test_a_verify_pass_is_timed_with_its_drafted_rows():
     assert timed_pass(StepPlan(), result, 0.25) is None  # no decode pass
 
 
-def test_a_pipelined_pass_is_not_timed_and_a_mixed_one_is():
+def test_a_pipelined_pass_and_a_pass_with_prompt_chunks_are_not_timed():
     plan = StepPlan(decode=(_item("a"), _item("b")))
     in_flight = tuple(SampledToken(rid, None, None, ready=False) for rid in "ab")
     assert timed_pass(plan, StepResult(in_flight), 0.01) is None  # launched: computed during the next step
     assert timed_pass(plan, StepResult(in_flight, accepted={"a": 0}), 0.01) is None  # drafts dropped, launched
-    assert timed_pass(plan, StepResult(in_flight, mixed_tokens=30), 0.2) == (2 + 30, 0.2)  # evaluated in the step
+    # evaluated in the step, but its chunk tokens cost what prompt tokens do, not what drafted rows do
+    assert timed_pass(plan, StepResult(in_flight, mixed_tokens=30), 0.2) is None
+    read = tuple(SampledToken(rid, None, None, ready=True) for rid in "ab")
+    assert timed_pass(plan, StepResult(read, accepted={"a": 1}, mixed_tokens=30), 0.2) is None
+    assert timed_pass(plan, StepResult(read, accepted={"a": 1}), 0.2) == (2, 0.2)
 
 
 def test_the_draft_models_passes_are_taken_out_of_the_verify_sample_and_kept_as_their_own():

@@ -5,8 +5,7 @@ Why measured. Whether verifying k drafted tokens pays depends on what a row of a
 itself. A pass bound by reading the weights (a Mac, a small batch) computes extra rows almost for free; a batch on
 a CPU that is already compute-bound pays for every row about what a decode row costs, and drafting loses there.
 
-The model. A forward pass over `rows` query rows (decode rows, drafted rows, prompt-chunk tokens riding in the same
-pass) takes `a + b * rows` seconds. A plain step of B sequences costs `a + b*B` for B tokens, so one token's share
+The model. A forward pass over `rows` query rows (decode rows and drafted rows) takes `a + b * rows` seconds. A plain step of B sequences costs `a + b*B` for B tokens, so one token's share
 is `(a + b*B) / B`; k drafted tokens of one sequence add `b*k`, which in units of that share is `c*k` with
 `c = b*B / (a + b*B)`: near 0 when the fixed cost dominates (weight-bound), near 1 when rows dominate.
 
@@ -28,10 +27,12 @@ still moves it.
 What is timed (`timed_pass`). The engine times a step from launching its passes to applying its tokens. A plain
 decode pass is pipelined: launched asynchronously and read during the next step, whose timer also covers building
 that step's graph and which, when the caller is slower than the pass, waits for nothing. Such a step does not time
-its pass honestly, so it is not a sample. A verify pass (drafted rows) and a pass with prompt chunks riding in it are
-evaluated within their own step, and such a step starts with nothing in flight (the scheduler drains every token
-first, since a drafting sequence drafts from its last token and a prefilling one blocks pipelining): those are the
-samples. Their time includes the step's Python (graph building, a draft model's passes, applying the tokens), which
+its pass honestly, so it is not a sample. A verify pass (drafted rows) is evaluated within its own step, and such a
+step starts with nothing in flight (the scheduler drains every token first, since a drafting sequence drafts from
+its last token): those are the samples. A pass with prompt chunks riding in it is not: a chunk's token attends to
+its whole prefix and costs what a prompt token costs, not a decode row, and chunks of hundreds of tokens would set
+the slope alone (Qwen2.5-Coder-1.5B drafted by the 0.5B, 8 prompts prefilling in turn: `a` = 16 s and `b` = 0, so a
+drafted row looked free). Their time includes the step's Python (graph building, a draft model's passes, applying the tokens), which
 is what a verify step costs; the plain pipelined step's cost `a + b*B` is extrapolated from them. A pipelined step
 hides part of that Python behind the pass, so it costs less than `a + b*B`, and `c` understates what drafting costs
 by the overlap it gives up: most where the step's Python is large next to its pass (a small model, a small batch).
@@ -59,18 +60,18 @@ PRIOR_COST_PER_DRAFT = 0.2
 
 
 def timed_pass(plan: StepPlan, result: StepResult, decode_seconds: float | None) -> tuple[int, float] | None:
-    """(rows, seconds) of the step's decode pass when the engine's timer covered that pass whole (a verify pass or a
-    pass with prompt chunks in it, evaluated within the step), else None. See the module docstring."""
-    if not plan.decode or decode_seconds is None or not decode_seconds > 0:
+    """(rows, seconds) of the step's decode pass when the engine's timer covered that pass whole and it held only
+    decode and drafted rows (a verify pass without prompt chunks), else None. See the module docstring."""
+    if not plan.decode or decode_seconds is None or not decode_seconds > 0 or result.mixed_tokens:
         return None
     decoding = {item.request_id for item in plan.decode}
     read_now = bool(result.accepted) and all(s.ready for s in result.sampled if s.request_id in decoding)
-    if not (read_now or result.mixed_tokens):
+    if not read_now:
         return None  # launched asynchronously: its compute falls in the next step's timer
     seconds = decode_seconds - result.draft_seconds  # the draft model's passes are their own term
     if not seconds > 0:
         return None
-    return sum(item.num_tokens for item in plan.decode) + result.mixed_tokens, seconds
+    return sum(item.num_tokens for item in plan.decode), seconds
 
 
 def drafted_passes(result: StepResult) -> tuple[int, int, float] | None:
