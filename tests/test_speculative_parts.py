@@ -216,19 +216,21 @@ def test_a_drafter_that_always_hits_climbs_to_k_max():
     assert ks == sorted(ks)
 
 
-def test_from_zero_it_probes_and_recovers():
-    draft = AdaptiveDraftLength(8, probe_every=5)
-    ks = run(draft, 60, hit=False)
+def test_from_zero_it_probes_backs_off_and_recovers():
+    draft = AdaptiveDraftLength(8, probe_every=5, max_backoff=4)
+    ks = run(draft, 200, hit=False)
     assert draft.k == 0
-    last_probe = len(ks) - 1 - ks[::-1].index(1)
-    assert ks[last_probe - 5:last_probe + 1] == [1, 0, 0, 0, 0, 1]  # after a failed probe, probe_every steps
+    probes = [i for i, k in enumerate(ks) if k == 1 and ks[i - 1] == 0]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:3] == [10, 20, 20] and set(gaps[2:]) == {20}  # each failed probe doubles the wait, up to 5 * 4
     while run(draft, 1, hit=False) != [1]:  # to just after a probe
         pass
     ks = run(draft, 60, hit=True)
-    assert ks[:4] == [0, 0, 0, 0] and ks[4] == 1 and ks[-1] == 8
+    assert ks[:19] == [0] * 19 and ks[19] == 1 and ks[-1] == 8  # the probe that hits brings k back
+    assert draft.probe_interval == 5  # and resets the wait
 
 
-def test_empty_proposals_change_nothing_and_keep_the_probe_pending():
+def test_empty_proposals_change_nothing_and_count_as_a_probe_made():
     draft = AdaptiveDraftLength(8, initial_rate=0.6)
     before = (draft.k, draft.acceptance_rate)
     for _ in range(50):
@@ -237,10 +239,29 @@ def test_empty_proposals_change_nothing_and_keep_the_probe_pending():
     assert (draft.k, draft.acceptance_rate) == before
     idle = AdaptiveDraftLength(8, initial_rate=0.0, probe_every=3)
     assert [idle.next_k() for _ in range(3)] == [0, 0, 1]
-    idle.record(0, 0)  # the probe found nothing to propose: probe again next step
-    assert idle.next_k() == 1
+    idle.record(0, 0)  # the probe found nothing to propose: made, the next one waits a whole interval
+    assert [idle.next_k() for _ in range(3)] == [0, 0, 1] and idle.probe_interval == 3
     idle.record(1, 0)
-    assert [idle.next_k() for _ in range(3)] == [0, 0, 1]
+    assert [idle.next_k() for _ in range(6)] == [0, 0, 0, 0, 0, 1]  # a failed probe: twice the wait
+
+
+def test_with_the_engine_clock_idle_sequences_probe_in_the_same_steps():
+    """Sequences that reach k = 0 at different steps probe on the clock's multiples of their interval (after at
+    least half an interval idle), so a batch gives up its pipelined decode once per interval, not once per sequence."""
+    drafts = [AdaptiveDraftLength(4, initial_rate=0.0, probe_every=8) for _ in range(3)]
+    probes: dict[int, list[int]] = {}
+    for clock in range(1, 200):
+        for i, draft in enumerate(drafts):
+            if clock < 3 * i:  # each starts idling at its own step
+                continue
+            assert draft.will_draft(clock) == (draft.k > 0 or clock % draft.probe_interval == 0 and clock > 3 * i + 3)
+            if draft.next_k(clock):
+                probes.setdefault(clock, []).append(i)
+                draft.record(1, 0)
+    steps = sorted(probes)
+    assert all(step % 8 == 0 for step in steps)
+    assert all(probes[step] == [0, 1, 2] for step in steps[1:])  # in lockstep once all have backed off alike
+    assert len(steps) <= 6  # 8, 16, 32, 64, 128 (backing off to 8 * 8 = 64)
 
 
 def test_partial_acceptance_counts_one_failed_trial():

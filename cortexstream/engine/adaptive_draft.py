@@ -17,8 +17,18 @@ ratio, starting from `initial_rate` worth `prior_trials` trials. A proposal that
 had nothing) cost nothing and tested nothing, so it leaves the estimate alone.
 
 At k = 0 a sequence would never learn that drafting started to pay (a prompt-lookup proposer starts hitting when
-the output begins quoting the prompt), so every `probe_every` steps it drafts one token again; the probe stays
-pending until a non-empty proposal has been recorded. Deterministic: no randomness.
+the output begins quoting the prompt), so every so often it drafts one token again: a probe. Probes cost more than
+their row: a drafting sequence needs its last token read, so the step that probes gives up the pipelined decode for
+the whole batch. Hence:
+- Aligned probes. Given the engine's step clock, a sequence probes on steps that are multiples of its probe interval
+  (after at least half an interval at k = 0), so the idle sequences of a batch probe in the same step instead of
+  each in its own. Without a clock (a sequence alone) it probes every interval steps of its own.
+- Back-off. The interval starts at `probe_every` and doubles after each probe that leaves k at 0, up to
+  `probe_every * max_backoff`; a probe that brings k back above 0 resets it.
+- An empty probe (the proposer had nothing) counts as made: it tested nothing and changes no estimate, and the next
+  probe waits for the next interval, instead of giving up the pipelined decode on every step until the proposer
+  finds something (SmolLM2, open-ended chat, 8 concurrent: 40-60 of 130 steps were unaligned probes, drained).
+Deterministic: no randomness.
 """
 
 from __future__ import annotations
@@ -50,7 +60,8 @@ class AdaptiveDraftLength:
     """The draft length of one sequence: `next_k()` before a step, `record(proposed, accepted)` after it."""
 
     def __init__(self, k_max: int, adaptive: bool = True, *, cost_per_draft: float = 0.1, decay: float = 0.9,
-                 initial_rate: float = 0.8, prior_trials: float = 4.0, probe_every: int = 16) -> None:
+                 initial_rate: float = 0.8, prior_trials: float = 4.0, probe_every: int = 16,
+                 max_backoff: int = 8) -> None:
         _check("k_max", k_max, isinstance(k_max, int) and k_max >= 1, "must be an integer >= 1")
         if not isinstance(adaptive, bool):
             raise InvalidArgumentError(f"adaptive: {adaptive!r} must be a bool")
@@ -62,11 +73,15 @@ class AdaptiveDraftLength:
                and prior_trials > 0, "must be a finite number > 0")
         _check("probe_every", probe_every, isinstance(probe_every, int) and probe_every >= 1,
                "must be an integer >= 1")
+        _check("max_backoff", max_backoff, isinstance(max_backoff, int) and max_backoff >= 1,
+               "must be an integer >= 1")
         self.k_max = k_max
         self.adaptive = adaptive
         self.cost_per_draft = float(cost_per_draft)
         self.decay = float(decay)
         self.probe_every = probe_every
+        self.max_backoff = max_backoff
+        self.probe_interval = probe_every  # steps between probes now (backs off while probes fail)
         self._successes = float(initial_rate) * prior_trials
         self._trials = float(prior_trials)
         self._k = self._best_k()
@@ -100,27 +115,38 @@ class AdaptiveDraftLength:
             self.cost_per_draft = float(cost_per_draft)
             self._k = self._best_k()
 
-    def will_draft(self) -> bool:
-        """Whether the next `next_k()` will be above 0 (a chosen k, or a probe due), without counting a step."""
-        return self._k > 0 or self._idle_steps + 1 >= self.probe_every
+    def _probe_due(self, idle_steps: int, clock: int | None) -> bool:
+        if clock is None:
+            return idle_steps >= self.probe_interval
+        return idle_steps >= max(1, self.probe_interval // 2) and clock % self.probe_interval == 0
 
-    def next_k(self) -> int:
+    def will_draft(self, clock: int | None = None) -> bool:
+        """Whether `next_k(clock)` will be above 0 (a chosen k, or a probe due), without counting a step. `clock`:
+        the engine's step number (aligns the probes of a batch), None for a sequence counting its own steps."""
+        return self._k > 0 or self._probe_due(self._idle_steps + 1, clock)
+
+    def next_k(self, clock: int | None = None) -> int:
         """How many tokens to draft this step (call once per step): the chosen k, or 1 when probing from 0."""
         if self._k > 0:
             return self._k
         self._idle_steps += 1
-        return 1 if self._idle_steps >= self.probe_every else 0
+        return 1 if self._probe_due(self._idle_steps, clock) else 0
 
     def record(self, proposed: int, accepted: int) -> None:
-        """The outcome of a step: `proposed` tokens drafted (0: the proposer had nothing, which changes nothing),
-        `accepted` of them accepted by the target."""
+        """The outcome of a step: `proposed` tokens drafted (0: the proposer had nothing, which changes no estimate;
+        at k = 0 it was a probe, made), `accepted` of them accepted by the target."""
         _check("proposed", proposed, isinstance(proposed, int) and proposed >= 0, "must be an integer >= 0")
         _check("accepted", accepted, isinstance(accepted, int) and 0 <= accepted <= proposed,
                f"must be an integer in 0..proposed ({proposed})")
+        probing = self._k == 0
+        self._idle_steps = 0
         if proposed == 0:
             return
         trials = accepted + (1 if accepted < proposed else 0)
         self._successes = self.decay * self._successes + accepted
         self._trials = self.decay * self._trials + trials
-        self._idle_steps = 0
         self._k = self._best_k()
+        if self._k > 0:
+            self.probe_interval = self.probe_every
+        elif probing:  # a probe that did not pay: wait twice as long for the next
+            self.probe_interval = min(2 * self.probe_interval, self.probe_every * self.max_backoff)

@@ -41,6 +41,7 @@ class Scheduler:
         # Speculative decoding: verify passes run, tokens drafted, drafted tokens accepted (all sequences).
         self.num_verified = self.num_drafted = self.num_accepted = 0
         self.verify_cost = VerifyCostModel()  # what a drafted row costs this engine, measured (engine/verify_cost.py)
+        self.clock = 0  # steps planned: aligns the draft probes of a batch (engine/adaptive_draft.py)
         self._announced: set[str] = set()  # requests the runner holds state for
         self._dropped: list[str] = []  # ... that it must forget with the next plan
 
@@ -162,7 +163,7 @@ class Scheduler:
         """True when the next step can only decode: nothing to admit or prefill, and blocks enough for every
         running sequence to grow (and copy on write) without preempting anyone."""
         if self.waiting or any(s.num_pending > 1 or scoring(s) or (s.speculation is not None and
-                                                                   s.speculation.wants_draft()) for s in self.running):
+                                                                   s.speculation.wants_draft(self.clock)) for s in self.running):
             return False  # speculation needs its last token read to draft from it
         # A sequence with room reserved for its next two tokens needs no block, unless it writes a shared one.
         allocator, bs = self.blocks.allocator, self.blocks.block_size
@@ -204,7 +205,7 @@ class Scheduler:
                 continue
             if seq.num_inflight and len(seq.output_ids) + 1 >= seq.sampling.max_tokens:
                 continue  # its unread token is its last by length: no step after it
-            draft, by_model = self._draft(seq)
+            draft, by_model = self._draft(seq, self.clock)
             extra = len(draft) + (by_model.k if by_model else 0)
             if extra and self.blocks.reserve(seq, 1 + extra):
                 drafts[id(seq)] = (draft, by_model)
@@ -223,18 +224,19 @@ class Scheduler:
                 decode = [s for s in decode if s is not victim]
             else:
                 decode.append(seq)
+        self.clock += 1
         return replace(self._plan(prefill, decode, restores, drafts), score=tuple(score)), ended
 
     @staticmethod
-    def _draft(seq: Sequence) -> tuple[tuple[int, ...], ModelDraft | None]:
-        """Tokens to verify after the sequence's next one (speculative decoding), within its limits: proposed
-        here (prompt lookup) or by the runner's draft model."""
+    def _draft(seq: Sequence, clock: int) -> tuple[tuple[int, ...], ModelDraft | None]:
+        """Tokens to verify after the sequence's next one (speculative decoding) in step `clock`, within its
+        limits: proposed here (prompt lookup) or by the runner's draft model."""
         if seq.speculation is not None and seq.num_inflight:
-            seq.speculation.idle()  # pipelined while drafting does not pay: still counts toward the next probe
+            seq.speculation.idle(clock)  # pipelined while drafting does not pay: still counts toward the next probe
         if seq.speculation is None or seq.num_inflight or not seq.uses_arena or seq.kv_policy.evicts:
             return (), None
         room = min(seq.sampling.max_tokens - len(seq.output_ids) - 1, seq.max_total_tokens - seq.num_tokens)
-        return seq.speculation.plan(seq.all_ids, room) if room > 0 else ((), None)
+        return seq.speculation.plan(seq.all_ids, room, clock) if room > 0 else ((), None)
 
     @staticmethod
     def _draft_feed(seq: Sequence, end: int) -> ModelDraft | None:

@@ -37,14 +37,15 @@ class SpeculationState:
         self.accepted = 0
         self.verify_steps = 0
 
-    def wants_draft(self) -> bool:
-        """Whether the next step may draft (then the sequence's last token must be read first: no pipelining)."""
-        return self.length.will_draft()
+    def wants_draft(self, clock: int | None = None) -> bool:
+        """Whether step `clock` (the engine's step number) may draft (then the sequence's last token must be read
+        first: no pipelining)."""
+        return self.length.will_draft(clock)
 
-    def idle(self) -> None:
+    def idle(self, clock: int | None = None) -> None:
         """A pipelined step that could not draft (its last token is in flight): it counts toward the next probe."""
-        if not self.length.will_draft():
-            self.length.next_k()
+        if not self.length.will_draft(clock):
+            self.length.next_k(clock)
 
     def set_cost_per_draft(self, cost: float) -> None:
         """What one drafted token costs now (engine/verify_cost.py, measured per engine); k is chosen again."""
@@ -59,10 +60,11 @@ class SpeculationState:
         self.draft_len = 0
         self._planned = None
 
-    def plan(self, tokens: Sequence[int], room: int) -> tuple[tuple[int, ...], ModelDraft | None]:
-        """What to draft after `tokens` (the sequence's prompt and output so far), at most `room` tokens:
-        (proposed tokens, None) for prompt lookup, ((), ModelDraft) for a draft model, ((), None) for none."""
-        k = min(self.length.next_k(), room)
+    def plan(self, tokens: Sequence[int], room: int,
+             clock: int | None = None) -> tuple[tuple[int, ...], ModelDraft | None]:
+        """What to draft after `tokens` (the sequence's prompt and output so far) in step `clock`, at most `room`
+        tokens: (proposed tokens, None) for prompt lookup, ((), ModelDraft) for a draft model, ((), None) for none."""
+        k = min(self.length.next_k(clock), room)
         if k <= 0:
             return (), None
         if self.by_model:
