@@ -1,11 +1,13 @@
 """Executes a `StepPlan` on the model and returns a `StepResult` (engine/step_plan.py).
 
 The runner holds, per request it was told about (`NewRequest`), its view of the KV (a managed `SequenceKV` whose
-table and counters come from each `WorkItem`), its policy runtime and its sampler; it never sees a `Sequence`. A step
-copies the planned copy-on-write blocks, then runs the prefill chunks that need passes of their own (batched by
-length, engine/prefill_batch.py), then one decode forward for every decode item, with the remaining prefill chunks
-packed into it (engine/mixed_batch.py). The decode forward's tokens are sampled lazily and launched with
-`mx.async_eval`, so the engine reads them one step later while the next step's graph is being built.
+table and counters come from each `WorkItem`), its policy runtime and its sampler (engine/runner_request.py); it
+never sees a `Sequence`. A step copies the planned copy-on-write blocks, then runs the prefill chunks that need passes
+of their own (batched by length, engine/prefill_batch.py), then one decode forward for every decode item, with the
+remaining prefill chunks packed into it (engine/mixed_batch.py). The decode forward's tokens are sampled lazily and
+launched with `mx.async_eval`, so the engine reads them one step later while the next step's graph is being built.
+Drafted decode items are verified in the speculative verify pass instead (engine/verify_pass.py). Every pass records
+what it produced in the step's `StepOutcome` (engine/step_outcome.py).
 
 KV policies: a request whose policy evicts gets a `PolicyState`. After each of its forward passes (a whole prefill
 chunk or the decode step, never inside one, so a chunk's causal mask is never broken) the runner evaluates the
@@ -21,7 +23,7 @@ copies and page faults are spread over steps instead of stalling one.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
@@ -37,24 +39,15 @@ from cortexstream.engine.policy_kv_cache import policy_caches
 from cortexstream.engine.policy_runtime import PolicyState
 from cortexstream.engine.prefill_batch import PrefillBatch, group_chunks
 from cortexstream.engine.request_sampler import ConstraintFactory, RequestSampler, SamplingFailed
-from cortexstream.engine.draft_verify import verify_draft
 from cortexstream.engine.reconstruction_pass import score_item
+from cortexstream.engine.runner_request import RunnerRequest, decode_tokens
+from cortexstream.engine.step_outcome import StepOutcome
 from cortexstream.engine.step_plan import NewRequest, SampledToken, StepPlan, StepResult, WorkItem, WorkKind
+from cortexstream.engine.verify_pass import verify_pass
 from cortexstream.kv.arena import KVArena
 from cortexstream.kv.arena_cache import ArenaKVCache
 from cortexstream.kv.block_io import import_blocks
 from cortexstream.kv.sequence_kv import SequenceKV
-
-
-@dataclass
-class _Request:
-    """What the runner keeps for one request between steps."""
-
-    spec: NewRequest
-    sampler: RequestSampler
-    kv: SequenceKV | None = None
-    policy: PolicyState | None = None
-    last: mx.array | None = None  # the token sampled last, possibly still lazy
 
 
 class ModelRunner:
@@ -71,7 +64,7 @@ class ModelRunner:
         self.batch_prefill = batch_prefill
         # Prefill chunks packed into the decode forward of a step that decodes (see engine/mixed_batch.py).
         self.mixed_prefill = mixed_prefill
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RunnerRequest] = {}
 
     # --- per-request state ------------------------------------------------------------------------------------
     def knows(self, request_id: str) -> bool:
@@ -89,19 +82,12 @@ class ModelRunner:
 
     def _open(self, spec: NewRequest) -> None:
         sampler = RequestSampler(spec.sampling, spec.token_ids, spec.sampler, self.constraints, spec.num_prompt_tokens)
-        self._requests[spec.request_id] = _Request(spec, sampler)
+        self._requests[spec.request_id] = RunnerRequest(spec, sampler)
 
-    def _kv(self, request: _Request, item: WorkItem) -> SequenceKV:
-        kv = request.kv
-        if kv is None:
-            kv = request.kv = SequenceKV(self.arena, owner=request.spec.owner, contiguous=False, managed=True)
-        kv.sync(item.block_table, item.physical_start, item.start)
-        if request.policy is None and request.spec.kv_policy.evicts:
-            request.policy = PolicyState.for_sequence(request.spec.kv_policy, kv, self.model)
-            request.policy.expect_prompt_end(len(request.spec.token_ids))  # what its first prefill computes
-        return kv
+    def _kv(self, request: RunnerRequest, item: WorkItem) -> SequenceKV:
+        return request.step_kv(item, self.arena, self.model)
 
-    def _caches(self, request: _Request, kv: SequenceKV) -> list[Any]:
+    def _caches(self, request: RunnerRequest, kv: SequenceKV) -> list[Any]:
         if request.policy is not None:
             return policy_caches(kv, request.policy)
         return [ArenaKVCache(kv, layer) for layer in range(self.arena.config.num_layers)]
@@ -145,7 +131,7 @@ class ModelRunner:
         self.copy_blocks(plan.copies)
         if self.drafter is not None:  # prompt chunks the draft model computes too (engine/draft_decode.py)
             self.drafter.feed([item for item in plan.prefill if item.model_draft is not None])
-        out = _Outcome()
+        out = StepOutcome()
         decode = list(plan.decode)
         mixed = self._mixable(decode, plan.prefill) if self.mixed_prefill and decode else []
         riding = {id(item) for item in mixed}
@@ -159,10 +145,7 @@ class ModelRunner:
         elif decode:  # no draft verified: none kept (draft models are refused for such models at load)
             self._decode([replace(item, draft=(), model_draft=None) for item in decode], mixed, out)
             out.accepted.update({item.request_id: 0 for item in drafting})
-        return StepResult(tuple(out.sampled), out.physical, out.errors, sum(i.num_tokens for i in separate),
-                          out.prefill_seconds, sum(i.num_tokens for i in mixed), accepted=out.accepted,
-                          draft_seconds=out.draft_seconds, draft_passes=out.draft_passes,
-                          draft_sequences=out.draft_sequences)
+        return out.result(sum(i.num_tokens for i in separate), sum(i.num_tokens for i in mixed))
 
     def _mixable(self, decode: list[WorkItem], items: tuple[WorkItem, ...]) -> list[WorkItem]:
         """The prefill items that may ride in the decode forward: none unless every decode row can (on the arena,
@@ -172,7 +155,7 @@ class ModelRunner:
             return []
         return [item for item in items if item.mixable]
 
-    def _prefill(self, items: list[WorkItem], out: "_Outcome") -> None:
+    def _prefill(self, items: list[WorkItem], out: StepOutcome) -> None:
         """Prefill chunks in passes of their own; the first tokens of finished prompts are sampled and read."""
         drawn = []
         for group in group_chunks(items, self.batch_prefill):
@@ -184,7 +167,7 @@ class ModelRunner:
             mx.eval([token for _, token, _ in drawn])
             out.sampled += [SampledToken(rid, token, logprobs, ready=True) for rid, token, logprobs in drawn]
 
-    def _prefill_one(self, item: WorkItem, out: "_Outcome") -> mx.array | None:
+    def _prefill_one(self, item: WorkItem, out: StepOutcome) -> mx.array | None:
         """One chunk in its own pass; the logits `[1, V]` of its last token when the item samples."""
         request = self._requests[item.request_id]
         tokens = mx.array(item.token_ids, dtype=mx.uint32)[None]
@@ -222,21 +205,10 @@ class ModelRunner:
         mx.eval(logits if any(done) else [], self.arena.arrays())  # as in `_prefill_one`
         return [logits[i : i + 1] if finished else None for i, finished in enumerate(done)]
 
-    def _decode_tokens(self, items: list[WorkItem]) -> mx.array:
-        """The decode items' input tokens `[B, 1]` (a pipelined item's is the runner's last, possibly lazy, sample)."""
-        requests = [self._requests[item.request_id] for item in items]
-        if any(not item.token_ids for item in items):
-            return mx.concatenate([
-                request.last.astype(mx.uint32).reshape(1) if not item.token_ids
-                else mx.array(item.token_ids, dtype=mx.uint32)
-                for request, item in zip(requests, items)
-            ]).reshape(-1, 1)
-        return mx.array(np.array([item.token_ids for item in items], dtype=np.uint32))
-
-    def _decode(self, items: list[WorkItem], chunks: list[WorkItem], out: "_Outcome") -> None:
+    def _decode(self, items: list[WorkItem], chunks: list[WorkItem], out: StepOutcome) -> None:
         """One forward for every decode item (with `chunks` of prompts packed in), sampled and launched."""
         requests = [self._requests[item.request_id] for item in items]
-        tokens = self._decode_tokens(items)
+        tokens = decode_tokens(items, self._requests)
         self.backend.before_forward(len(items) + sum(item.num_tokens for item in chunks))
         firsts: list[tuple[WorkItem, mx.array]] = []
         if chunks:
@@ -256,62 +228,13 @@ class ModelRunner:
         (mx.eval if chunks else mx.async_eval)([token for _, token, _ in drawn])
         out.sampled += [SampledToken(rid, token, logprobs, ready=False) for rid, token, logprobs in drawn]
 
-    def _verify(self, items: list[WorkItem], chunks: list[WorkItem], out: "_Outcome") -> None:
-        """Speculative decoding: one packed forward (engine/mixed_batch.py) for the plain decode items, each drafted
-        item's token and drafts as a chunk with logits at every row, and `chunks` of prompts; every drafted item
-        keeps the drafts its logits agree with plus one token (engine/speculative_sampling.py). Read now: the next
-        step drafts from these tokens."""
-        plain = [i for i in items if not (i.draft or i.model_draft)]
-        drafted = [i for i in items if i.draft or i.model_draft]
-        by_model = [i for i in drafted if i.model_draft]
-        proposals = {}
-        if by_model:  # synchronous (each pass is read to feed the next): timed for the verify-cost estimate
-            tic = time.perf_counter()
-            proposals = self.drafter.propose(by_model, {i.request_id: self._requests[i.request_id].spec.sampling
-                                                        for i in by_model})
-            out.draft_seconds = time.perf_counter() - tic
-            out.draft_passes, out.draft_sequences = max(i.model_draft.k for i in by_model), len(by_model)
-        drafted = [replace(i, draft=proposals[i.request_id].tokens) if i.model_draft else i for i in drafted]
-        self.arena.grow_ahead()
-        self.backend.before_forward(sum(item.num_tokens for item in items + chunks))
-        decode = None
-        if plain:
-            decode = DecodeBatch(self.arena, [self._kv(self._requests[i.request_id], i) for i in plain],
-                                 backend=self.backend)
-        packed = [(item, list(item.token_ids) + list(item.draft)) for item in drafted]
-        packed += [(item, list(item.token_ids)) for item in chunks]
-        batch = MixedBatch(decode, [(self._kv(self._requests[item.request_id], item), ids) for item, ids in packed],
-                           arena=self.arena)
-        hidden = self.model.model(batch.tokens(self._decode_tokens(plain) if plain else None), cache=batch.caches())
-        batch.commit()
-        rows = batch.logit_rows([True] * len(drafted) + [item.sample for item in chunks],
-                                every=[True] * len(drafted) + [False] * len(chunks))
-        logits = head_of(self.model)(hidden[mx.array(np.asarray(rows, dtype=np.int32))])[:, 0, :]
-        mx.eval(logits)
-        drawn = [self._draw(item, logits[i : i + 1], out) for i, item in enumerate(plain)]
-        row = len(plain)
-        for item in drafted:
-            request, n = self._requests[item.request_id], len(item.draft) + 1
-            try:
-                proposal = proposals.get(item.request_id)
-                tokens, logprobs = verify_draft(request.sampler, logits[row : row + n], item.draft,
-                                                None if proposal is None else proposal.logprobs)
-            except SamplingFailed as exc:
-                out.errors[item.request_id] = str(exc)
-            else:
-                request.last = tokens[-1:]
-                out.accepted[item.request_id] = tokens.size - 1
-                out.sampled.append(SampledToken(item.request_id, tokens, logprobs, ready=True))
-            row += n
-        for item in chunks:
-            if item.sample:
-                drawn.append(self._draw(item, logits[row : row + 1], out))
-                row += 1
-        drawn = [d for d in drawn if d is not None]
-        mx.eval([token for _, token, _ in drawn])
-        out.sampled += [SampledToken(rid, token, logprobs, ready=True) for rid, token, logprobs in drawn]
+    def _verify(self, items: list[WorkItem], chunks: list[WorkItem], out: StepOutcome) -> None:
+        """Speculative decoding: the drafted items verified in one packed forward with the plain decode items and
+        `chunks` of prompts (engine/verify_pass.py), sampled through `_draw`."""
+        verify_pass(items, chunks, out, model=self.model, arena=self.arena, backend=self.backend,
+                    drafter=self.drafter, requests=self._requests, draw=self._draw)
 
-    def _decode_arena(self, items: list[WorkItem], tokens: mx.array, out: "_Outcome") -> mx.array:
+    def _decode_arena(self, items: list[WorkItem], tokens: mx.array, out: StepOutcome) -> mx.array:
         """One batched decode forward over arena requests; logits `[B, V]`."""
         self.arena.grow_ahead()
         requests = [self._requests[item.request_id] for item in items]
@@ -356,7 +279,7 @@ class ModelRunner:
             row += int(finished)
         return logits[: len(items)], chunk_logits
 
-    def _after_forward(self, request: _Request, kv: SequenceKV, item: WorkItem, out: "_Outcome") -> None:
+    def _after_forward(self, request: RunnerRequest, kv: SequenceKV, item: WorkItem, out: StepOutcome) -> None:
         """Let an evicting policy act on the request's KV; report its physical length when it changed."""
         if request.policy is None:
             return
@@ -365,10 +288,10 @@ class ModelRunner:
             out.physical[item.request_id] = kv.num_tokens
 
     # --- requests on a caller's prompt cache ------------------------------------------------------------------
-    def _bound_forward(self, request: _Request, tokens: mx.array, want_logits: bool) -> mx.array | None:
+    def _bound_forward(self, request: RunnerRequest, tokens: mx.array, want_logits: bool) -> mx.array | None:
         return request.spec.bound_cache.forward(self.model, head_of(self.model), tokens, want_logits=want_logits)
 
-    def _decode_with_bound(self, items: list[WorkItem], tokens: mx.array, out: "_Outcome") -> mx.array:
+    def _decode_with_bound(self, items: list[WorkItem], tokens: mx.array, out: StepOutcome) -> mx.array:
         """Arena requests in one batched forward, each bound one in its own; logits `[B, V]` in `items` order."""
         rows = [i for i, item in enumerate(items) if self._requests[item.request_id].spec.bound_cache is None]
         logits: list[mx.array | None] = [None] * len(items)
@@ -382,7 +305,7 @@ class ModelRunner:
         return mx.concatenate(logits, axis=0)
 
     # --- sampling ---------------------------------------------------------------------------------------------
-    def _draw(self, item: WorkItem, logits: mx.array, out: "_Outcome") -> tuple[str, mx.array, mx.array] | None:
+    def _draw(self, item: WorkItem, logits: mx.array, out: StepOutcome) -> tuple[str, mx.array, mx.array] | None:
         """The lazy token and log-probabilities of one request, or None when its sampler failed (reported)."""
         request = self._requests[item.request_id]
         try:
@@ -392,17 +315,3 @@ class ModelRunner:
             return None
         request.last = token
         return item.request_id, token, logprobs
-
-
-class _Outcome:
-    """What a step's passes collect for its `StepResult`."""
-
-    def __init__(self) -> None:
-        self.sampled: list[SampledToken] = []
-        self.physical: dict[str, int] = {}
-        self.errors: dict[str, str] = {}
-        self.accepted: dict[str, int] = {}
-        self.prefill_seconds = 0.0
-        self.draft_seconds = 0.0
-        self.draft_passes = 0
-        self.draft_sequences = 0
