@@ -11,6 +11,9 @@ instead. When a fused sequence needs a block and only fused ones could give it u
 with finish_reason "error" and the reason; a recomputable sequence that finds only fused ones waits instead.
 A sequence with a hook (`Sequence.hook`, a `SequenceHook`) gets its prefill chunks cut at the hook's `at_token`;
 the hook runs at the start of the next `schedule()` (between forward passes), then the remaining tokens follow.
+
+The chosen work becomes the step's `StepPlan` in engine/plan_builder.py, then the scheduler advances the counters;
+the KV capacity arithmetic (budgets, rejection, room to pipeline) is in engine/kv_capacity.py.
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import replace
 
+from cortexstream.engine import kv_capacity
 from cortexstream.engine.block_manager import BlockManager
 from cortexstream.engine.finish_reason import FinishReason
+from cortexstream.engine.plan_builder import PlanBuilder
 from cortexstream.engine.reconstruction_plan import plan_scoring, scoring
 from cortexstream.engine.scheduler_config import SchedulerConfig
 from cortexstream.engine.sequence import Sequence, SequenceHook, SequenceStatus
-from cortexstream.engine.step_plan import ModelDraft, NewRequest, StepPlan, StepResult, WorkItem, WorkKind
+from cortexstream.engine.step_plan import ModelDraft, StepPlan, StepResult
 from cortexstream.engine.verify_cost import VerifyCostModel, drafted_passes, timed_pass
 from cortexstream.errors import InvalidArgumentError
 
@@ -42,37 +47,21 @@ class Scheduler:
         self.num_verified = self.num_drafted = self.num_accepted = 0
         self.verify_cost = VerifyCostModel()  # what a drafted row costs this engine, measured (engine/verify_cost.py)
         self.clock = 0  # steps planned: aligns the draft probes of a batch (engine/adaptive_draft.py)
-        self._announced: set[str] = set()  # requests the runner holds state for
-        self._dropped: list[str] = []  # ... that it must forget with the next plan
+        self._plans = PlanBuilder()  # writes each step's plan; knows which requests the runner holds state for
 
     # --- requests ---------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         """Queue a request, or finish it at once as 'rejected' (with the reason) if it can never fit."""
-        needed = self.blocks.blocks_for(self.physical_budget(seq)) if seq.uses_arena else 0
-        total = self.blocks.allocator.num_total_blocks
-        if needed > total:
-            self._set_finished(
-                seq, FinishReason.REJECTED,
-                f"needs {needed} KV blocks ({self.physical_budget(seq)} tokens) but the arena has {total}; "
-                + ("its kv_policy repeats the prompt after it (a reconstruction pass of up to prefill_step_size "
-                   "tokens): give the engine more KV or shorten the prompt" if seq.reconstruction is not None else
-                   "lower max_tokens, shorten the prompt, or use a KV policy with a budget"),
-            )
+        reason = kv_capacity.rejection(seq, self.blocks, self.config)
+        if reason is not None:
+            self._set_finished(seq, FinishReason.REJECTED, reason)
             self._finished.append(seq)
             return
         self.waiting.append(seq)
 
     def physical_budget(self, seq: Sequence) -> int:
-        """Most KV slots the sequence can ever hold: its policy's bound, else prompt + max_tokens; a reconstructing
-        policy's scoring passes (KVzip) sit after the prompt for a step each, beyond the sequence's own tokens."""
-        limit = seq.kv_policy.max_physical_tokens(seq.max_total_tokens, self.config.prefill_step_size,
-                                                  len(seq.prompt_ids))
-        own = min(seq.max_total_tokens, limit) if limit else seq.max_total_tokens
-        plan = seq.reconstruction
-        if plan is None:
-            return own
-        context = len(seq.prompt_ids)
-        return max(own, context + plan.largest_item(context, self.config.prefill_step_size))
+        """Most KV slots the sequence can ever hold (engine/kv_capacity.py)."""
+        return kv_capacity.physical_budget(seq, self.config)
 
     def live_sequences(self) -> list[Sequence]:
         """Waiting then running sequences."""
@@ -139,7 +128,7 @@ class Scheduler:
         seq.hook = hook
 
     def set_sampler(self, seq: Sequence, sampler: object) -> None:
-        if seq.request_id in self._announced:
+        if self._plans.announced(seq.request_id):
             raise InvalidArgumentError(f"request '{seq.request_id}' has started: its sampler is set before its "
                                        "first step")
         seq.sampler = sampler
@@ -165,16 +154,7 @@ class Scheduler:
         if self.waiting or any(s.num_pending > 1 or scoring(s) or (s.speculation is not None and
                                                                    s.speculation.wants_draft(self.clock)) for s in self.running):
             return False  # speculation needs its last token read to draft from it
-        # A sequence with room reserved for its next two tokens needs no block, unless it writes a shared one.
-        allocator, bs = self.blocks.allocator, self.blocks.block_size
-        need = 2
-        for seq in self.running:
-            table = seq.block_table
-            if not seq.uses_arena:
-                continue
-            if len(table) * bs < seq.num_tokens + 2 or allocator.ref_count(table[seq.num_physical // bs]) > 1:
-                need += 2
-        return allocator.num_free_blocks >= need
+        return kv_capacity.room_to_grow(self.running, self.blocks)
 
     def schedule(self) -> tuple[StepPlan, list[Sequence]]:
         """The next step's plan, and the sequences that ended since the last one (rejected, aborted, failed)."""
@@ -225,7 +205,11 @@ class Scheduler:
             else:
                 decode.append(seq)
         self.clock += 1
-        return replace(self._plan(prefill, decode, restores, drafts), score=tuple(score)), ended
+        plan = self._plans.build(self.blocks, prefill, decode, restores, drafts)
+        for seq, n in prefill + [(seq, 1) for seq in decode]:  # as if done: the runner does it next
+            seq.num_computed += n
+            seq.num_physical += n
+        return replace(plan, score=tuple(score)), ended
 
     @staticmethod
     def _draft(seq: Sequence, clock: int) -> tuple[tuple[int, ...], ModelDraft | None]:
@@ -237,14 +221,6 @@ class Scheduler:
             return (), None
         room = min(seq.sampling.max_tokens - len(seq.output_ids) - 1, seq.max_total_tokens - seq.num_tokens)
         return seq.speculation.plan(seq.all_ids, room, clock) if room > 0 else ((), None)
-
-    @staticmethod
-    def _draft_feed(seq: Sequence, end: int) -> ModelDraft | None:
-        """What the runner's draft model computes of a prompt chunk ending at `end`, in the same step (None: no
-        draft model, or a sequence that will never draft)."""
-        if seq.speculation is None or not seq.uses_arena or seq.kv_policy.evicts:
-            return None
-        return seq.speculation.feed(seq.all_ids, end)
 
     def accept_drafts(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """The runner kept `accepted` of the `proposed` drafted tokens: their KV is the sequence's now (the rest
@@ -264,42 +240,6 @@ class Scheduler:
                                            drafted_passes(result))
         for seq in (s for s in self.running if s.speculation is not None):
             seq.speculation.set_cost_per_draft(cost)
-
-    def _plan(self, prefill: list[tuple[Sequence, int]], decode: list[Sequence],
-              restores: tuple[tuple[int, bytes], ...] = (),
-              drafts: dict[int, tuple[tuple[int, ...], ModelDraft | None]] | None = None) -> StepPlan:
-        """The plan of the chosen work; every counter advances as if it were done (the runner does it next)."""
-        dropped, self._dropped = tuple(self._dropped), []
-        new = [self._announce(seq) for seq, _ in prefill if seq.request_id not in self._announced]
-        new += [self._announce(seq) for seq in decode if seq.request_id not in self._announced]
-        copies = self.blocks.take_copies()
-        prefill_items = []
-        for seq, n in prefill:
-            start = seq.num_computed
-            prefill_items.append(WorkItem(
-                seq.request_id, WorkKind.PREFILL, seq.token_slice(start, start + n), start, seq.num_physical,
-                tuple(seq.block_table), sample=start + n == seq.num_tokens, alone=seq.prefills_alone,
-                mixable=seq.uses_arena and not seq.prefills_alone and seq.hook is None,
-                model_draft=self._draft_feed(seq, start + n)))
-            seq.num_computed += n
-            seq.num_physical += n
-        decode_items = []
-        for seq in decode:
-            start = seq.num_computed
-            tokens = () if seq.num_inflight else (seq.token_at(start),)
-            draft, by_model = (drafts or {}).get(id(seq), ((), None))
-            decode_items.append(WorkItem(seq.request_id, WorkKind.DECODE, tokens, start, seq.num_physical,
-                                         tuple(seq.block_table), sample=True, alone=not seq.uses_arena,
-                                         mixable=False, draft=draft, model_draft=by_model))
-            seq.num_computed += 1
-            seq.num_physical += 1
-        return StepPlan(tuple(new), dropped, copies, tuple(prefill_items), tuple(decode_items),
-                        self.blocks.allocator.high_water, restores)
-
-    def _announce(self, seq: Sequence) -> NewRequest:
-        self._announced.add(seq.request_id)
-        return NewRequest(seq.request_id, seq.owner, seq.sampling, seq.kv_policy, tuple(seq.all_ids),
-                          seq.max_total_tokens, seq.sampler, seq.bound_cache, len(seq.prompt_ids))
 
     def _admit(self) -> None:
         deferred: list[Sequence] = []  # waiting for a shared prefix another sequence is computing now
@@ -384,9 +324,7 @@ class Scheduler:
         """Give back the sequence's blocks; the runner forgets it with the next plan."""
         self.blocks.release(seq)
         seq.num_inflight = 0
-        if seq.request_id in self._announced:
-            self._announced.discard(seq.request_id)
-            self._dropped.append(seq.request_id)
+        self._plans.forget(seq.request_id)
 
     @staticmethod
     def _set_finished(seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
