@@ -200,7 +200,7 @@ def test_smollm_prompt_lookup_on_int8_kv_and_beside_structured_output(smollm):
 
 def test_a_sequence_whose_drafts_do_not_pay_is_pipelined_and_still_probes(tiny, monkeypatch):
     """Drafts that are always rejected drive k to 0: the sequence then decodes pipelined like a plain one, and
-    every `probe_every` steps drafts one token again (its last token read first)."""
+    now and then drafts one token again (its last token read first)."""
     from cortexstream.engine.ngram_proposer import NgramIndex
 
     model, tokenizer = tiny
@@ -216,4 +216,6 @@ def test_a_sequence_whose_drafts_do_not_pay_is_pipelined_and_still_probes(tiny, 
             verified_at_zero = state.verify_steps
     assert state.length.k == 0 and verified_at_zero is not None
     assert pipelined > 30  # most steps after k reached 0 overlapped the next step's launch
-    assert 3 <= state.verify_steps - verified_at_zero <= 6  # then one probe every 16 steps (about 70 left)
+    # then probes on the engine clock's multiples of 16, 32, 64 (after half an interval idle, backing off while
+    # they fail): 1 to 3 in the steps left, depending on the step at which k reached 0 (set by measured timings)
+    assert 1 <= state.verify_steps - verified_at_zero <= 3

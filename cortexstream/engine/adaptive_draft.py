@@ -7,8 +7,9 @@ engine measures it (engine/verify_cost.py) and sets it with `set_cost_per_draft`
 drafted token is accepted with probability `a`, independently, given that the ones before it were, a verify step
 emits the accepted prefix plus one token of the target's own, on average
 `E(k) = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)` tokens. Plain decoding emits 1 token per unit of cost, so k is
-the one in 1..k_max that maximises `E(k) / (1 + c*k)`, or 0 (plain decoding) when none exceeds 1; with k=1 that
-needs `a > c`.
+the one in 1..k_max that maximises `E(k) / (1 + f + c*k)`, or 0 (plain decoding) when none exceeds 1; with k=1
+that needs `a > f + c`. `f` (`fixed_cost`, also measured) is what a drafting step costs whatever k: the pipelined
+decode it gives up.
 
 The rate `a` is estimated per drafted token as a trial: a step that proposed p tokens and had j accepted made
 j successes and, when j < p, one failure (the tokens after the first rejection were never tested). The estimate is
@@ -78,6 +79,7 @@ class AdaptiveDraftLength:
         self.k_max = k_max
         self.adaptive = adaptive
         self.cost_per_draft = float(cost_per_draft)
+        self.fixed_cost = 0.0
         self.decay = float(decay)
         self.probe_every = probe_every
         self.max_backoff = max_backoff
@@ -103,16 +105,19 @@ class AdaptiveDraftLength:
         rate = self.acceptance_rate
         best_k, best_gain = 0, 1.0  # plain decoding: one token per unit of cost
         for k in range(1, self.k_max + 1):
-            gain = expected_tokens(rate, k) / (1.0 + self.cost_per_draft * k)
+            gain = expected_tokens(rate, k) / (1.0 + self.fixed_cost + self.cost_per_draft * k)
             if gain > best_gain:
                 best_k, best_gain = k, gain
         return best_k
 
-    def set_cost_per_draft(self, cost_per_draft: float) -> None:
-        """A new cost of one drafted token (in plain decode steps of this sequence); k is chosen again for it."""
+    def set_cost_per_draft(self, cost_per_draft: float, fixed_cost: float = 0.0) -> None:
+        """A new cost of one drafted token and of drafting at all (both in plain decode steps of this sequence); k
+        is chosen again for them."""
         _check_cost(cost_per_draft)
-        if float(cost_per_draft) != self.cost_per_draft:
-            self.cost_per_draft = float(cost_per_draft)
+        _check("fixed_cost", fixed_cost, isinstance(fixed_cost, (int, float)) and math.isfinite(fixed_cost)
+               and fixed_cost >= 0, "must be a finite number >= 0")
+        if (float(cost_per_draft), float(fixed_cost)) != (self.cost_per_draft, self.fixed_cost):
+            self.cost_per_draft, self.fixed_cost = float(cost_per_draft), float(fixed_cost)
             self._k = self._best_k()
 
     def _probe_due(self, idle_steps: int, clock: int | None) -> bool:

@@ -288,7 +288,7 @@ class Engine:
             decode_seconds = max(0.0, time.perf_counter() - tic - result.prefill_seconds)
             self.decode_time += decode_seconds
         self.num_decode_tokens += len(plan.decode)
-        self._adapt(plan, result, decode_seconds)
+        self._adapt(plan, result, decode_seconds, had_in_flight)
         if not self.pipeline:
             outputs.extend(self._outputs.drain())
         if self.disk is not None:
@@ -296,9 +296,10 @@ class Engine:
         outputs.extend(self._outputs.take_failures())
         return outputs
 
-    def _adapt(self, plan: StepPlan, result: StepResult, decode_seconds: float | None) -> None:
-        """Feed this step's timings to the verify-cost estimate and the adaptive prefill budget (its new budget too)."""
-        self.scheduler.observe_step(plan, result, decode_seconds)
+    def _adapt(self, plan: StepPlan, result: StepResult, decode_seconds: float | None, had_in_flight: bool) -> None:
+        """Feed this step's timings to the verify-cost estimate and the adaptive prefill budget (its new budget too);
+        `had_in_flight`: the step started with a pass in flight (pipelined)."""
+        self.scheduler.observe_step(plan, result, decode_seconds, had_in_flight)
         if self._adaptive is not None:
             budget = self._adaptive.after_step(result.prefill_tokens, result.prefill_seconds, result.mixed_tokens,
                                                decode_seconds, bool(plan.decode), self.runner.mixed_prefill)

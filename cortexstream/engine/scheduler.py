@@ -29,7 +29,7 @@ from cortexstream.engine.reconstruction_plan import plan_scoring, scoring
 from cortexstream.engine.scheduler_config import SchedulerConfig
 from cortexstream.engine.sequence import Sequence, SequenceHook, SequenceStatus
 from cortexstream.engine.step_plan import ModelDraft, StepPlan, StepResult
-from cortexstream.engine.verify_cost import VerifyCostModel, drafted_passes, timed_pass
+from cortexstream.engine.verify_cost import VerifyCostModel, drafted_passes, pipelined_pass, timed_pass
 from cortexstream.errors import InvalidArgumentError
 
 
@@ -233,13 +233,15 @@ class Scheduler:
         seq.speculation.record(proposed, accepted)
         self.blocks.trim_surplus(seq)
 
-    def observe_step(self, plan: StepPlan, result: StepResult, decode_seconds: float | None) -> None:
-        """Feed a step's timing to the verify-cost estimate (engine/verify_cost.py); every running sequence's draft
-        length is chosen again for the batch's cost per draft."""
-        cost = self.verify_cost.after_step(timed_pass(plan, result, decode_seconds), len(self.running),
-                                           drafted_passes(result))
+    def observe_step(self, plan: StepPlan, result: StepResult, decode_seconds: float | None,
+                     had_in_flight: bool = False) -> None:
+        """Feed a step's timing to the verify-cost estimate (engine/verify_cost.py; `had_in_flight`: the step
+        started with a pass in flight); every running sequence's draft length is chosen again for the batch's costs."""
+        cost, fixed = self.verify_cost.after_step(
+            timed_pass(plan, result, decode_seconds), len(self.running), drafted_passes(result),
+            pipelined_pass(plan, result, decode_seconds, had_in_flight))
         for seq in (s for s in self.running if s.speculation is not None):
-            seq.speculation.set_cost_per_draft(cost)
+            seq.speculation.set_cost_per_draft(cost, fixed)
 
     def _admit(self) -> None:
         deferred: list[Sequence] = []  # waiting for a shared prefix another sequence is computing now

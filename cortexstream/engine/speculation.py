@@ -47,9 +47,10 @@ class SpeculationState:
         if not self.length.will_draft(clock):
             self.length.next_k(clock)
 
-    def set_cost_per_draft(self, cost: float) -> None:
-        """What one drafted token costs now (engine/verify_cost.py, measured per engine); k is chosen again."""
-        self.length.set_cost_per_draft(cost)
+    def set_cost_per_draft(self, cost: float, fixed: float = 0.0) -> None:
+        """What one drafted token costs now, and drafting at all (engine/verify_cost.py, measured per engine); k is
+        chosen again."""
+        self.length.set_cost_per_draft(cost, fixed)
 
     def fresh(self) -> "SpeculationState":
         """A new state with the same settings (a forked sequence drafts on its own)."""

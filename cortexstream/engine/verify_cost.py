@@ -37,6 +37,13 @@ is what a verify step costs; the plain pipelined step's cost `a + b*B` is extrap
 hides part of that Python behind the pass, so it costs less than `a + b*B`, and `c` understates what drafting costs
 by the overlap it gives up: most where the step's Python is large next to its pass (a small model, a small batch).
 
+The pipelined decode a drafting step gives up is a term of its own too. A plain step that read the previous step's
+tokens while its own pass was launched (`pipelined_pass`) is timed as the period of pipelined decoding, `T(B)`, a
+decayed mean per batch size (first of each size skipped). When measured it is the unit instead of `a + b*B`, and a
+step that drafts pays `f = (a + b*B) / T(B) - 1` on top of its rows, once, whatever k (`fixed_cost`; taken as if
+the whole batch drafted, so shared by all). Where the step's Python is as long as its pass (a 135M model on a CPU)
+that is a large share; where the pass dominates it is near 0.
+
 A draft model's passes are a term of their own: they grow with k, not with the verify rows. The runner times them
 (`StepResult.draft_seconds`, out of the verify sample's seconds) and the estimate keeps their mean seconds per pass
 by the number of sequences drafting in it (`observe_draft`, first pass of each count skipped as above). Drafting k
@@ -72,6 +79,21 @@ def timed_pass(plan: StepPlan, result: StepResult, decode_seconds: float | None)
     if not seconds > 0:
         return None
     return sum(item.num_tokens for item in plan.decode), seconds
+
+
+def pipelined_pass(plan: StepPlan, result: StepResult, decode_seconds: float | None,
+                   had_in_flight: bool) -> tuple[int, float] | None:
+    """(batch, seconds) of a plain pipelined decode step: it started with a pass in flight (its timer covers
+    waiting for that pass and launching its own), decoded without drafts or prompt chunks, and left its tokens in
+    flight; else None."""
+    if not had_in_flight or not plan.decode or decode_seconds is None or not decode_seconds > 0:
+        return None
+    if result.accepted or result.mixed_tokens or plan.prefill or any(item.draft or item.model_draft
+                                                                    for item in plan.decode):
+        return None
+    if any(s.ready for s in result.sampled):
+        return None  # read within the step: not pipelined
+    return len(plan.decode), decode_seconds
 
 
 def drafted_passes(result: StepResult) -> tuple[int, int, float] | None:
@@ -114,6 +136,8 @@ class VerifyCostModel:
         self._last_seconds: float | None = None  # the latest verify sample's seconds (a plain step's upper bound)
         self._draft_pass: dict[int, float] = {}  # sequences drafting -> decayed mean seconds of one draft pass
         self._draft_shapes: set[int] = set()
+        self._pipelined: dict[int, float] = {}  # batch -> decayed mean seconds of a pipelined plain step
+        self._pipelined_shapes: set[int] = set()
 
     @property
     def fitted(self) -> bool:
@@ -180,6 +204,39 @@ class VerifyCostModel:
         old = self._draft_pass.get(sequences)
         self._draft_pass[sequences] = per_pass if old is None else self.decay * old + (1 - self.decay) * per_pass
 
+    def observe_pipelined(self, batch: int, seconds: float) -> None:
+        """A plain pipelined decode step of `batch` sequences took `seconds` (`pipelined_pass`)."""
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise InvalidArgumentError(f"batch: {batch!r} must be an integer >= 1")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+            raise InvalidArgumentError(f"seconds: {seconds!r} must be a finite number > 0")
+        if batch not in self._pipelined_shapes:
+            self._pipelined_shapes.add(batch)
+            return
+        old = self._pipelined.get(batch)
+        self._pipelined[batch] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+    def pipelined_step(self, batch: int) -> float | None:
+        """The measured period of a pipelined plain step at the nearest measured batch size (None: not measured)."""
+        if not self._pipelined:
+            return None
+        return self._pipelined[min(self._pipelined, key=lambda n: (abs(n - batch), n))]
+
+    def _unit(self, batch: int) -> float | None:
+        """A plain step's seconds: the pipelined period when measured, else the fit's `a + b*B` (None: neither)."""
+        pipelined = self.pipelined_step(batch)
+        if pipelined is not None:
+            return pipelined
+        return self.predict(max(1, batch)) if self.fitted else None
+
+    def fixed_cost(self, batch: int) -> float:
+        """What a drafting step costs once, whatever k, in units of a sequence's share of a plain step: the
+        pipelining it gives up, `(a + b*B) / T(B) - 1`, weighed by `confidence` (0 until both are measured)."""
+        pipelined = self.pipelined_step(batch)
+        if pipelined is None or not self.fitted:
+            return 0.0
+        return self.confidence * max(0.0, self.predict(max(1, batch)) / pipelined - 1.0)
+
     def draft_cost(self, batch: int) -> float:
         """The draft model's share of one drafted token, `t_d(B) / (a + b*B)` (see the module docstring): 0 before
         any draft pass was measured; the nearest measured count of drafting sequences stands in for `batch`; before
@@ -188,30 +245,35 @@ class VerifyCostModel:
         if not self._draft_pass:
             return 0.0
         nearest = min(self._draft_pass, key=lambda n: (abs(n - batch), n))
-        step = self.predict(max(1, batch)) if self.fitted else self._last_seconds
+        step = self._unit(batch) or self._last_seconds
         if step is None or not step > 0:
             return 0.0
         return self._draft_pass[nearest] / step
 
     def after_step(self, timed: tuple[int, float] | None, batch: int,
-                   drafted: tuple[int, int, float] | None = None) -> float:
-        """Record a step's timed pass (`timed_pass`; None: nothing timed) and its draft-model passes
-        (`drafted_passes`), and return the cost per draft for a batch of `batch` decoding sequences."""
+                   drafted: tuple[int, int, float] | None = None,
+                   pipelined: tuple[int, float] | None = None) -> tuple[float, float]:
+        """Record a step's timed verify pass (`timed_pass`; None: nothing timed), its draft-model passes
+        (`drafted_passes`) and its pipelined period (`pipelined_pass`), and return (cost per draft, fixed cost of
+        drafting) for a batch of `batch` decoding sequences."""
         if timed is not None:
             self.observe(*timed)
         if drafted is not None:
             self.observe_draft(*drafted)
-        return self.cost_per_draft(batch)
+        if pipelined is not None:
+            self.observe_pipelined(*pipelined)
+        return self.cost_per_draft(batch), self.fixed_cost(batch)
 
     def measured_cost(self, batch: int) -> float | None:
-        """The fit's cost per draft for a batch of `batch` decoding sequences, `b*B / (a + b*B)` (None before the
-        fit): one drafted row's time in units of one sequence's share of a plain step."""
+        """The fit's cost per draft for a batch of `batch` decoding sequences, `b*B / T(B)` with `T(B)` the
+        pipelined period when measured, else `a + b*B` (None before the fit): one drafted row's time in units of
+        one sequence's share of a plain step."""
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 0:
             raise InvalidArgumentError(f"batch: {batch!r} must be an integer >= 0")
         if not self.fitted:
             return None
         rows_cost = self.seconds_per_row * max(1, batch)
-        step = self.fixed_seconds + rows_cost
+        step = self._unit(batch)
         return rows_cost / step if step > 0 else None
 
     def cost_per_draft(self, batch: int) -> float:
@@ -222,4 +284,4 @@ class VerifyCostModel:
         return rows + self.draft_cost(batch)
 
 
-__all__ = ["PRIOR_COST_PER_DRAFT", "VerifyCostModel", "drafted_passes", "timed_pass"]
+__all__ = ["PRIOR_COST_PER_DRAFT", "VerifyCostModel", "drafted_passes", "pipelined_pass", "timed_pass"]
