@@ -5,8 +5,9 @@ Why measured. Whether verifying k drafted tokens pays depends on what a row of a
 itself. A pass bound by reading the weights (a Mac, a small batch) computes extra rows almost for free; a batch on
 a CPU that is already compute-bound pays for every row about what a decode row costs, and drafting loses there.
 
-The model. A forward pass over `rows` query rows (decode rows and drafted rows) takes `a + b * rows` seconds. A plain step of B sequences costs `a + b*B` for B tokens, so one token's share
-is `(a + b*B) / B`; k drafted tokens of one sequence add `b*k`, which in units of that share is `c*k` with
+The model. A forward pass over `rows` query rows (decode rows and drafted rows) takes `a + b * rows` seconds. A
+plain step of B sequences costs `a + b*B` for B tokens, so one token's share is `(a + b*B) / B`; k drafted tokens
+of one sequence add `b*k`, which in units of that share is `c*k` with
 `c = b*B / (a + b*B)`: near 0 when the fixed cost dominates (weight-bound), near 1 when rows dominate.
 
 The fit. A running least-squares fit with exponential forgetting (every sum decays by `decay` per sample) over
@@ -32,8 +33,8 @@ step starts with nothing in flight (the scheduler drains every token first, sinc
 its last token): those are the samples. A pass with prompt chunks riding in it is not: a chunk's token attends to
 its whole prefix and costs what a prompt token costs, not a decode row, and chunks of hundreds of tokens would set
 the slope alone (Qwen2.5-Coder-1.5B drafted by the 0.5B, 8 prompts prefilling in turn: `a` = 16 s and `b` = 0, so a
-drafted row looked free). Their time includes the step's Python (graph building, a draft model's passes, applying the tokens), which
-is what a verify step costs; the plain pipelined step's cost `a + b*B` is extrapolated from them. A pipelined step
+drafted row looked free). The samples' time includes the step's Python (graph building, applying the tokens),
+which is what a verify step costs; the plain pipelined step's cost `a + b*B` is extrapolated from them. A pipelined step
 hides part of that Python behind the pass, so it costs less than `a + b*B`, and `c` understates what drafting costs
 by the overlap it gives up: most where the step's Python is large next to its pass (a small model, a small batch).
 
@@ -48,7 +49,8 @@ A draft model's passes are a term of their own: they grow with k, not with the v
 (`StepResult.draft_seconds`, out of the verify sample's seconds) and the estimate keeps their mean seconds per pass
 by the number of sequences drafting in it (`observe_draft`, first pass of each count skipped as above). Drafting k
 tokens takes k such passes for the whole batch, so one drafted token costs one sequence `t_d(B) / B` seconds, in
-units of its share of a plain step `(a + b*B) / B`: `r = t_d(B) / (a + b*B)`, added to `c`. A 0.5B model drafting
+units of its share of a plain step: `r = t_d(B) / T(B)` (or over `a + b*B` before `T(B)` is measured), added
+to `c`. A 0.5B model drafting
 for a 1.5B one costs about a third of a step per drafted token, which a weight-bound single stream recovers and a
 compute-bound batch on a CPU does not.
 """
@@ -101,6 +103,11 @@ def drafted_passes(result: StepResult) -> tuple[int, int, float] | None:
     if result.draft_passes < 1 or result.draft_sequences < 1 or not result.draft_seconds > 0:
         return None
     return result.draft_sequences, result.draft_passes, result.draft_seconds
+
+
+def _check_seconds(seconds: float) -> None:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+        raise InvalidArgumentError(f"seconds: {seconds!r} must be a finite number > 0")
 
 
 def _number(name: str, value: float, low: float, high: float, closed: bool = False) -> float:
@@ -164,8 +171,7 @@ class VerifyCostModel:
         """One timed pass: `rows` query rows computed in `seconds`."""
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise InvalidArgumentError(f"rows: {rows!r} must be an integer >= 1")
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
-            raise InvalidArgumentError(f"seconds: {seconds!r} must be a finite number > 0")
+        _check_seconds(seconds)
         if rows not in self._shapes:  # a shape's first pass allocates and builds what later ones reuse
             self._shapes.add(rows)
             return
@@ -195,8 +201,7 @@ class VerifyCostModel:
         for name, value in (("sequences", sequences), ("passes", passes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"{name}: {value!r} must be an integer >= 1")
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
-            raise InvalidArgumentError(f"seconds: {seconds!r} must be a finite number > 0")
+        _check_seconds(seconds)
         if sequences not in self._draft_shapes:  # as in `observe`: a new shape's first pass is not a sample
             self._draft_shapes.add(sequences)
             return
@@ -208,8 +213,7 @@ class VerifyCostModel:
         """A plain pipelined decode step of `batch` sequences took `seconds` (`pipelined_pass`)."""
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise InvalidArgumentError(f"batch: {batch!r} must be an integer >= 1")
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
-            raise InvalidArgumentError(f"seconds: {seconds!r} must be a finite number > 0")
+        _check_seconds(seconds)
         if batch not in self._pipelined_shapes:
             self._pipelined_shapes.add(batch)
             return
