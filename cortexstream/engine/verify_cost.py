@@ -34,9 +34,10 @@ its last token): those are the samples. A pass with prompt chunks riding in it i
 its whole prefix and costs what a prompt token costs, not a decode row, and chunks of hundreds of tokens would set
 the slope alone (Qwen2.5-Coder-1.5B drafted by the 0.5B, 8 prompts prefilling in turn: `a` = 16 s and `b` = 0, so a
 drafted row looked free). The samples' time includes the step's Python (graph building, applying the tokens),
-which is what a verify step costs; the plain pipelined step's cost `a + b*B` is extrapolated from them. A pipelined step
-hides part of that Python behind the pass, so it costs less than `a + b*B`, and `c` understates what drafting costs
-by the overlap it gives up: most where the step's Python is large next to its pass (a small model, a small batch).
+which is what a verify step costs; the plain pipelined step's cost `a + b*B` is extrapolated from them. A
+pipelined step hides part of that Python behind the pass, so it costs less than `a + b*B`, and `c` understates what
+drafting costs by the overlap it gives up: most where the step's Python is large next to its pass (a small model, a
+small batch); the pipelining term below counts that overlap.
 
 The pipelined decode a drafting step gives up is a term of its own too. A plain step that read the previous step's
 tokens while its own pass was launched (`pipelined_pass`) is timed as the period of pipelined decoding, `T(B)`, a
@@ -49,10 +50,9 @@ A draft model's passes are a term of their own: they grow with k, not with the v
 (`StepResult.draft_seconds`, out of the verify sample's seconds) and the estimate keeps their mean seconds per pass
 by the number of sequences drafting in it (`observe_draft`, first pass of each count skipped as above). Drafting k
 tokens takes k such passes for the whole batch, so one drafted token costs one sequence `t_d(B) / B` seconds, in
-units of its share of a plain step: `r = t_d(B) / T(B)` (or over `a + b*B` before `T(B)` is measured), added
-to `c`. A 0.5B model drafting
-for a 1.5B one costs about a third of a step per drafted token, which a weight-bound single stream recovers and a
-compute-bound batch on a CPU does not.
+units of its share of a plain step: `r = t_d(B) / T(B)` (or over `a + b*B` before `T(B)` is measured), added to
+`c`. A 0.5B model drafting for a 1.5B one costs about a third of a step per drafted token, which a weight-bound
+single stream recovers and a compute-bound batch on a CPU does not.
 """
 
 from __future__ import annotations
@@ -110,6 +110,33 @@ def _check_seconds(seconds: float) -> None:
         raise InvalidArgumentError(f"seconds: {seconds!r} must be a finite number > 0")
 
 
+def _check_count(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(f"{name}: {value!r} must be an integer >= 1")
+
+
+class _MeanByCount:
+    """A decayed mean of seconds per count of sequences, read at the nearest measured count. The first sample of
+    each count is skipped, as `VerifyCostModel.observe` skips a new shape's first pass."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self._means: dict[int, float] = {}
+        self._seen: set[int] = set()
+
+    def add(self, count: int, seconds: float) -> None:
+        if count not in self._seen:
+            self._seen.add(count)
+            return
+        old = self._means.get(count)
+        self._means[count] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+    def nearest(self, count: int) -> float | None:
+        if not self._means:
+            return None
+        return self._means[min(self._means, key=lambda n: (abs(n - count), n))]
+
+
 def _number(name: str, value: float, low: float, high: float, closed: bool = False) -> float:
     inside = isinstance(value, (int, float)) and (low <= value <= high if closed else low < value < high)
     if isinstance(value, bool) or not inside:
@@ -141,10 +168,8 @@ class VerifyCostModel:
         self._distinct = False  # two row counts seen
         self._shapes: set[int] = set()  # row counts whose first pass was seen (and not taken as a sample)
         self._last_seconds: float | None = None  # the latest verify sample's seconds (a plain step's upper bound)
-        self._draft_pass: dict[int, float] = {}  # sequences drafting -> decayed mean seconds of one draft pass
-        self._draft_shapes: set[int] = set()
-        self._pipelined: dict[int, float] = {}  # batch -> decayed mean seconds of a pipelined plain step
-        self._pipelined_shapes: set[int] = set()
+        self._draft_pass = _MeanByCount(self.decay)  # sequences drafting -> seconds of one draft pass
+        self._pipelined = _MeanByCount(self.decay)  # batch -> seconds of a pipelined plain step
 
     @property
     def fitted(self) -> bool:
@@ -169,8 +194,7 @@ class VerifyCostModel:
 
     def observe(self, rows: int, seconds: float) -> None:
         """One timed pass: `rows` query rows computed in `seconds`."""
-        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
-            raise InvalidArgumentError(f"rows: {rows!r} must be an integer >= 1")
+        _check_count("rows", rows)
         _check_seconds(seconds)
         if rows not in self._shapes:  # a shape's first pass allocates and builds what later ones reuse
             self._shapes.add(rows)
@@ -198,33 +222,20 @@ class VerifyCostModel:
 
     def observe_draft(self, sequences: int, passes: int, seconds: float) -> None:
         """A step's draft-model passes: `passes` passes with `sequences` sequences drafting took `seconds`."""
-        for name, value in (("sequences", sequences), ("passes", passes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError(f"{name}: {value!r} must be an integer >= 1")
+        _check_count("sequences", sequences)
+        _check_count("passes", passes)
         _check_seconds(seconds)
-        if sequences not in self._draft_shapes:  # as in `observe`: a new shape's first pass is not a sample
-            self._draft_shapes.add(sequences)
-            return
-        per_pass = seconds / passes
-        old = self._draft_pass.get(sequences)
-        self._draft_pass[sequences] = per_pass if old is None else self.decay * old + (1 - self.decay) * per_pass
+        self._draft_pass.add(sequences, seconds / passes)
 
     def observe_pipelined(self, batch: int, seconds: float) -> None:
         """A plain pipelined decode step of `batch` sequences took `seconds` (`pipelined_pass`)."""
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise InvalidArgumentError(f"batch: {batch!r} must be an integer >= 1")
+        _check_count("batch", batch)
         _check_seconds(seconds)
-        if batch not in self._pipelined_shapes:
-            self._pipelined_shapes.add(batch)
-            return
-        old = self._pipelined.get(batch)
-        self._pipelined[batch] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        self._pipelined.add(batch, seconds)
 
     def pipelined_step(self, batch: int) -> float | None:
         """The measured period of a pipelined plain step at the nearest measured batch size (None: not measured)."""
-        if not self._pipelined:
-            return None
-        return self._pipelined[min(self._pipelined, key=lambda n: (abs(n - batch), n))]
+        return self._pipelined.nearest(batch)
 
     def _unit(self, batch: int) -> float | None:
         """A plain step's seconds: the pipelined period when measured, else the fit's `a + b*B` (None: neither)."""
@@ -242,17 +253,15 @@ class VerifyCostModel:
         return self.confidence * max(0.0, self.predict(max(1, batch)) / pipelined - 1.0)
 
     def draft_cost(self, batch: int) -> float:
-        """The draft model's share of one drafted token, `t_d(B) / (a + b*B)` (see the module docstring): 0 before
+        """The draft model's share of one drafted token, `t_d(B) / T(B)` (see the module docstring): 0 before
         any draft pass was measured; the nearest measured count of drafting sequences stands in for `batch`; before
         the fit, the latest verify sample's seconds stand in for a plain step (an upper bound: drafting is not
         turned off on a guess)."""
-        if not self._draft_pass:
-            return 0.0
-        nearest = min(self._draft_pass, key=lambda n: (abs(n - batch), n))
+        per_pass = self._draft_pass.nearest(batch)
         step = self._unit(batch) or self._last_seconds
-        if step is None or not step > 0:
+        if per_pass is None or step is None or not step > 0:
             return 0.0
-        return self._draft_pass[nearest] / step
+        return per_pass / step
 
     def after_step(self, timed: tuple[int, float] | None, batch: int,
                    drafted: tuple[int, int, float] | None = None,
