@@ -4,8 +4,10 @@ The scheduler (engine/scheduler.py) decides what runs: admission, the prefill ch
 decode batch, preemption and drafts. `PlanBuilder.build` turns that choice into the plain data of
 engine/step_plan.py: one `WorkItem` per request with its tokens, positions, block table and drafts (and, on a prompt
 chunk, what the runner's draft model computes of it), the copy-on-write pairs the block manager queued, the blocks
-read back from the disk tier, and the blocks in use. It only reads the sequences: the scheduler then advances their counters as if the work were done (the
-runner does it next), since only the scheduler and the block manager write sequence state. The builder also tracks
+read back from the disk tier, and the blocks in use. It does not move the sequences' counters: the scheduler then
+advances them as if the work were done (the runner does it next), since only the scheduler and the block manager
+write sequence state. A prompt chunk's draft feed does advance what the sequence's speculation state records the
+draft model as holding (`SpeculationState.feed`), since the runner computes it in the same step. The builder also tracks
 which requests the runner holds state for: a request is announced (`NewRequest`) in the first plan that gives it
 work, and dropped in the first plan after the scheduler released it (`forget`).
 

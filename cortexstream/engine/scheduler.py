@@ -151,8 +151,8 @@ class Scheduler:
     def may_pipeline(self) -> bool:
         """True when the next step can only decode: nothing to admit or prefill, and blocks enough for every
         running sequence to grow (and copy on write) without preempting anyone."""
-        if self.waiting or any(s.num_pending > 1 or scoring(s) or (s.speculation is not None and
-                                                                   s.speculation.wants_draft(self.clock)) for s in self.running):
+        if self.waiting or any(s.num_pending > 1 or scoring(s) or (
+                s.speculation is not None and s.speculation.wants_draft(self.clock)) for s in self.running):
             return False  # speculation needs its last token read to draft from it
         return kv_capacity.room_to_grow(self.running, self.blocks)
 
