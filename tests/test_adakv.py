@@ -204,13 +204,13 @@ def test_compressed_cache_attends_as_the_full_cache_masked_per_head(sharp, new_t
 def test_batched_equals_alone_and_stays_within_the_budget(sharp, monkeypatch):
     model, tokenizer = sharp
     calls = {"decode": 0, "prompt": 0}
-    original = policy_runtime.attend_owned
+    original = policy_runtime.attend_cells
 
     def counting(*args, **kwargs):
         calls["decode" if args[8] is not None else "prompt"] += 1  # `valid`: a row of the decode batch
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(policy_runtime, "attend_owned", counting)
+    monkeypatch.setattr(policy_runtime, "attend_cells", counting)
     prompts = [random_token_ids(60, seed=s) for s in range(3)]
     policies = [AdaKV(budget=30, window=8, floor=0.0), AdaKV(budget=0.4, window=4), SnapKV(budget=30, window=8)]
     assert_batched_matches_alone(model, tokenizer, prompts, policies, max_tokens=12, context=72)

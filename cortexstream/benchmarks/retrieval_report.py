@@ -12,7 +12,7 @@ from typing import Any
 from cortexstream.benchmarks.machine import machine_sentence
 from cortexstream.benchmarks.retrieval_settings import Placement, Task
 
-QUERY_AWARE = frozenset({"snapkv"})  # policy families that read the question's attention when they compress
+QUERY_AWARE = frozenset({"snapkv", "adakv", "pyramidkv"})  # families that compress on the question's votes
 MARKERS = ("*", "o", "s", "^", "D", "v", "P", "X")
 
 

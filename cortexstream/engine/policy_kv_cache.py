@@ -55,4 +55,5 @@ class PolicyKVCache(ArenaKVCache):
 
 
 def policy_caches(seq: SequenceKV, state: PolicyState) -> list[PolicyKVCache]:
+    state.bind(seq)  # the state reads cells lent across layers through this sequence
     return [PolicyKVCache(seq, layer, state) for layer in range(seq.arena.config.num_layers)]

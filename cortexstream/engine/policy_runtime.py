@@ -6,7 +6,8 @@ on the `PolicyKVCache` objects of a prompt cache, so it survives between chat tu
 logical position of each physical slot, both aligned with the physical slots: `after_forward` appends the new
 tokens' entries, then evicts through `SequenceKV.keep` and gathers scores/positions with the same indices, so
 they stay aligned through compaction and block frees. A policy that shares a layer's budget among its heads
-(`pools_heads`) also gets `owners[l]` `[kv_heads, n]`: the head whose key each cell holds (`engine.pooled_heads`).
+(`pools_heads`) also gets `owners[l]` `[kv_heads, n]`: the head whose key each cell holds (`engine.pooled_heads`),
+and `owner_layers[l]`, the layer whose key it holds (a policy that `pools_layers`, `engine.pooled_layers`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from cortexstream.errors import InvalidArgumentError
 from cortexstream.kv.sequence_kv import SequenceKV
 from cortexstream.engine.evict_merge import merged_values, write_values
 from cortexstream.engine.observation import observation_for
-from cortexstream.engine.pooled_heads import Reduce, attend_owned, column_owners, gather_cells, is_pooled, place
+from cortexstream.engine.pooled_heads import Foreign, Reduce, attend_cells, column_owners, gather_cells, is_pooled, place
+from cortexstream.engine.pooled_layers import ForeignCells, add_foreign, foreign_cells, layer_columns, read_foreign
 from cortexstream.engine.query_statistics import QueryStatistics
 from cortexstream.engine.reconstruction import FRESH, ReconstructionScores
 from cortexstream.policies.base import KVPolicy
@@ -41,7 +43,12 @@ class PolicyState:
         self.mass = np.ones(num_tokens)
         self.bias = [np.zeros((num_kv_heads, num_tokens), np.float32) for _ in range(num_layers)]
         self.owners = [column_owners(num_kv_heads, num_tokens) for _ in range(num_layers)]
-        self.pooled = [False] * num_layers  # some cell of the layer holds another head's key
+        self.owner_layers = [layer_columns(layer, num_kv_heads, num_tokens) for layer in range(num_layers)]
+        self.pooled = [False] * num_layers  # some cell of the layer holds another head's (or layer's) key
+        # pools_layers: per layer, its keys held in other layers' cells, and the attention they got this pass
+        self.foreign: list[ForeignCells | None] = [None] * num_layers
+        self.pending_foreign: list[mx.array | None] = [None] * num_layers
+        self.sequence: SequenceKV | None = None  # the sequence whose arena holds the foreign cells (`bind`)
         self._bias_arrays: dict[int, tuple[int, mx.array]] = {}  # layer -> (keys, [1, Hq, 1, keys]) cache
         self.num_evicted = 0
         self.num_evictions = 0
@@ -87,6 +94,7 @@ class PolicyState:
             )
         cfg = seq.arena.config
         state = cls(policy, cfg.num_layers, cfg.num_kv_heads, seq.num_tokens)
+        state.bind(seq)
         if policy.rerotate and model is not None:
             state.rotate = key_rotator(model)
         if policy.needs_query_statistics:
@@ -95,6 +103,11 @@ class PolicyState:
                                            "(attach the policy with model=...)")
             state.queries = QueryStatistics(cfg.num_layers, find_rope(model))
         return state
+
+    def bind(self, seq: SequenceKV) -> None:
+        """The sequence this state describes (its view of the arena and block table): foreign cells are read
+        through it at each pass."""
+        self.sequence = seq
 
     @property
     def num_tokens(self) -> int:
@@ -108,7 +121,7 @@ class PolicyState:
 
     def pending_arrays(self) -> list[mx.array]:
         extra = self.queries.arrays() if self.queries is not None else []
-        return [p for p in self.pending if p is not None] + extra
+        return [p for p in self.pending + self.pending_foreign if p is not None] + extra
 
     def sync(self, seq: SequenceKV) -> None:
         """Append entries for the tokens the last forward pass added, and fold in its scores."""
@@ -125,12 +138,18 @@ class PolicyState:
                 self.scores[layer] = np.concatenate([self.scores[layer], np.full((heads, new), fill)], axis=1)
                 self.bias[layer] = np.concatenate([self.bias[layer], np.zeros((heads, new), np.float32)], axis=1)
                 self.owners[layer] = np.concatenate([self.owners[layer], column_owners(heads, new)], axis=1)
+                self.owner_layers[layer] = np.concatenate([self.owner_layers[layer],
+                                                           layer_columns(layer, heads, new)], axis=1)
                 if layer == 0:
                     self.mass = np.concatenate([self.mass, np.ones(new)])
             received = self.pending[layer]
             if received is not None:
                 self.scores[layer] += np.asarray(received[:, :length], dtype=np.float64)
                 self.pending[layer] = None
+        for layer, received in enumerate(self.pending_foreign):
+            if received is not None:
+                add_foreign(self.scores, self.foreign[layer], np.asarray(received, dtype=np.float64))
+                self.pending_foreign[layer] = None
 
     # --- eviction ---------------------------------------------------------------------------------------------
     def after_forward(self, seq: SequenceKV, context: int) -> int:
@@ -144,8 +163,11 @@ class PolicyState:
         n = seq.num_tokens
         scores = np.stack(self.scores) if self.policy.needs_attention_scores else None
         if self.policy.pools_heads:
+            owners = np.stack(self.owners).astype(np.int64)
+            if self.policy.pools_layers:  # a cell's owner as layer x H + head
+                owners = np.stack(self.owner_layers).astype(np.int64) * owners.shape[1] + owners
             return self.keep_cells(seq, self.policy.select_cells(n, context, scores, np.stack(self.positions),
-                                                                 np.stack(self.owners)))
+                                                                 owners))
         if self.queries is not None and n > self.policy.budget_tokens(context):
             scores = self.expected_scores(seq)
         keep = self.policy.select(n, context, scores)
@@ -176,38 +198,55 @@ class PolicyState:
 
     def keep_cells(self, seq: SequenceKV, keep: np.ndarray | None) -> int:
         """Keep the cells `keep` (bool `[L, H, n]`, as `select_cells` gives) in `budget` slots: each column its
-        own kept cells first, the surplus of heads that keep more in the cells others leave (`pooled_heads.place`).
-        Returns the physical slots removed."""
+        own kept cells first, the surplus of heads that keep more in the cells others leave (`pooled_heads.place`;
+        with `pools_layers` the columns of every layer lend to each other, `engine.pooled_layers`). Returns the
+        physical slots removed."""
         if keep is None:
             return 0
         n = seq.num_tokens
-        heads = self.scores[0].shape[0]
-        if keep.shape != (len(self.scores), heads, n) or keep.dtype != np.bool_:
+        layers, heads = len(self.scores), self.scores[0].shape[0]
+        if keep.shape != (layers, heads, n) or keep.dtype != np.bool_:
             raise InvalidArgumentError(f"{self.policy.name}: select_cells gave {keep.shape} {keep.dtype}, expected "
-                                       f"a bool mask {(len(self.scores), heads, n)}")
-        sources = [place(layer_keep) for layer_keep in keep]
-        m = sources[0].shape[1]
-        if any(src.shape[1] != m for src in sources):
-            raise InvalidArgumentError(f"{self.policy.name}: every layer must keep as many cells")
+                                       f"a bool mask {(layers, heads, n)}")
+        if self.policy.pools_layers:  # sources index the cells of all layers, flattened (layer, column, slot)
+            sources = place(keep.reshape(layers * heads, n)).reshape(layers, heads, -1)
+        else:
+            sources = [place(layer_keep) + layer * heads * n for layer, layer_keep in enumerate(keep)]
+            if any(src.shape[1] != sources[0].shape[1] for src in sources):
+                raise InvalidArgumentError(f"{self.policy.name}: every layer must keep as many cells")
+            sources = np.stack(sources)
+        m = sources.shape[2]
         if (self.mass != 1).any():
             raise InvalidArgumentError(f"{self.policy.name}: pooled heads cannot hold merged slots")
-        own_columns = all((src // n == np.arange(heads)[:, None]).all() for src in sources)
-        if own_columns:  # no cell changes column: exact moves, as a per-head selection makes them
-            seq.keep(np.stack([src % n for src in sources]))
+        columns = np.arange(layers * heads).reshape(layers, heads, 1)
+        if (sources // n == columns).all():  # no cell changes column: exact moves, as a per-head selection makes them
+            seq.keep(sources % n)
         else:
             new_keys, new_values = [], []
+            if self.policy.pools_layers:  # cells move between layers: every layer's K/V, read once
+                reads = [seq.arena.read(layer, seq.blocks, n) for layer in range(layers)]
+                all_keys = mx.concatenate([k.reshape(heads * n, -1) for k, _ in reads])
+                all_values = mx.concatenate([v.reshape(heads * n, -1) for _, v in reads])
             for layer, src in enumerate(sources):
-                keys, values = seq.arena.read(layer, seq.blocks, n)
-                index = mx.array(src.reshape(-1).astype(np.int32))
-                new_keys.append(keys.reshape(heads * n, -1)[index].reshape(heads, m, -1))
-                new_values.append(values.reshape(heads * n, -1)[index].reshape(heads, m, -1))
+                if self.policy.pools_layers:
+                    flat_keys, flat_values, index = all_keys, all_values, src
+                else:  # one layer at a time: its cells stay in it
+                    keys, values = seq.arena.read(layer, seq.blocks, n)
+                    flat_keys, flat_values = keys.reshape(heads * n, -1), values.reshape(heads * n, -1)
+                    index = src - layer * heads * n
+                index = mx.array(index.reshape(-1).astype(np.int32))
+                new_keys.append(flat_keys[index].reshape(heads, m, -1))
+                new_values.append(flat_values[index].reshape(heads, m, -1))
+            mx.eval(new_keys, new_values)  # before any layer is rewritten: a layer's cells may come from another
             seq.replace(0, n, new_keys, new_values, evicts=True)
-        for layer, src in enumerate(sources):
-            self.scores[layer] = gather_cells(self.scores[layer], src)
-            self.positions[layer] = gather_cells(self.positions[layer], src)
-            self.bias[layer] = gather_cells(self.bias[layer], src)
-            self.owners[layer] = gather_cells(self.owners[layer], src)
-            self.pooled[layer] = is_pooled(self.owners[layer])
+        flat = sources.reshape(layers * heads, m)
+        for name in ("scores", "positions", "bias", "owners", "owner_layers"):
+            rows = np.stack(getattr(self, name)).reshape(layers * heads, n)
+            setattr(self, name, list(gather_cells(rows, flat).reshape(layers, heads, m)))
+        self.foreign = foreign_cells(self.owners, self.owner_layers) if self.policy.pools_layers \
+            else [None] * layers
+        self.pooled = [is_pooled(self.owners[layer]) or bool((self.owner_layers[layer] != layer).any())
+                       or self.foreign[layer] is not None for layer in range(layers)]
         self.mass = np.ones(m)
         self._bias_arrays.clear()
         self.num_evicted += n - m
@@ -230,25 +269,52 @@ class PolicyState:
         tail = column_owners(owners.shape[0], num_keys)[:, owners.shape[1]:]
         return np.concatenate([owners, tail], axis=1)
 
+    def mine(self, layer: int, num_keys: int) -> np.ndarray | None:
+        """Bool `[H, num_keys]`: the cells of this layer's arrays that hold this layer's keys (None: every one)."""
+        stored = self.owner_layers[layer][:, :num_keys] == layer
+        if stored.all():
+            return None
+        return np.concatenate([stored, np.ones((stored.shape[0], num_keys - stored.shape[1]), bool)], axis=1)
+
+    def foreign_for(self, layer: int) -> Foreign | None:
+        """This layer's keys held in other layers' cells, read from the arena as it is now (None: none)."""
+        cells = self.foreign[layer]
+        if cells is None:
+            return None
+        if self.sequence is None:
+            raise InvalidArgumentError(f"{self.policy.name}: cells lent across layers need the sequence (bind)")
+        keys, values = read_foreign(self.sequence, cells)
+        bias = np.stack([self.bias[int(m)][c, s] for m, c, s in zip(cells.lenders, cells.columns, cells.slots)]) \
+            if self.has_bias() else None
+        return Foreign(keys, values, cells.heads, bias)
+
     def attend_pooled(self, layer: int, queries: mx.array, keys: mx.array, values: mx.array, scale: float,
                       mask: Any, sinks: mx.array | None, record_from: int | None, valid: int | None = None
                       ) -> mx.array:
-        """One sequence's attention over a layer whose cells have owners (`pooled_heads.attend_owned`), its
+        """One sequence's attention over a layer whose cells have owners (`pooled_heads.attend_cells`), its
         logit biases added and, from query row `record_from` on (None: not at all), its scores recorded."""
         num_keys = keys.shape[2]
         owners, bias = self.owners_for(layer, num_keys), self.bias_row(layer, num_keys)
+        mine, foreign = self.mine(layer, num_keys), self.foreign_for(layer)
         if self.reconstruction is not None:  # KVzip: maxima during a reconstruction pass only, never sums
+            if foreign is not None or mine is not None:
+                raise InvalidArgumentError(f"{self.policy.name}: a reconstruction over cells lent across layers "
+                                           "is not supported")
             if not self.reconstruction.recording:
-                return attend_owned(queries, keys, values, scale, mask, sinks, owners, bias, valid)[0]
-            out, received = attend_owned(queries, keys, values, scale, mask, sinks, owners, bias, valid, 0,
-                                         Reduce.MAX)
+                return attend_cells(queries, keys, values, scale, mask, sinks, owners, bias, valid)[0]
+            out, received, _ = attend_cells(queries, keys, values, scale, mask, sinks, owners, bias, valid, 0,
+                                            Reduce.MAX)
             self.reconstruction.add(layer, received)
             return out
         if not self.policy.needs_attention_scores:
             record_from = None
-        out, received = attend_owned(queries, keys, values, scale, mask, sinks, owners, bias, valid, record_from)
+        out, received, far = attend_cells(queries, keys, values, scale, mask, sinks, owners, bias, valid,
+                                          record_from, mine=mine, foreign=foreign)
         if received is not None:
             self.record(layer, received)
+        if far is not None:
+            prior = self.pending_foreign[layer]
+            self.pending_foreign[layer] = far if prior is None else prior + far
         return out
 
     def expected_scores(self, seq: SequenceKV) -> np.ndarray:
@@ -354,6 +420,7 @@ class PolicyState:
             self.positions[layer] = np.take_along_axis(self.positions[layer], index, axis=1)
             self.bias[layer] = np.take_along_axis(self.bias[layer], index, axis=1)
             self.owners[layer] = np.take_along_axis(self.owners[layer], index, axis=1)
+            self.owner_layers[layer] = np.take_along_axis(self.owner_layers[layer], index, axis=1)
         self._bias_arrays.clear()
 
     def trim(self, layer: int, n: int, offset: int) -> None:
@@ -367,6 +434,7 @@ class PolicyState:
         self.scores[layer] = self.scores[layer][:, :-n]
         self.bias[layer] = self.bias[layer][:, :-n]
         self.owners[layer] = self.owners[layer][:, :-n]
+        self.owner_layers[layer] = self.owner_layers[layer][:, :-n]
         if layer == 0:
             self.mass = self.mass[:-n]
         self._bias_arrays.pop(layer, None)
@@ -379,6 +447,9 @@ class PolicyState:
         other.mass = self.mass.copy()
         other.bias = [b.copy() for b in self.bias]
         other.owners = [o.copy() for o in self.owners]
+        other.owner_layers = [o.copy() for o in self.owner_layers]
+        other.foreign = list(self.foreign)  # frozen values; the clone reads them through its own sequence (bind)
+        other.pending_foreign = [None] * len(self.scores)
         other.pooled = list(self.pooled)
         other.num_evicted, other.num_evictions = self.num_evicted, self.num_evictions
         other.num_merged, other.num_merges = self.num_merged, self.num_merges

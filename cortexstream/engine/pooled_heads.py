@@ -13,6 +13,7 @@ group) and the gathers are transient.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -29,6 +30,20 @@ class Reduce(enum.Enum):
 
     SUM = "sum"
     MAX = "max"
+
+
+@dataclass(frozen=True)
+class Foreign:
+    """A layer's keys held in other layers' cells, as read for one pass (`engine.pooled_layers`): keys `[F, D]`,
+    values `[F, Dv]`, the owning head of each `[F]`, and an additive logit per cell or None."""
+
+    keys: mx.array
+    values: mx.array
+    heads: np.ndarray
+    bias: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return int(self.heads.shape[0])
 
 
 def column_owners(heads: int, num_slots: int) -> np.ndarray:
@@ -80,6 +95,21 @@ def attend_owned(queries: mx.array, keys: mx.array, values: mx.array, scale: flo
     query rows `record_from:` and its group's query heads, summed or the largest (`reduce`), `[H, valid]` float32
     (else None).
     """
+    out, received, _ = attend_cells(queries, keys, values, scale, mask, sinks, owners, bias, valid, record_from,
+                                    reduce)
+    return out, received
+
+
+def attend_cells(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
+                 sinks: mx.array | None, owners: np.ndarray, bias: np.ndarray | None = None,
+                 valid: int | None = None, record_from: int | None = None, reduce: Reduce = Reduce.SUM,
+                 mine: np.ndarray | None = None, foreign: Foreign | None = None
+                 ) -> tuple[mx.array, mx.array | None, mx.array | None]:
+    """`attend_owned` over cells lent across layers too (`engine.pooled_layers`): `mine` bool `[H, T]` marks the
+    cells of these arrays that hold this layer's keys (None: all; the others were lent and are not attended), and
+    `foreign` is this layer's keys held in other layers' cells, attended by their owning head with no mask (they
+    are older than any query). Returns the output, the received attention of this layer's cells `[H, valid]` and
+    that of the foreign cells `[F]` (None when not recorded or no foreign cells)."""
     _, q_heads, num_queries, dim = queries.shape
     heads, num_keys = keys.shape[1], keys.shape[2]
     if owners.shape != (heads, num_keys):
@@ -90,39 +120,61 @@ def attend_owned(queries: mx.array, keys: mx.array, values: mx.array, scale: flo
     flat_values = values[0].reshape(heads * num_keys, values.shape[-1])
     slots = np.tile(np.arange(num_keys), heads)
     owner_of = owners.reshape(-1)
+    attended = slots < valid if mine is None else (slots < valid) & mine.reshape(-1)
     base = additive_mask(mask, 0, num_queries, num_queries, num_keys)
-    outs, received, order = [], [], []
+    outs, received, order, received_foreign, order_foreign = [], [], [], [], []
     for head in range(heads):
-        cells = np.nonzero((owner_of == head) & (slots < valid))[0]
+        cells = np.nonzero((owner_of == head) & attended)[0]
+        extra = np.zeros(0, np.int64) if foreign is None else np.nonzero(foreign.heads == head)[0]
         index = mx.array(cells.astype(np.int32))
         heads_of_group = slice(head * group, (head + 1) * group)
         cell_mask = None
         if base is not None:
             rows = base if base.shape[1] == 1 else base[:, heads_of_group]
             cell_mask = rows[..., mx.array(slots[cells].astype(np.int32))]
-        if bias is not None:
-            logits = mx.array(bias.reshape(-1)[cells].astype(np.float32))[None, None, None, :]
+            if len(extra):  # foreign cells: visible to every query
+                cell_mask = mx.concatenate([cell_mask, mx.zeros((*cell_mask.shape[:-1], len(extra)),
+                                                                cell_mask.dtype)], axis=-1)
+        if bias is not None or (foreign is not None and foreign.bias is not None and len(extra)):
+            own_bias = np.zeros(len(cells), np.float32) if bias is None else bias.reshape(-1)[cells]
+            more = np.zeros(len(extra), np.float32) if foreign is None or foreign.bias is None \
+                else foreign.bias[extra]
+            logits = mx.array(np.concatenate([own_bias, more]).astype(np.float32))[None, None, None, :]
             cell_mask = logits if cell_mask is None else cell_mask + logits
         q = queries[:, heads_of_group]
-        k, v = flat_keys[index][None, None], flat_values[index][None, None]
+        k, v = flat_keys[index], flat_values[index]
+        if len(extra):
+            pick = mx.array(extra.astype(np.int32))
+            k = mx.concatenate([k, foreign.keys[pick].astype(k.dtype)], axis=0)
+            v = mx.concatenate([v, foreign.values[pick].astype(v.dtype)], axis=0)
+        k, v = k[None, None], v[None, None]
         group_sinks = None if sinks is None else sinks[heads_of_group]
         if reduce is Reduce.MAX and record_from == 0:  # a reconstruction pass: one computation for both
             out_head, best = attend_and_max(q, k, v, scale, cell_mask, group_sinks)
             outs.append(out_head)
-            received.append(best[0, 0])
-            order.append(cells)
-            continue
-        outs.append(original_sdpa(q, k, v, None, scale=scale,
-                                  mask=None if cell_mask is None else cell_mask.astype(queries.dtype),
-                                  sinks=group_sinks))
-        if record_from is not None:
+            got = best[0, 0]
+        else:
+            outs.append(original_sdpa(q, k, v, None, scale=scale,
+                                      mask=None if cell_mask is None else cell_mask.astype(queries.dtype),
+                                      sinks=group_sinks))
+            if record_from is None:
+                continue
             rows_mask = None if cell_mask is None else cell_mask[..., record_from:, :]
             measure = attention_received if reduce is Reduce.SUM else attention_max
-            received.append(measure(q[:, :, record_from:], k, scale, rows_mask, group_sinks)[0, 0])
-            order.append(cells)
+            got = measure(q[:, :, record_from:], k, scale, rows_mask, group_sinks)[0, 0]
+        received.append(got[: len(cells)])
+        order.append(cells)
+        if len(extra):
+            received_foreign.append(got[len(cells):])
+            order_foreign.append(extra)
     out = mx.concatenate(outs, axis=1)
-    if record_from is None:
-        return out, None
+    if not order:
+        return out, None, None
     index = mx.array(np.concatenate(order).astype(np.int32))
     flat = mx.zeros((heads * num_keys,), mx.float32).at[index].add(mx.concatenate(received))
-    return out, flat.reshape(heads, num_keys)[:, :valid]
+    local = flat.reshape(heads, num_keys)[:, :valid]
+    if not order_foreign:
+        return out, local, None
+    where = mx.array(np.concatenate(order_foreign).astype(np.int32))
+    far = mx.zeros((len(foreign),), mx.float32).at[where].add(mx.concatenate(received_foreign))
+    return out, local, far

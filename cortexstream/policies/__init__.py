@@ -1,6 +1,6 @@
 """KV policies: `FullCache` (default), `StreamingLLM` (sinks + window), `H2O` (heavy hitters + recent), `SnapKV`
 (the prompt's last queries vote for the keys to keep), `AdaKV` (SnapKV's votes, a layer's budget shared by its
-heads), `ExpectedAttention` (keys scored by the attention a query
+heads), `PyramidKV` (SnapKV's votes, more keys in lower layers than in upper ones), `ExpectedAttention` (keys scored by the attention a query
 drawn from the prompt's query distribution would pay them), `KVzip` (keys scored by the attention a
 repetition of the context pays them: query-agnostic), and the merging policies (`merging`: `MeanPool`, the learned `Compressor` and `Sidecar`, `TokenMerging`).
 
@@ -18,11 +18,13 @@ from cortexstream.policies.h2o import H2O
 from cortexstream.policies.kvzip import KVzip
 from cortexstream.policies.mean_pool import MeanPool
 from cortexstream.policies.parsing import parse_policy
+from cortexstream.policies.pyramidkv import PyramidKV
 from cortexstream.policies.merging import Merged, MergingPolicy
 from cortexstream.policies.sidecar import Sidecar
 from cortexstream.policies.snapkv import SnapKV
 from cortexstream.policies.streaming_llm import StreamingLLM
 from cortexstream.policies.token_merging import TokenMerging
 
-__all__ = ["AdaKV", "Compressor", "D2O", "ExpectedAttention", "FullCache", "H2O", "KVPolicy", "KVzip", "MeanPool", "Merged", "MergingPolicy", "Sidecar",
-           "SnapKV", "StreamingLLM", "TokenMerging", "parse_policy"]
+__all__ = ["AdaKV", "Compressor", "D2O", "ExpectedAttention", "FullCache", "H2O", "KVPolicy", "KVzip", "MeanPool",
+           "Merged", "MergingPolicy", "PyramidKV", "Sidecar", "SnapKV", "StreamingLLM", "TokenMerging",
+           "parse_policy"]

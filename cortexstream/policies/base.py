@@ -124,6 +124,9 @@ class KVPolicy:
     - `pools_heads`: a layer's budget is shared by its KV heads (Ada-KV): `select_cells` picks the stored cells
       (column, slot) to keep, a head may keep more keys than there are slots, and the runtime stores the surplus
       in other heads' columns, recording each cell's owner (`engine.pooled_heads`).
+    - `pools_layers` (with `pools_heads`): layers keep different counts (PyramidKV), their mean the budget; the
+      runtime stores a layer's surplus in the cells of layers that keep fewer (`engine.pooled_layers`), and
+      `select_cells` gets each cell's owner as `layer x H + head`.
     - `parse_keys`: keys accepted in the policy's string form (key -> kind, see `parsing`).
     """
 
@@ -140,6 +143,7 @@ class KVPolicy:
     selects_per_head = False
     merges_per_head = False
     pools_heads = False
+    pools_layers = False
     merge_threshold: float | None = None
     parse_keys: ClassVar[dict[str, str]] = {}
 
@@ -173,8 +177,9 @@ class KVPolicy:
     def select_cells(self, num_physical: int, context: int, scores: np.ndarray | None, positions: np.ndarray,
                      owners: np.ndarray) -> np.ndarray | None:
         """Only when `pools_heads`: a bool mask `[L, H, n]` of the stored cells to keep (the same count in every
-        layer, a multiple of H), or None. `positions`/`owners` `[L, H, n]`: each cell's logical position and the
-        KV head whose key it holds."""
+        layer, a multiple of H; with `pools_layers` the same count in all), or None. `positions`/`owners`
+        `[L, H, n]`: each cell's logical position and the KV head whose key it holds (`layer x H + head` when
+        `pools_layers`)."""
         raise NotImplementedError(f"{self.name}: does not pool heads")
 
     def merge_range(self, num_physical: int, context: int, mass: np.ndarray) -> tuple[int, int] | None:

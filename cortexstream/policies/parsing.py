@@ -29,6 +29,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "tome": ("cortexstream.policies.token_merging", "TokenMerging"),
     "snapkv": ("cortexstream.policies.snapkv", "SnapKV"),
     "adakv": ("cortexstream.policies.adakv", "AdaKV"),
+    "pyramidkv": ("cortexstream.policies.pyramidkv", "PyramidKV"),
     "expected": ("cortexstream.policies.expected_attention", "ExpectedAttention"),
     "d2o": ("cortexstream.policies.d2o", "D2O"),
     "kvzip": ("cortexstream.policies.kvzip", "KVzip"),
