@@ -10,7 +10,7 @@ import argparse
 import importlib
 
 # command name -> its package under cortexstream/training/
-TRAINERS = {"compressor": "compression", "sidecar": "sidecar", "c2c": "c2c"}
+TRAINERS = {"compressor": "compression", "sidecar": "sidecar", "c2c": "c2c", "head-profile": "head_profile"}
 
 
 def _module_name(kind: str) -> str:

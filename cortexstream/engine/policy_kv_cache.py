@@ -24,7 +24,7 @@ class PolicyKVCache(ArenaKVCache):
         super().__init__(sequence, layer)
         self.policy_state = state
         policy = state.policy
-        if policy.needs_attention_scores or policy.uses_logit_bias or policy.needs_query_statistics:
+        if policy.needs_attention_hook:
             self.attention_hook = self._hook  # reached once the model's SDPA is routed (engine or attach_policy)
 
     def _hook(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,

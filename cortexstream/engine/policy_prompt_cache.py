@@ -49,7 +49,7 @@ def attach_policy(prompt_cache: list[Any], kv_policy: "KVPolicy | str | None", m
     if any(c.sequence is not seq for c in prompt_cache):
         raise InvalidArgumentError("kv_policy: the prompt cache's layers must belong to one sequence")
     state = PolicyState.for_sequence(policy, seq, model)
-    if policy.needs_attention_scores or policy.uses_logit_bias or policy.needs_query_statistics:
+    if policy.needs_attention_hook:
         # The caches' hooks are reached only through routed SDPA (an engine's backend routes its own model).
         route_sdpa(model) if model is not None else route_loaded_modules()
     prompt_cache[:] = policy_caches(seq, state)

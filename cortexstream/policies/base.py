@@ -147,6 +147,13 @@ class KVPolicy:
     merge_threshold: float | None = None
     parse_keys: ClassVar[dict[str, str]] = {}
 
+    @property
+    def needs_attention_hook(self) -> bool:
+        """Whether a sequence's attention goes through the policy's SDPA hook: to record scores, add logit biases,
+        gather query statistics, or attend cells that hold another head's or layer's key (`pools_heads`)."""
+        return bool(self.needs_attention_scores or self.uses_logit_bias or self.needs_query_statistics
+                    or self.pools_heads)
+
     def budget_tokens(self, context: int) -> int | None:
         """Physical tokens allowed between forward passes for a request of `context` tokens (None: no bound)."""
         return None

@@ -33,6 +33,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "expected": ("cortexstream.policies.expected_attention", "ExpectedAttention"),
     "d2o": ("cortexstream.policies.d2o", "D2O"),
     "kvzip": ("cortexstream.policies.kvzip", "KVzip"),
+    "kvzip_heads": ("cortexstream.policies.kvzip_heads", "KVzipHeads"),
 }
 def _value(policy: str, key: str, text: str, kind: str) -> Any:
     if kind == "str":
