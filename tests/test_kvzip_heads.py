@@ -169,3 +169,25 @@ def test_measuring_a_profile_on_the_tiny_model(sharp, tmp_path):
     path = str(tmp_path / "p.json")
     save_profile(profile_from("tiny", scores, 16, "test"), path)
     assert np.allclose(load_profile(path).array(), scores)
+
+
+def test_the_train_command_writes_a_profile_the_policy_uses(tiny_gguf, tiny, tmp_path, capsys):
+    from cortexstream.cli.main import main
+
+    text = tmp_path / "corpus.txt"
+    text.write_text(" ".join(f"Sentence {i} tells of rivers, hills and the towns beside them." for i in range(60)),
+                    encoding="utf-8")
+    out = str(tmp_path / "tiny.json")
+    assert main(["train", "head-profile", "--model", tiny_gguf, "--source", str(text), "--skip", "50",
+                 "--seq-len", "120", "--texts", "2", "--chunk", "32", "--out", out, "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "agreement between texts" in printed and out in printed
+    profile = load_profile(out)
+    assert profile.array().shape == (2, 2) and profile.head_dim == 16 and "corpus.txt" in profile.source
+    model, tokenizer = tiny
+    cache = make_prompt_cache(model)
+    state = direct.attach_policy(cache, KVzipHeads(budget=24, window=6, profile=out), model)
+    model(mx.array([random_token_ids(60)]), cache=cache)
+    direct.apply_policy(cache, 200)
+    assert cache[0].size() == 24 and state.num_evictions == 1
+    assert main(["train", "head-profile", "--model", tiny_gguf, "--texts", "0", "--out", out]) == 1
