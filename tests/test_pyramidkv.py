@@ -236,3 +236,32 @@ def test_perplexity_and_the_server_take_it(deep):
         with pytest.raises(Exception, match="beta"):
             bad.completions.create(model="tiny", prompt="x", max_tokens=2,
                                    extra_body={"kv_policy": "pyramidkv:beta=0"})
+
+
+@pytest.mark.parametrize("reduce", ["sum", "max"])
+def test_one_masked_call_equals_the_per_head_gathers(monkeypatch, reduce):
+    """Short passes attend every cell in one call, each query head masked to its group's cells; it gives the
+    per-head path's output and scores (lent cells skipped, foreign cells attended, causal mask, biases)."""
+    from cortexstream.engine import pooled_heads
+    from cortexstream.engine.pooled_heads import Foreign, Reduce, attend_cells
+
+    rng = np.random.default_rng(4)
+    heads, group, slots, dim, queries = 2, 2, 9, 8, 3
+    q = mx.array(rng.standard_normal((1, heads * group, queries, dim)).astype(np.float32))
+    k = mx.array(rng.standard_normal((1, heads, slots, dim)).astype(np.float32))
+    v = mx.array(rng.standard_normal((1, heads, slots, dim)).astype(np.float32))
+    owners = rng.integers(0, heads, (heads, slots)).astype(np.int16)
+    mine = np.ones((heads, slots), bool)
+    mine[1, 2:4] = False  # lent to another layer
+    bias = rng.standard_normal((heads, slots)).astype(np.float32)
+    far = Foreign(mx.array(rng.standard_normal((3, dim)).astype(np.float32)),
+                  mx.array(rng.standard_normal((3, dim)).astype(np.float32)), np.array([0, 1, 1]))
+    kind = Reduce.SUM if reduce == "sum" else Reduce.MAX
+    record = 0 if kind is Reduce.MAX else 1
+    args = (q, k, v, 0.4, "causal", None, owners, bias, 8, record, kind, mine, far)
+    flat = attend_cells(*args)
+    monkeypatch.setattr(pooled_heads, "FLAT_QUERIES", 0)
+    loop = attend_cells(*args)
+    for a, b in zip(flat, loop):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    assert np.asarray(flat[1])[1, 2:4].max() == 0  # lent cells get nothing

@@ -115,6 +115,9 @@ def attend_cells(queries: mx.array, keys: mx.array, values: mx.array, scale: flo
     if owners.shape != (heads, num_keys):
         raise InvalidArgumentError(f"pooled heads: owners {owners.shape} for keys of {heads} heads x {num_keys}")
     valid = num_keys if valid is None else int(valid)
+    if num_queries <= FLAT_QUERIES:
+        return attend_flat(queries, keys, values, scale, mask, sinks, owners, bias, valid, record_from, reduce,
+                           mine, foreign)
     group = q_heads // heads
     flat_keys = keys[0].reshape(heads * num_keys, dim)
     flat_values = values[0].reshape(heads * num_keys, values.shape[-1])
@@ -178,3 +181,55 @@ def attend_cells(queries: mx.array, keys: mx.array, values: mx.array, scale: flo
     where = mx.array(np.concatenate(order_foreign).astype(np.int32))
     far = mx.zeros((len(foreign),), mx.float32).at[where].add(mx.concatenate(received_foreign))
     return out, local, far
+
+
+# Up to this many queries (decode steps, small verify passes) a layer is attended in one call over all its cells,
+# each query head masked to its group's cells: KV heads times more products than the per-head gathers, one kernel
+# instead of one per head, and no copy of the owned cells. Longer passes (prompt chunks) gather per head.
+FLAT_QUERIES = 4
+
+
+def attend_flat(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
+                sinks: mx.array | None, owners: np.ndarray, bias: np.ndarray | None, valid: int,
+                record_from: int | None, reduce: Reduce, mine: np.ndarray | None, foreign: Foreign | None
+                ) -> tuple[mx.array, mx.array | None, mx.array | None]:
+    """`attend_cells` as one attention over every cell of the layer (and its foreign cells) as a single KV head,
+    each query head masked to the cells its KV head owns. Same results, same returns."""
+    _, q_heads, num_queries, dim = queries.shape
+    heads, num_keys = keys.shape[1], keys.shape[2]
+    group = q_heads // heads
+    slots = np.tile(np.arange(num_keys), heads)
+    owner_of = owners.reshape(-1).astype(np.int64)
+    attended = slots < valid if mine is None else (slots < valid) & mine.reshape(-1)
+    owner_of = np.where(attended, owner_of, -1)
+    cell_keys, cell_values = keys[0].reshape(heads * num_keys, dim), values[0].reshape(heads * num_keys, -1)
+    cell_bias = np.zeros(heads * num_keys, np.float32) if bias is None else bias.reshape(-1).astype(np.float32)
+    far = 0 if foreign is None else len(foreign)
+    if far:
+        owner_of = np.concatenate([owner_of, foreign.heads.astype(np.int64)])
+        cell_keys = mx.concatenate([cell_keys, foreign.keys.astype(cell_keys.dtype)])
+        cell_values = mx.concatenate([cell_values, foreign.values.astype(cell_values.dtype)])
+        more = np.zeros(far, np.float32) if foreign.bias is None else foreign.bias.astype(np.float32)
+        cell_bias = np.concatenate([cell_bias, more])
+    owned = owner_of[None, :] == (np.arange(q_heads) // group)[:, None]  # [Hq, C]
+    add = np.where(owned, cell_bias[None, :], -np.inf).astype(np.float32)
+    total = mx.array(add)[None, :, None, :]  # [1, Hq, 1, C]
+    base = additive_mask(mask, 0, num_queries, num_queries, num_keys)
+    if base is not None:  # a cell takes its slot's mask; foreign cells are older than any query
+        by_slot = base[..., mx.array(slots.astype(np.int32))]
+        if far:
+            by_slot = mx.concatenate([by_slot, mx.zeros((*by_slot.shape[:-1], far), by_slot.dtype)], axis=-1)
+        total = total + by_slot
+    k, v = cell_keys[None, None], cell_values[None, None]
+    if reduce is Reduce.MAX and record_from == 0:
+        out, best = attend_and_max(queries, k, v, scale, total, sinks)
+        got = best[0, 0]
+    else:
+        out = original_sdpa(queries, k, v, None, scale=scale, mask=total.astype(queries.dtype), sinks=sinks)
+        if record_from is None:
+            return out, None, None
+        measure = attention_received if reduce is Reduce.SUM else attention_max
+        rows = total if total.shape[2] == 1 else total[..., record_from:, :]
+        got = measure(queries[:, :, record_from:], k, scale, rows, sinks)[0, 0]
+    local = got[: heads * num_keys].reshape(heads, num_keys)[:, :valid]
+    return out, local, (got[heads * num_keys:] if far else None)
