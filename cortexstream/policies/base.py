@@ -181,6 +181,14 @@ class KVPolicy:
         """
         return None
 
+    def pooled_target(self, num_physical: int, budget: int, minimum: int) -> int:
+        """Slots a policy that pools heads keeps when `num_physical` exceeds `budget`. Its layout is rebuilt at every
+        compression (cells move between columns, the whole cache is rewritten), so when only a few tokens went over
+        the budget (decoding) it keeps `slack` fewer and the next `slack` tokens need no compression; a prompt that
+        overshoots by more is compressed to the budget itself. Never below `minimum`."""
+        slack = min(16, budget // 8)
+        return max(minimum, budget - slack) if num_physical - budget < slack else budget
+
     def select_cells(self, num_physical: int, context: int, scores: np.ndarray | None, positions: np.ndarray,
                      owners: np.ndarray) -> np.ndarray | None:
         """Only when `pools_heads`: a bool mask `[L, H, n]` of the stored cells to keep (the same count in every

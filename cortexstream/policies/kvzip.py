@@ -134,8 +134,9 @@ class KVzip(FoldsDropped, KVPolicy):
         if scores is None:
             raise InvalidArgumentError("KVzip: reconstruction scores are required but were not collected")
         front = min(self.sinks, budget - 1)
+        keep = self.pooled_target(num_physical, budget, front + 1)
         pool = lambda row: self._pooled(row[None])[0]  # noqa: E731
-        return np.stack([shared_cells(s, p, o, front, 0, budget - front, self.floor, pool)
+        return np.stack([shared_cells(s, p, o, front, 0, keep - front, self.floor, pool)
                          for s, p, o in zip(scores, positions, owners)])
 
     def describe(self) -> str:

@@ -89,7 +89,8 @@ class KVzipHeads(KVPolicy):
 
     def select_cells(self, num_physical: int, context: int, scores: np.ndarray | None, positions: np.ndarray,
                      owners: np.ndarray) -> np.ndarray | None:
-        """Cells to keep, a bool mask `[L, H, n]` with exactly `budget x H x L` in all; `owners` `[L, H, n]` holds
+        """Cells to keep, a bool mask `[L, H, n]` with exactly `budget x H x L` in all (`pooled_target`: a little
+        less when decoding went just over it); `owners` `[L, H, n]` holds
         each cell's owner as `layer x H + head`, `positions` its token's position."""
         budget = self.budget_tokens(context)
         if num_physical <= budget:
@@ -105,7 +106,8 @@ class KVzipHeads(KVPolicy):
             raise InvalidArgumentError(f"kvzip_heads: owners outside [0, {layers * heads})")
         by_owner = np.argsort(flat_owner, kind="stable")
         columns = np.split(by_owner, np.cumsum(sizes)[:-1])
-        counts = head_counts(sizes, importance, self.sinks + self.window, layers * heads * budget)
+        keep_slots = self.pooled_target(num_physical, budget, self.minimum_budget)
+        counts = head_counts(sizes, importance, self.sinks + self.window, layers * heads * keep_slots)
         keep = np.zeros(flat_owner.shape[0], dtype=bool)
         for cells, count in zip(columns, counts):
             cells = cells[np.argsort(flat_pos[cells], kind="stable")]  # position order
