@@ -232,25 +232,32 @@ def test_an_equal_split_is_snapkv_token_for_token(sharp):
     assert AdaKV().pooled_target(25, 24, 5) == 21 and AdaKV().pooled_target(70, 24, 5) == 24
 
 
-def test_on_int8_blocks_the_arena_holds_the_budget(sharp):
-    from tiny_models import tiny_model
-
-    model, tokenizer = tiny_model(seed=11, head_dim=32), sharp[1]  # int8 groups of 32 need a head dim of 32
-    for layer in model.model.layers:
-        layer.self_attn.q_proj.weight = layer.self_attn.q_proj.weight * 4.0
-    policy = AdaKV(budget=24, window=4, floor=0.0)
+def int8_run(model, tokenizer, policy, flag, prompt_tokens: int = 60):
+    """One prompt on int8 blocks (groups of 32: the model's head dim must be 32): its tokens, and the physical
+    slots and `flag(state)` at every step once the prompt is in. Every block is freed at the end."""
     engine = Engine(model, tokenizer, kv_tokens=1024, prefill_step_size=16, kv_dtype="int8", kv_group_size=32)
-    rid = engine.add_request(random_token_ids(60), max_tokens=8, kv_policy=policy)
-    tokens, physical, pooled = [], [], []
+    rid = engine.add_request(random_token_ids(prompt_tokens), max_tokens=8, kv_policy=policy)
+    tokens, physical, flags = [], [], []
     while engine.has_unfinished:
         for out in engine.step():
             tokens += [out.token] if out.token is not None else []
         kv, state = engine.runner.kv_view(rid), engine.runner.policy_view(rid)
-        if kv is not None and kv.logical_length >= 60:
+        if kv is not None and kv.logical_length >= prompt_tokens:
             physical.append(kv.num_tokens)
-            pooled.append(state.any_pooled())
-    assert len(tokens) == 8 and physical and max(physical) == 24 and any(pooled)
+            flags.append(flag(state))
     assert engine.arena.allocator.num_used_blocks == 0
+    return tokens, physical, flags
+
+
+def test_on_int8_blocks_the_arena_holds_the_budget(sharp):
+    from tiny_models import tiny_model
+
+    model = tiny_model(seed=11, head_dim=32)  # int8 groups of 32 need a head dim of 32
+    for layer in model.model.layers:
+        layer.self_attn.q_proj.weight = layer.self_attn.q_proj.weight * 4.0
+    tokens, physical, pooled = int8_run(model, sharp[1], AdaKV(budget=24, window=4, floor=0.0),
+                                        lambda state: state.any_pooled())
+    assert len(tokens) == 8 and physical and max(physical) == 24 and any(pooled)
 
 
 def test_several_ranks_refuse_it():
@@ -259,22 +266,28 @@ def test_several_ranks_refuse_it():
     assert "pools_heads" in policy_problem(AdaKV())
 
 
-def test_perplexity_and_the_server_take_it(sharp):
+def assert_perplexity_and_server_take(model, tokenizer, spec: str, bad_spec: str, bad_match: str) -> None:
+    """`perplexity` scores with `spec` evicting (not the full cache's value); the server takes it as a request's
+    `kv_policy` with n=2 (identical greedy choices) and refuses `bad_spec` with an error matching `bad_match`."""
     from cortexstream.evaluation.perplexity import perplexity
     from server_harness import LiveServer
 
-    model, tokenizer = sharp
     text = " ".join(["the river flows past the old mill and the garden"] * 12)
     full = perplexity(model, tokenizer, text, chunk_size=16)
-    pooled = perplexity(model, tokenizer, text, "adakv:budget=32,window=8,floor=0", chunk_size=16)
-    assert np.isfinite(pooled) and pooled != full  # evicted (pooled) while scoring, not the full cache
+    evicted = perplexity(model, tokenizer, text, spec, chunk_size=16)
+    assert np.isfinite(evicted) and evicted != full  # evicted while scoring, not the full cache
     with LiveServer(model, tokenizer, kv_tokens=2048) as live:
         out = live.client().completions.create(model="tiny", prompt=random_token_ids(80), max_tokens=4, n=2,
-                                               temperature=0, extra_body={"kv_policy": "adakv:budget=32,window=8"})
+                                               temperature=0, extra_body={"kv_policy": spec})
         assert [c.text for c in out.choices][0] == out.choices[1].text and out.usage.completion_tokens == 8
         bad = live.client().with_options(max_retries=0)
-        with pytest.raises(Exception, match="floor"):
-            bad.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"kv_policy": "adakv:floor=2"})
+        with pytest.raises(Exception, match=bad_match):
+            bad.completions.create(model="tiny", prompt=random_token_ids(80), max_tokens=2,
+                                   extra_body={"kv_policy": bad_spec})
+
+
+def test_perplexity_and_the_server_take_it(sharp):
+    assert_perplexity_and_server_take(*sharp, "adakv:budget=32,window=8,floor=0", "adakv:floor=2", "floor")
 
 
 def test_kvzip_with_shared_head_budgets(sharp):

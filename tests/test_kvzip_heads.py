@@ -139,22 +139,11 @@ def test_batched_equals_alone_and_stays_within_the_budget(sharp, profile_path):
 
 
 def test_perplexity_and_the_server_take_it(sharp, profile_path):
-    from cortexstream.evaluation.perplexity import perplexity
-    from server_harness import LiveServer
+    from test_adakv import assert_perplexity_and_server_take
 
-    model, tokenizer = sharp
-    text = " ".join(["the river flows past the old mill and the garden"] * 12)
-    spec = f"kvzip_heads:budget=32,window=8,profile={profile_path}"
-    assert perplexity(model, tokenizer, text, spec, chunk_size=16) != perplexity(model, tokenizer, text,
-                                                                                 chunk_size=16)
-    with LiveServer(model, tokenizer, kv_tokens=2048) as live:
-        out = live.client().completions.create(model="tiny", prompt=random_token_ids(80), max_tokens=4, n=2,
-                                               temperature=0, extra_body={"kv_policy": spec})
-        assert out.choices[0].text == out.choices[1].text and out.usage.completion_tokens == 8
-        bad = live.client().with_options(max_retries=0)
-        with pytest.raises(Exception, match="head profile|train head-profile"):  # no shipped profile for tiny
-            bad.completions.create(model="tiny", prompt=random_token_ids(80), max_tokens=2,
-                                   extra_body={"kv_policy": "kvzip_heads:budget=32,window=8"})
+    # the tiny model has no shipped profile: without profile= it is refused with the command that makes one
+    assert_perplexity_and_server_take(*sharp, f"kvzip_heads:budget=32,window=8,profile={profile_path}",
+                                      "kvzip_heads:budget=32,window=8", "train head-profile")
 
 
 def test_measuring_a_profile_on_the_tiny_model(sharp, tmp_path):

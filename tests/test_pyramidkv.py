@@ -19,14 +19,13 @@ from mlx_lm.models.cache import KVCache
 
 from cortexstream.engine import policy_prompt_cache as direct
 from cortexstream.engine import policy_runtime
-from cortexstream.engine.engine import Engine
 from cortexstream.engine.pooled_layers import foreign_cells, read_foreign
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.kv.prompt_cache import make_prompt_cache
 from cortexstream.kv.sequence_kv import private_sequence
 from cortexstream.policies import PyramidKV, SnapKV, parse_policy
 from cortexstream.policies.pyramidkv import layer_counts
-from test_adakv import _MaskedCache
+from test_adakv import _MaskedCache, assert_perplexity_and_server_take, int8_run
 from test_policies_runtime import assert_batched_matches_alone
 from tiny_models import random_token_ids, tiny_model
 
@@ -110,6 +109,16 @@ def _kept(state, layers: int, heads: int) -> list[list[np.ndarray]]:
                                      for m in range(layers)])) for h in range(heads)] for layer in range(layers)]
 
 
+def compressed(model, policy, prompt: list[int], context: int):
+    """A prompt cache with `policy` attached, told the prompt's end, fed it whole and compressed; (cache, state)."""
+    cache = make_prompt_cache(model)
+    state = direct.attach_policy(cache, policy, model)
+    state.expect_prompt_end(len(prompt))
+    model(mx.array([prompt]), cache=cache)
+    direct.apply_policy(cache, context)
+    return cache, state
+
+
 def _masked_reference(model, tokens: list[int], kept, length: int):
     reference = [KVCache() for _ in model.model.layers]
     model(mx.array([tokens]), cache=reference)
@@ -129,12 +138,7 @@ def test_compressed_cache_attends_as_the_full_cache_masked_per_layer_and_head(de
     model, _ = deep
     layers, heads = len(model.model.layers), 2
     prompt, more = random_token_ids(70), random_token_ids(new_tokens, seed=9)
-    policy = PyramidKV(budget=24, window=4, sinks=2, kernel=3, beta=4)
-    cache = make_prompt_cache(model)
-    state = direct.attach_policy(cache, policy, model)
-    state.expect_prompt_end(len(prompt))
-    model(mx.array([prompt]), cache=cache)
-    direct.apply_policy(cache, 200)
+    cache, state = compressed(model, PyramidKV(budget=24, window=4, sinks=2, kernel=3, beta=4), prompt, 200)
     assert cache[0].size() == 24 and all(c.sequence.lengths == [24] * layers for c in cache[:1])
     kept = _kept(state, layers, heads)
     counts = [len(kept[layer][0]) for layer in range(layers)]
@@ -155,12 +159,7 @@ def test_a_later_turn_compresses_again_over_lent_cells(deep):
     model, _ = deep
     layers = len(model.model.layers)
     prompt, turn, probe = random_token_ids(70), random_token_ids(30, seed=4), random_token_ids(1, seed=5)
-    policy = PyramidKV(budget=30, window=4, sinks=2, kernel=3, beta=4)
-    cache = make_prompt_cache(model)
-    state = direct.attach_policy(cache, policy, model)
-    state.expect_prompt_end(len(prompt))
-    model(mx.array([prompt]), cache=cache)
-    direct.apply_policy(cache, 110)
+    cache, state = compressed(model, PyramidKV(budget=30, window=4, sinks=2, kernel=3, beta=4), prompt, 110)
     first = _kept(state, layers, 2)
     masked, _ = _masked_reference(model, prompt, first, len(prompt))
     state.expect_prompt_end(len(prompt) + len(turn))
@@ -198,19 +197,9 @@ def test_on_int8_blocks_the_arena_holds_the_budget(tiny):
     model = tiny_model(seed=11, head_dim=32, num_hidden_layers=3)  # int8 groups of 32 need a head dim of 32
     for layer in model.model.layers:
         layer.self_attn.q_proj.weight = layer.self_attn.q_proj.weight * 4.0
-    engine = Engine(model, tiny[1], kv_tokens=1024, prefill_step_size=16, kv_dtype="int8",
-                    kv_group_size=32)
-    rid = engine.add_request(random_token_ids(60), max_tokens=8, kv_policy=PyramidKV(budget=24, window=4, beta=4))
-    tokens, physical, lent = [], [], []
-    while engine.has_unfinished:
-        for out in engine.step():
-            tokens += [out.token] if out.token is not None else []
-        kv, state = engine.runner.kv_view(rid), engine.runner.policy_view(rid)
-        if kv is not None and kv.logical_length >= 60:
-            physical.append(kv.num_tokens)
-            lent.append(state.foreign[0] is not None)
+    tokens, physical, lent = int8_run(model, tiny[1], PyramidKV(budget=24, window=4, beta=4),
+                                      lambda state: state.foreign[0] is not None)
     assert len(tokens) == 8 and physical and max(physical) == 24 and any(lent)
-    assert engine.arena.allocator.num_used_blocks == 0
 
 
 def test_several_ranks_refuse_it():
@@ -220,22 +209,7 @@ def test_several_ranks_refuse_it():
 
 
 def test_perplexity_and_the_server_take_it(deep):
-    from cortexstream.evaluation.perplexity import perplexity
-    from server_harness import LiveServer
-
-    model, tokenizer = deep
-    text = " ".join(["the river flows past the old mill and the garden"] * 12)
-    full = perplexity(model, tokenizer, text, chunk_size=16)
-    pyramid = perplexity(model, tokenizer, text, "pyramidkv:budget=32,window=8,beta=4", chunk_size=16)
-    assert np.isfinite(pyramid) and pyramid != full  # evicted while scoring, not the full cache
-    with LiveServer(model, tokenizer, kv_tokens=2048) as live:
-        out = live.client().completions.create(model="tiny", prompt=random_token_ids(80), max_tokens=4, n=2,
-                                               temperature=0, extra_body={"kv_policy": "pyramidkv:budget=32,window=8"})
-        assert out.choices[0].text == out.choices[1].text and out.usage.completion_tokens == 8
-        bad = live.client().with_options(max_retries=0)
-        with pytest.raises(Exception, match="beta"):
-            bad.completions.create(model="tiny", prompt="x", max_tokens=2,
-                                   extra_body={"kv_policy": "pyramidkv:beta=0"})
+    assert_perplexity_and_server_take(*deep, "pyramidkv:budget=32,window=8,beta=4", "pyramidkv:beta=0", "beta")
 
 
 @pytest.mark.parametrize("reduce", ["sum", "max"])

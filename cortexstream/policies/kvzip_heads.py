@@ -30,6 +30,7 @@ import numpy as np
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.policies.base import Budget, KVPolicy, check_budget, check_count, resolve_budget
 from cortexstream.policies.head_profile import find_profile
+from cortexstream.policies.owned_cells import columns_by_owner, fill_in_order
 
 
 def head_counts(sizes: np.ndarray, importance: np.ndarray, fixed: int, total: int) -> np.ndarray:
@@ -40,13 +41,7 @@ def head_counts(sizes: np.ndarray, importance: np.ndarray, fixed: int, total: in
     if left < 0 or int(sizes.sum()) < total:
         raise InvalidArgumentError(f"kvzip_heads: {total} keys cannot be kept from columns holding "
                                    f"{int(sizes.sum())} with {fixed} each fixed")
-    for column in np.argsort(-importance, kind="stable"):
-        if left == 0:
-            break
-        add = min(int(sizes[column] - counts[column]), left)
-        counts[column] += add
-        left -= add
-    return counts
+    return fill_in_order(counts, sizes, left, np.argsort(-importance, kind="stable"))
 
 
 @dataclass(frozen=True)
@@ -100,17 +95,11 @@ class KVzipHeads(KVPolicy):
                                        f"[layers, heads, {num_physical}]")
         layers, heads, _ = positions.shape
         importance = find_profile(layers, heads, self.profile).array().reshape(-1)
-        flat_owner, flat_pos = owners.reshape(-1), positions.reshape(-1)
-        sizes = np.bincount(flat_owner, minlength=layers * heads)
-        if sizes.shape[0] != layers * heads:
-            raise InvalidArgumentError(f"kvzip_heads: owners outside [0, {layers * heads})")
-        by_owner = np.argsort(flat_owner, kind="stable")
-        columns = np.split(by_owner, np.cumsum(sizes)[:-1])
+        columns, sizes = columns_by_owner(owners, positions, layers * heads, "kvzip_heads")
         keep_slots = self.pooled_target(num_physical, budget, self.minimum_budget)
         counts = head_counts(sizes, importance, self.sinks + self.window, layers * heads * keep_slots)
-        keep = np.zeros(flat_owner.shape[0], dtype=bool)
-        for cells, count in zip(columns, counts):
-            cells = cells[np.argsort(flat_pos[cells], kind="stable")]  # position order
+        keep = np.zeros(positions.size, dtype=bool)
+        for cells, count in zip(columns, counts):  # each column's cells in position order
             front = min(self.sinks, int(count))
             keep[cells[:front]] = True
             keep[cells[len(cells) - (int(count) - front):]] = True

@@ -22,6 +22,7 @@ import numpy as np
 
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.policies.base import check_real, option_suffix
+from cortexstream.policies.owned_cells import columns_by_owner, fill_in_order
 from cortexstream.policies.snapkv import SnapKV, pool_scores
 
 
@@ -40,12 +41,7 @@ def layer_counts(layers: int, voted: int, beta: float, room: np.ndarray) -> np.n
     counts = np.floor(target).astype(np.int64)
     counts[np.argsort(-(target - counts), kind="stable")[: total - int(counts.sum())]] += 1
     counts = np.minimum(counts, room)
-    left = total - int(counts.sum())
-    for layer in range(layers):
-        add = min(int(room[layer] - counts[layer]), left)
-        counts[layer] += add
-        left -= add
-    return counts
+    return fill_in_order(counts, room, total - int(counts.sum()), range(layers))
 
 
 @dataclass(frozen=True)
@@ -85,17 +81,12 @@ class PyramidKV(SnapKV):
         layers, heads, _ = scores.shape
         front = min(self.sinks, budget - 2)
         recent = min(self.recent_tokens(budget), budget - front - 1)
-        flat_owner, flat_pos, flat_scores = owners.reshape(-1), positions.reshape(-1), scores.reshape(-1)
-        by_owner = np.argsort(flat_owner, kind="stable")
-        sizes = np.bincount(flat_owner, minlength=layers * heads)
-        if sizes.shape[0] != layers * heads:
-            raise InvalidArgumentError(f"PyramidKV: owners outside [0, {layers * heads})")
-        columns = np.split(by_owner, np.cumsum(sizes)[:-1])
-        columns = [cells[np.argsort(flat_pos[cells], kind="stable")] for cells in columns]  # position order
+        flat_scores = scores.reshape(-1)
+        columns, sizes = columns_by_owner(owners, positions, layers * heads, "PyramidKV")
         held = sizes.reshape(layers, heads).min(axis=1)
         keep_slots = self.pooled_target(num_physical, budget, front + recent + 1)
         counts = layer_counts(layers, keep_slots - front - recent, self.beta, held - front - recent)
-        keep = np.zeros(flat_owner.shape[0], dtype=bool)
+        keep = np.zeros(flat_scores.shape[0], dtype=bool)
         for code, cells in enumerate(columns):
             voted = int(counts[code // heads])
             keep[cells[:front]] = True
