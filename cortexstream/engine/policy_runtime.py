@@ -21,7 +21,9 @@ from cortexstream.errors import InvalidArgumentError
 from cortexstream.kv.sequence_kv import SequenceKV
 from cortexstream.engine.evict_merge import merged_values, write_values
 from cortexstream.engine.observation import observation_for
-from cortexstream.engine.pooled_heads import Foreign, Reduce, attend_cells, column_owners, gather_cells, is_pooled, place
+from cortexstream.engine.pooled_heads import (
+    Foreign, Reduce, attend_cells, column_owners, gather_cells, is_pooled, place,
+)
 from cortexstream.engine.pooled_layers import ForeignCells, add_foreign, foreign_cells, layer_columns, read_foreign
 from cortexstream.engine.query_statistics import QueryStatistics
 from cortexstream.engine.reconstruction import FRESH, ReconstructionScores

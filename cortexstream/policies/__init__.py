@@ -1,9 +1,10 @@
 """KV policies: `FullCache` (default), `StreamingLLM` (sinks + window), `H2O` (heavy hitters + recent), `SnapKV`
 (the prompt's last queries vote for the keys to keep), `AdaKV` (SnapKV's votes, a layer's budget shared by its
-heads), `PyramidKV` (SnapKV's votes, more keys in lower layers than in upper ones), `ExpectedAttention` (keys scored by the attention a query
-drawn from the prompt's query distribution would pay them), `KVzip` (keys scored by the attention a
-repetition of the context pays them: query-agnostic), `KVzipHeads` (whole contexts for the heads a per-model
-profile ranks first, sinks and a window for the others: query-agnostic with no pass), and the merging policies (`merging`: `MeanPool`, the learned `Compressor` and `Sidecar`, `TokenMerging`).
+heads), `PyramidKV` (SnapKV's votes, more keys in lower layers than in upper ones), `ExpectedAttention` (keys
+scored by the attention a query drawn from the prompt's query distribution would pay them), `KVzip` (keys scored
+by the attention a repetition of the context pays them: query-agnostic), `KVzipHeads` (whole contexts for the
+heads a per-model profile ranks first, sinks and a window for the others: query-agnostic with no pass), and the
+merging policies (`merging`: `MeanPool`, the learned `Compressor` and `Sidecar`, `TokenMerging`).
 
 Attach one to a request with `kv_policy=` (an object or a string such as 'h2o:budget=0.2,sinks=4,recent=64');
 see `base` for budgets and the policy protocol. Policies only select; the runtime that holds per-sequence state and

@@ -82,8 +82,8 @@ class AdaKV(SnapKV):
     def select_cells(self, num_physical: int, context: int, scores: np.ndarray | None, positions: np.ndarray,
                      owners: np.ndarray) -> np.ndarray | None:
         """Cells to keep, a bool mask `[L, H, n]` over the stored cells (column h, slot s) with exactly
-        `budget x H` per layer (`pooled_target`: a little less when decoding went just over it); `positions` and `owners` `[L, H, n]` say which token of which head each cell
-        holds. None: nothing to evict yet."""
+        `budget x H` per layer (`pooled_target`: a little less when decoding went just over it); `positions` and
+        `owners` `[L, H, n]` say which token of which head each cell holds. None: nothing to evict yet."""
         budget = self.budget_tokens(context)
         if num_physical <= budget:
             return None
