@@ -13,7 +13,6 @@ from typing import Any, Callable
 
 from cortexstream.engine.finish_reason import FinishReason
 from cortexstream.engine.sampling import SamplingParams
-from cortexstream.errors import InvalidArgumentError
 from cortexstream.policies.base import FullCache, KVPolicy
 
 _ids = itertools.count()
