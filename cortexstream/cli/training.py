@@ -1,7 +1,8 @@
 """`cortexstream train <kind>`: one CLI module per trainable component, `cortexstream/training/<package>/cli.py`.
 
 Each module defines `add_parser(subparsers) -> None` (its own arguments) and `run(args) -> int`. Modules are
-found by name, so adding a trainer touches no shared file.
+found by name, so adding a trainer touches no shared file. Trainers run the shared training loop (its flags);
+profilers measure something of a model once, with no loop (a head profile for `kvzip_heads`).
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ import argparse
 import importlib
 
 # command name -> its package under cortexstream/training/
-TRAINERS = {"compressor": "compression", "sidecar": "sidecar", "c2c": "c2c", "head-profile": "head_profile"}
+TRAINERS = {"compressor": "compression", "sidecar": "sidecar", "c2c": "c2c"}
+PROFILERS = {"head-profile": "head_profile"}
 
 
 def _module_name(kind: str) -> str:
-    return f"cortexstream.training.{TRAINERS[kind]}.cli"
+    package = TRAINERS.get(kind) or PROFILERS[kind]
+    return f"cortexstream.training.{package}.cli"
 
 
 def _module(kind: str):  # noqa: ANN202 - a module object
@@ -22,9 +25,9 @@ def _module(kind: str):  # noqa: ANN202 - a module object
 
 
 def add_train_parsers(commands: argparse._SubParsersAction) -> None:
-    train = commands.add_parser("train", help="train learned KV components: " + ", ".join(TRAINERS))
+    train = commands.add_parser("train", help="train learned KV components: " + ", ".join([*TRAINERS, *PROFILERS]))
     kinds = train.add_subparsers(dest="train_kind", required=True)
-    for kind in TRAINERS:
+    for kind in [*TRAINERS, *PROFILERS]:
         try:
             module = _module(kind)
         except ModuleNotFoundError as exc:
