@@ -17,7 +17,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from cortexstream.engine import policy_prompt_cache as direct
-from cortexstream.engine import policy_runtime
+from cortexstream.engine import pooled_state
 from cortexstream.engine.attention_hook import attention_received, original_sdpa
 from cortexstream.engine.engine import Engine
 from cortexstream.engine.pooled_heads import attend_owned, column_owners, gather_cells, is_pooled, place
@@ -204,13 +204,13 @@ def test_compressed_cache_attends_as_the_full_cache_masked_per_head(sharp, new_t
 def test_batched_equals_alone_and_stays_within_the_budget(sharp, monkeypatch):
     model, tokenizer = sharp
     calls = {"decode": 0, "prompt": 0}
-    original = policy_runtime.attend_cells
+    original = pooled_state.attend_cells
 
     def counting(*args, **kwargs):
         calls["decode" if args[8] is not None else "prompt"] += 1  # `valid`: a row of the decode batch
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(policy_runtime, "attend_cells", counting)
+    monkeypatch.setattr(pooled_state, "attend_cells", counting)
     prompts = [random_token_ids(60, seed=s) for s in range(3)]
     policies = [AdaKV(budget=30, window=8, floor=0.0), AdaKV(budget=0.4, window=4), SnapKV(budget=30, window=8)]
     assert_batched_matches_alone(model, tokenizer, prompts, policies, max_tokens=12, context=72)
