@@ -21,7 +21,7 @@ from cortexstream.training.loop import (LoopSettings, epoch_batch, load_optimize
 
 LOOP_FLAGS = ["--steps", "7", "--batch-size", "3", "--lr", "0.02", "--weight-decay", "0.1", "--warmup", "2",
               "--grad-clip", "0.5", "--checkpoint-every", "4", "--seed", "9", "--stop-at", "5", "--no-progress"]
-REQUIRED = {"compressor": ["--out", "run"]}
+REQUIRED = {"compressor": ["--out", "run"], "merger": ["--out", "run"]}
 X = mx.array(np.random.default_rng(0).normal(size=(12, 4)).astype(np.float32))
 Y = X @ mx.array([[1.0], [-2.0], [0.5], [3.0]])
 

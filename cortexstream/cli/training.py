@@ -11,7 +11,7 @@ import argparse
 import importlib
 
 # command name -> its package under cortexstream/training/
-TRAINERS = {"compressor": "compression", "sidecar": "sidecar", "c2c": "c2c"}
+TRAINERS = {"compressor": "compression", "merger": "merger", "sidecar": "sidecar", "c2c": "c2c"}
 PROFILERS = {"head-profile": "head_profile"}
 
 

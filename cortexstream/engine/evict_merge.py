@@ -11,10 +11,16 @@ dequantized and only the changed values are written back, requantized; keys are 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import mlx.core as mx
 import numpy as np
 
+from cortexstream.compression.evicted_merger import group_means
 from cortexstream.kv.sequence_kv import SequenceKV
+
+# (layer, anchor_k, anchor_v, mean_k, mean_v, weight) -> new (keys, values) of the kept slots, all [H, k, D]
+Fold = Callable[[int, mx.array, mx.array, mx.array, mx.array, mx.array], tuple[mx.array, mx.array]]
 
 
 def merged_values(seq: SequenceKV, keep: np.ndarray, threshold: float) -> tuple[list[mx.array | None], int]:
@@ -51,6 +57,34 @@ def merged_values(seq: SequenceKV, keep: np.ndarray, threshold: float) -> tuple[
             changed = True
         out.append(mx.array(new_v.astype(np.float32)) if changed else None)
     return out, merged
+
+
+def folded_kv(seq: SequenceKV, keep: np.ndarray, threshold: float,
+              fold: Fold) -> tuple[list[tuple[mx.array, mx.array] | None], int]:
+    """A learned fold (`KVPolicy.folds_keys`): per layer the new keys and values `[H, n_keep, D]` of the kept
+    slots in ascending slot order (None: no group in that layer), and how many dropped slots joined a group.
+    The groups are D2O's (`compression.evicted_merger.group_means`, the code the merger was trained with)."""
+    out: list[tuple[mx.array, mx.array] | None] = []
+    merged = 0
+    n = seq.num_tokens
+    for layer in range(keep.shape[0]):
+        keys, values = seq.arena.read(layer, seq.blocks, n)
+        rows = mx.array(np.sort(keep[layer], axis=-1).astype(np.int32))
+        anchor_k, anchor_v, mean_k, mean_v, weight, joined = group_means(keys, values, rows, threshold)
+        if int(joined.item()) == 0:
+            out.append(None)
+            continue
+        merged += int(joined.item())
+        out.append(fold(layer, anchor_k, anchor_v, mean_k, mean_v, weight))
+    return out, merged
+
+
+def write_kv(seq: SequenceKV, new: list[tuple[mx.array, mx.array] | None]) -> None:
+    """After compaction: write each layer's folded keys and values at slots 0..n_keep-1."""
+    for layer, pair in enumerate(new):
+        if pair is not None:
+            seq.write_kv(layer, 0, pair[0], pair[1])
+    mx.eval(seq.arena.arrays())
 
 
 def write_values(seq: SequenceKV, values: list[mx.array | None]) -> None:

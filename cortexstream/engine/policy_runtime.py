@@ -19,7 +19,7 @@ import numpy as np
 
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.kv.sequence_kv import SequenceKV
-from cortexstream.engine.evict_merge import merged_values, write_values
+from cortexstream.engine.evict_merge import folded_kv, merged_values, write_kv, write_values
 from cortexstream.engine.observation import observation_for
 from cortexstream.engine.pooled_heads import column_owners
 from cortexstream.engine.pooled_layers import ForeignCells, add_foreign, layer_columns
@@ -175,15 +175,21 @@ class PolicyState(PooledCells):
         removed = 0
         if keep is not None:
             keep = np.asarray(keep, dtype=np.int64)
-            new_values = None
+            new_values = new_kv = None
             if self.policy.merges_evicted:
                 full = keep if keep.ndim == 3 else np.broadcast_to(keep, (len(self.scores), self.scores[0].shape[0],
                                                                           keep.shape[-1]))
-                new_values, folded = merged_values(seq, full, float(self.policy.merge_threshold))
+                threshold = float(self.policy.merge_threshold)
+                if self.policy.folds_keys:
+                    new_kv, folded = folded_kv(seq, full, threshold, self.policy.fold_evicted)
+                else:
+                    new_values, folded = merged_values(seq, full, threshold)
                 self.num_folded += folded
             seq.keep(keep)
             if new_values is not None:
                 write_values(seq, new_values)
+            if new_kv is not None:
+                write_kv(seq, new_kv)
             self.compact(keep)
             if self.policy.rerotate:
                 if self.rotate is None:

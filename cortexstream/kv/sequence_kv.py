@@ -280,6 +280,18 @@ class SequenceKV:
             self.make_writable(start, start + n)
             write_side(self.arena.values[layer], slots, values)
 
+    def write_kv(self, layer: int, start: int, keys: mx.array, values: mx.array) -> None:
+        """Overwrite one layer's keys and values `[H, n, D]` at physical tokens [start, start+n) (kept slots a
+        learned fold rewrote: `engine.evict_merge.folded_kv`). The caller evaluates the arena."""
+        n = int(keys.shape[1])
+        if start < 0 or start + n > self.lengths[layer] or values.shape[1] != n:
+            raise InvalidArgumentError(f"write_kv: tokens [{start}, {start + n}) outside layer {layer}'s "
+                                       f"{self.lengths[layer]} (or keys/values of different lengths)")
+        with self.arena.lock:
+            self.make_writable(start, start + n)
+            self.arena.write(layer, self.blocks, start, keys.astype(self.arena.dtype),
+                             values.astype(self.arena.dtype))
+
     def _free_unused_blocks(self) -> int:
         if self.managed:
             return 0  # the block manager frees them when the runner reports the new length

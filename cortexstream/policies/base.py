@@ -109,6 +109,8 @@ class KVPolicy:
     - `rerotate`: kept keys are re-rotated to positions 0..n-1 after each eviction (needs the model's RoPE).
     - `merges_evicted`: before the slots `select` dropped are compacted away, each is folded into the value of
       its most similar kept slot (`engine.evict_merge`) when their keys' cosine reaches `merge_threshold`.
+    - `folds_keys` (with `merges_evicted`): the fold is the policy's own `fold_evicted` (a learned merger), which
+      rewrites the kept slots' keys as well as their values; otherwise D2O's fixed average of the values.
     - `needs_query_statistics`: the runtime keeps the prompt's query mean and covariance per layer and head and
       passes each key's expected attention to `select` as its scores (`engine.query_statistics`).
     - `observation_window`: None, or how many queries before the end of a prompt vote (SnapKV): the runtime
@@ -138,6 +140,7 @@ class KVPolicy:
     rerotate = False
     needs_query_statistics = False
     merges_evicted = False
+    folds_keys = False
     reconstructs = False
     observation_window: int | None = None
     selects_per_head = False
@@ -172,6 +175,12 @@ class KVPolicy:
         if bound is None:
             return max_total_tokens
         return bound if self.reconstructs else min(max_total_tokens, bound)
+
+    def fold_evicted(self, layer: int, anchor_k: Any, anchor_v: Any, mean_k: Any, mean_v: Any,
+                     weight: Any) -> tuple[Any, Any]:
+        """With `folds_keys`: the new keys and values `[H, k, D]` of a layer's kept slots from their own (anchor)
+        and their groups' cosine-weighted means (`compression.evicted_merger.group_means`)."""
+        raise NotImplementedError(f"{self.name}: folds_keys without fold_evicted")
 
     def select(self, num_physical: int, context: int, scores: np.ndarray | None) -> np.ndarray | None:
         """Physical indices to keep (`[n]` for every layer/head, or `[L, H, n]`), or None to keep everything.

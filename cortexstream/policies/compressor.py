@@ -23,27 +23,29 @@ import numpy as np
 from mlx.utils import tree_map
 
 from cortexstream.compression.compressor import KVCompressor
+from cortexstream.compression.evicted_merger import load_merger
 from cortexstream.compression.shipped import find_shipped, shipped_factors
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.policies.base import check_count
 from cortexstream.policies.merging import Merged, MergingPolicy
 
-# (real path, mtime_ns, size) -> compressor with float32 weights; a rewritten file is a new key
-_LOADED: dict[tuple[str, int, int], KVCompressor] = {}
+# (real path, mtime_ns, size, kind) -> compressor with float32 weights; a rewritten file is a new key
+_LOADED: dict[tuple[str, int, int, str], KVCompressor] = {}
 _LOCK = threading.Lock()
 
 
-def load_cached(path: str) -> KVCompressor:
+def load_cached(path: str, merges: str = "windows") -> KVCompressor:
     """A compressor from a file, loaded once per (path, modification time, size) and held as float32 (shipped
-    files are float16; CPU matmuls are faster and exact enough in float32)."""
+    files are float16; CPU matmuls are faster and exact enough in float32). merges="evicted": a merger of evicted
+    tokens (`compression.evicted_merger.load_merger`, which refuses a window compressor's file)."""
     try:
         st = os.stat(path)
     except OSError as exc:
         raise InvalidArgumentError(f"weights: cannot read '{path}': {exc.strerror}") from None
-    key = (os.path.realpath(path), st.st_mtime_ns, st.st_size)
+    key = (os.path.realpath(path), st.st_mtime_ns, st.st_size, merges)
     with _LOCK:
         if key not in _LOADED:
-            comp = KVCompressor.from_file(path)
+            comp = load_merger(path) if merges == "evicted" else KVCompressor.from_file(path)
             comp.update(tree_map(lambda a: a.astype(mx.float32), comp.parameters()))
             mx.eval(comp.parameters())
             _LOADED[key] = comp

@@ -25,7 +25,7 @@ class D2O(H2O):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_real("D2O", "threshold", self.threshold, -1.0, 1.0, "a cosine in [-1, 1]")
+        check_real(type(self).__name__, "threshold", self.threshold, -1.0, 1.0, "a cosine in [-1, 1]")
 
     @property
     def merge_threshold(self) -> float:  # type: ignore[override]

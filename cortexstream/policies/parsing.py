@@ -32,6 +32,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "pyramidkv": ("cortexstream.policies.pyramidkv", "PyramidKV"),
     "expected": ("cortexstream.policies.expected_attention", "ExpectedAttention"),
     "d2o": ("cortexstream.policies.d2o", "D2O"),
+    "merger": ("cortexstream.policies.learned_merger", "LearnedMerger"),
     "kvzip": ("cortexstream.policies.kvzip", "KVzip"),
     "kvzip_heads": ("cortexstream.policies.kvzip_heads", "KVzipHeads"),
 }

@@ -116,21 +116,34 @@ def kl_divergence(teacher_logp: mx.array, student_logits: mx.array) -> mx.array:
     return (mx.exp(teacher_logp) * (teacher_logp - student_logp)).sum(axis=-1).mean()
 
 
+def hidden_over_offsets(batch: dict[str, Any], forward: Callable[[mx.array | None, int], mx.array]) -> mx.array:
+    """Final hidden states of a batch's query tokens, one `forward(rows, offset)` per position offset (RoPE takes
+    one offset per call); rows None: the whole batch. Reassembled in the batch's order."""
+    offsets = [int(o) for o in batch.get("offsets", [0] * batch["queries"].shape[0])]
+    parts, order = [], []
+    for offset in sorted(set(offsets)):
+        rows = [i for i, o in enumerate(offsets) if o == offset]
+        parts.append(forward(mx.array(rows) if len(rows) < len(offsets) else None, offset))
+        order += rows
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts)[mx.array(np.argsort(order))]
+
+
+def distillation_loss(model: Any, batch: dict[str, Any], hidden: mx.array,
+                      mse_weight: float = 0.0) -> tuple[mx.array, mx.array, mx.array]:
+    """(loss, kl, mse) of the student's final hidden states against the batch's teacher."""
+    kl = kl_divergence(batch["teacher_logp"], logits_of(model, hidden).astype(mx.float32))
+    mse = ((hidden - batch["teacher_hidden"]) ** 2).mean()
+    return kl + mse_weight * mse, kl, mse
+
+
 def compression_loss(model: Any, batch: dict[str, Any], merge: MergeFn | None, *, sinks: int, recent: int,
                      factor: int, mse_weight: float = 0.0,
                      log_mass_bias: bool = False) -> tuple[mx.array, mx.array, mx.array]:
     """(loss, kl, mse) for a batch holding `prefix_kv`, `queries` [B, Q], `teacher_logp` and `teacher_hidden`."""
-    offsets = [int(o) for o in batch.get("offsets", [0] * batch["queries"].shape[0])]
-    parts, order = [], []
-    for offset in sorted(set(offsets)):  # one forward per position offset (RoPE takes one offset per call)
-        rows = [i for i, o in enumerate(offsets) if o == offset]
-        idx = mx.array(rows) if len(rows) < len(offsets) else None
+    def forward(idx: mx.array | None, offset: int) -> mx.array:
         kv = batch["prefix_kv"] if idx is None else [(k[idx], v[idx]) for k, v in batch["prefix_kv"]]
         queries = batch["queries"] if idx is None else batch["queries"][idx]
-        parts.append(student_forward(model, kv, queries, merge, sinks=sinks, recent=recent, factor=factor,
-                                     log_mass_bias=log_mass_bias, offset=offset))
-        order += rows
-    hidden = parts[0] if len(parts) == 1 else mx.concatenate(parts)[mx.array(np.argsort(order))]
-    kl = kl_divergence(batch["teacher_logp"], logits_of(model, hidden).astype(mx.float32))
-    mse = ((hidden - batch["teacher_hidden"]) ** 2).mean()
-    return kl + mse_weight * mse, kl, mse
+        return student_forward(model, kv, queries, merge, sinks=sinks, recent=recent, factor=factor,
+                               log_mass_bias=log_mass_bias, offset=offset)
+
+    return distillation_loss(model, batch, hidden_over_offsets(batch, forward), mse_weight)

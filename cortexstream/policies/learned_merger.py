@@ -1,0 +1,89 @@
+"""`LearnedMerger`: H2O's eviction with what it drops folded into the kept tokens by a learned network.
+
+D2O's choice of groups (each dropped slot joins the kept slot of its head whose key is most similar, when their
+cosine reaches `threshold`), with the fold learned: the window compressor's MLPs retrained on [kept token, group
+mean] pairs (`compression.evicted_merger`, `cortexstream train merger`) rewrite both the key and the value of a
+kept slot that absorbed a group. Same budget and memory as H2O.
+
+Weights: `weights=None` uses the merger shipped for the running model's cache shape (`compression/weights/`,
+`merges: evicted` in the manifest); a path loads a file from `cortexstream train merger` (a window compressor's
+file is refused); a `KVCompressor` object is used as given. Loaded on first use and cached per file.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import mlx.core as mx
+
+from cortexstream.compression.compressor import KVCompressor
+from cortexstream.compression.evicted_merger import MERGES, check_merger, learned_fold
+from cortexstream.compression.shipped import find_shipped
+from cortexstream.errors import InvalidArgumentError
+from cortexstream.policies.base import Budget
+from cortexstream.policies.compressor import load_cached
+from cortexstream.policies.d2o import D2O
+
+
+@dataclass(frozen=True, init=False)
+class LearnedMerger(D2O):
+    weights: str | None = None  # the path, None for shipped weights, or "<object ...>" for a KVCompressor
+    merger: KVCompressor | None = field(default=None, compare=False, hash=False, repr=False)
+
+    name = "merger"
+    folds_keys = True
+    parse_keys: ClassVar[dict[str, str]] = {**D2O.parse_keys, "weights": "str"}
+
+    def __init__(self, budget: Budget = 0.2, sinks: int = 4, recent: int | None = None, keep_prefix: int = 0,
+                 threshold: float = 0.5, weights: "str | os.PathLike[str] | KVCompressor | None" = None) -> None:
+        merger = None
+        if isinstance(weights, KVCompressor):
+            check_merger(weights, "weights")
+            merger, label = weights, f"<KVCompressor object at {id(weights):#x}>"
+        elif isinstance(weights, (str, os.PathLike)):
+            label = os.fspath(weights)
+            if not os.path.isfile(label):
+                raise InvalidArgumentError(f"weights: file '{label}' does not exist")
+            load_cached(label, MERGES)  # read and check the file now, not at the first eviction
+        elif weights is None:
+            label = None
+        else:
+            raise InvalidArgumentError(f"weights: expected a path, a KVCompressor or None, got "
+                                       f"{type(weights).__name__}")
+        for name, value in (("budget", budget), ("sinks", sinks), ("recent", recent), ("keep_prefix", keep_prefix),
+                            ("threshold", threshold), ("weights", label), ("merger", merger)):
+            object.__setattr__(self, name, value)
+        self.__post_init__()
+
+    def resolve(self, *, num_kv_heads: int, head_dim: int, num_layers: int | None = None) -> KVCompressor:
+        """The merger for a cache of this shape (loaded on first use); errors name what does not fit."""
+        if self.merger is not None:
+            merger, source = self.merger, "the KVCompressor object"
+        elif self.weights is not None:
+            merger, source = load_cached(self.weights, MERGES), self.weights
+        else:
+            entry = find_shipped(2, head_dim=head_dim, num_kv_heads=num_kv_heads, num_layers=num_layers,
+                                 merges=MERGES)
+            merger, source = load_cached(entry.path, MERGES), entry.path
+        if merger.config.head_dim != head_dim:
+            raise InvalidArgumentError(f"weights: {source} has head_dim {merger.config.head_dim}, the model's is "
+                                       f"{head_dim}")
+        if num_layers is not None and merger.config.num_layers != num_layers:
+            raise InvalidArgumentError(f"weights: {source} has {merger.config.num_layers} layers, the model has "
+                                       f"{num_layers}")
+        return merger
+
+    def fold_evicted(self, layer: int, anchor_k: mx.array, anchor_v: mx.array, mean_k: mx.array, mean_v: mx.array,
+                     weight: mx.array) -> tuple[mx.array, mx.array]:
+        """New keys and values `[H, k, D]` of the kept slots (see `compression.evicted_merger.learned_fold`)."""
+        merger = self.resolve(num_kv_heads=anchor_k.shape[0], head_dim=anchor_k.shape[-1])
+        if layer >= merger.config.num_layers:
+            raise InvalidArgumentError(f"weights: {self.weights or 'shipped merger'} has {merger.config.num_layers} "
+                                       f"layers, the model has more (layer {layer})")
+        return learned_fold(merger, layer, anchor_k, anchor_v, mean_k, mean_v, weight)
+
+    def describe(self) -> str:
+        base = super().describe().replace("d2o:", "merger:", 1)
+        return f"{base},weights={self.weights}" if self.weights and self.merger is None else base

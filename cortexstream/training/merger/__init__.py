@@ -1,0 +1,1 @@
+"""Training the merger of evicted tokens (`cortexstream train merger`)."""

@@ -1,0 +1,171 @@
+"""Training the merger of evicted tokens in MLX: AdamW, progress bar, checkpoints, exact resume (shared loop).
+
+Data as for the window compressor (`training.compression.data`): segments of held-out Wikipedia text, a teacher
+pool of full-cache targets, position offsets for RoPE coverage. On top, H2O's choice of slots in every prefix at
+`budget` (`scores`). A step runs the queries over the kept slots with the groups folded by the merger and minimises
+KL to the full cache. Baselines in the same layout: plain eviction (H2O) and D2O's fixed fold; the run's
+`state.json` records them beside the merger's held-out KL, so whether the learned fold beats them is read off
+one scale.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+
+from cortexstream.compression.compressor import KVCompressor, head_dim_of
+from cortexstream.compression.evicted_merger import MERGES, anchor_init, new_merger
+from cortexstream.errors import InvalidArgumentError
+from cortexstream.policies.base import check_budget, check_real
+from cortexstream.policies.h2o import H2O
+from cortexstream.training.checkpoints import save_checkpoint
+from cortexstream.training.compression.data import Segments, TeacherPool
+from cortexstream.training.loop import (LoopSettings, epoch_batch, load_optimizer_state, load_resumable, lr_schedule,
+                                        run_steps)
+from cortexstream.training.merger.objective import FoldFn, d2o, evict_fold, learned, merger_loss
+from cortexstream.training.merger.scores import keep_slots, prefix_scores
+
+WEIGHTS = "merger.safetensors"
+
+
+@dataclass(frozen=True)
+class MergerTrainConfig:
+    """budget: H2O's share of each prefix (what it keeps); threshold: the cosine a dropped token needs to join a
+    kept token's group; prefix P / queries Q: tokens per segment."""
+
+    budget: float = 0.2
+    threshold: float = 0.5
+    sinks: int = 4
+    prefix: int = 512
+    queries: int = 32
+    steps: int = 300
+    batch_size: int = 4
+    learning_rate: float = 3e-4
+    weight_decay: float = 0.0
+    warmup: int = 10
+    max_offset: int = 3072
+    grad_clip: float = 1.0
+    checkpoint_every: int = 50
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_budget("budget", self.budget)
+        check_real("merger", "threshold", self.threshold, -1.0, 1.0, "a cosine in [-1, 1]")
+        for name in ("prefix", "queries", "steps", "batch_size", "checkpoint_every"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise InvalidArgumentError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
+        if self.learning_rate <= 0:
+            raise InvalidArgumentError(f"learning_rate: must be > 0, got {self.learning_rate}")
+
+    def policy(self) -> H2O:
+        return H2O(budget=self.budget, sinks=self.sinks)
+
+
+class MergerData:
+    """A teacher pool and the policy's kept slots `[S, L, H, k]` for each of its prefixes."""
+
+    def __init__(self, model: Any, segments: Segments, cfg: MergerTrainConfig, seed: int, desc: str,
+                 progress: bool) -> None:
+        self.pool = TeacherPool(model, segments, cfg.prefix, batch_size=cfg.batch_size, progress=progress,
+                                desc=desc, max_offset=cfg.max_offset, seed=seed)
+        scores = prefix_scores(model, segments, cfg.prefix, self.pool.offsets, batch_size=cfg.batch_size,
+                               progress=progress)
+        self.keep = mx.array(keep_slots(scores, cfg.policy()))
+        self.source = segments.source
+
+    def __len__(self) -> int:
+        return len(self.pool)
+
+    def batch(self, index: np.ndarray) -> dict[str, Any]:
+        out = self.pool.batch(index)
+        out["keep"] = self.keep[mx.array(np.asarray(index, dtype=np.int32))]
+        return out
+
+
+def mean_kl(model: Any, data: MergerData, fold: FoldFn, cfg: MergerTrainConfig) -> float:
+    """KL averaged over every query token of the data (no gradient)."""
+    total = 0.0
+    for lo in range(0, len(data), cfg.batch_size):
+        index = np.arange(lo, min(lo + cfg.batch_size, len(data)))
+        _, kl = merger_loss(model, data.batch(index), fold, threshold=cfg.threshold)
+        total += kl.item() * len(index)
+    return total / len(data)
+
+
+def train_merger(model: Any, train: Segments, out_dir: str, config: MergerTrainConfig = MergerTrainConfig(), *,
+                 val: Segments | None = None, resume: bool = True, progress: bool = True,
+                 stop_at: int | None = None, model_name: str = "") -> tuple[KVCompressor, dict[str, Any]]:
+    """Train (or resume) a merger of evicted tokens for `model`. Returns (merger, state); state["baselines"] and
+    state["evals"] hold mean KLs (nats per query token) of eviction, D2O and the merger."""
+    cfg = config
+    if train.tokens.shape[1] != cfg.prefix + cfg.queries:
+        raise InvalidArgumentError(f"train: segments of {train.tokens.shape[1]} tokens, config needs "
+                                   f"prefix + queries = {cfg.prefix + cfg.queries}")
+    os.makedirs(out_dir, exist_ok=True)
+    data_info = {"train": train.source, "val": val.source if val is not None else None}
+    mx.random.seed(cfg.seed)
+    merger = new_merger(len(model.model.layers), head_dim_of(model))
+    anchor_init(merger)
+    opt = optim.AdamW(learning_rate=lr_schedule(cfg.learning_rate, cfg.steps, cfg.warmup),
+                      weight_decay=cfg.weight_decay)
+    state: dict[str, Any] = {"step": 0, "train": asdict(cfg), "data": data_info, "model": model_name,
+                             "history": [], "evals": [], "baselines": None}
+    saved = load_resumable(out_dir, asdict(cfg), {"data": data_info}, hint="use another --out") if resume else None
+    if saved is not None:
+        merger = KVCompressor.from_file(os.path.join(out_dir, WEIGHTS))
+        load_optimizer_state(out_dir, opt)
+        state = saved
+    sets = {"train": MergerData(model, train, cfg, cfg.seed, "teacher", progress)}
+    if val is not None:
+        sets["val"] = MergerData(model, val, cfg, cfg.seed + 1, "teacher (val)", progress)
+    if state["baselines"] is None:
+        state["baselines"] = {name: {split: mean_kl(model, d, fold, cfg) for split, d in sets.items()}
+                              for name, fold in (("h2o", evict_fold), ("d2o", d2o))}
+        state["evals"].append(_evaluate(model, merger, sets, cfg, 0))
+
+    def loss_fn(m: KVCompressor, batch: dict[str, Any]) -> tuple[mx.array, mx.array]:
+        return merger_loss(model, batch, learned(m), threshold=cfg.threshold)
+
+    def inputs(step: int) -> tuple[dict[str, Any]]:
+        return (sets["train"].batch(epoch_batch(step, len(sets["train"]), cfg.batch_size, cfg.seed)),)
+
+    def evaluate(state: dict[str, Any]) -> None:
+        if "val" in sets:
+            state["evals"].append(_evaluate(model, merger, {"val": sets["val"]}, cfg, state["step"]))
+
+    def save(state: dict[str, Any]) -> None:
+        meta = metadata(state)
+        save_checkpoint(out_dir, WEIGHTS, lambda p: merger.save(p, metadata=meta), opt, state)
+
+    end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
+    settings = LoopSettings(end=end, checkpoint_every=cfg.checkpoint_every, grad_clip=cfg.grad_clip,
+                            desc="merger", terms=("loss", "kl"), progress=progress)
+    run_steps(merger, loss_fn, opt, state, settings, inputs=inputs, evaluate=evaluate, save=save)
+    if state["step"] == cfg.steps and "final" not in state:
+        state["final"] = _evaluate(model, merger, sets, cfg, state["step"])
+        save(state)
+    return merger, state
+
+
+def metadata(state: dict[str, Any]) -> dict[str, str]:
+    """What a saved merger records: that it folds evicted tokens, its training settings and last losses."""
+    meta = {"merges": MERGES, "train_step": str(state["step"]), "train_config": json.dumps(state["train"]),
+            "train_data": json.dumps(state["data"]), "trained_on_model": state.get("model", ""),
+            "baselines": json.dumps(state.get("baselines"))}
+    if state.get("evals"):
+        meta["train_last_eval"] = json.dumps(state["evals"][-1])
+    return meta
+
+
+def _evaluate(model: Any, merger: KVCompressor, sets: dict[str, MergerData], cfg: MergerTrainConfig,
+              step: int) -> dict[str, Any]:
+    return {"step": step, **{split: mean_kl(model, d, learned(merger), cfg) for split, d in sets.items()}}
+
+
+__all__ = ["MergerData", "MergerTrainConfig", "WEIGHTS", "mean_kl", "metadata", "train_merger"]

@@ -1,0 +1,203 @@
+"""The learned merger of evicted tokens: its groups are D2O's, an untrained merger is H2O exactly, a trained one
+rewrites only the slots that absorbed a group, batched equals alone, training starts at H2O and lowers the KL,
+resumes exactly, and the files and errors say what they are."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from cortexstream.compression import CompressorConfig, KVCompressor
+from cortexstream.compression.evicted_merger import (anchor_init, d2o_fold, group_means, learned_fold, load_merger,
+                                                     new_merger)
+from cortexstream.engine import policy_prompt_cache as direct
+from cortexstream.engine.evict_merge import merged_values
+from cortexstream.errors import InvalidArgumentError
+from cortexstream.evaluation.perplexity import token_nlls
+from cortexstream.kv.arena_config import model_kv_shape
+from cortexstream.kv.prompt_cache import make_prompt_cache
+from cortexstream.policies import H2O, parse_policy
+from cortexstream.policies.learned_merger import LearnedMerger
+from cortexstream.training.compression import data as data_module
+from cortexstream.training.compression.data import cut_segments
+from cortexstream.training.merger.scores import keep_slots, prefix_scores
+from cortexstream.training.merger.train import MergerTrainConfig, train_merger
+
+from test_policies_runtime import assert_batched_matches_alone
+from tiny_models import random_token_ids
+
+CFG = MergerTrainConfig(budget=12, threshold=0.0, sinks=2, prefix=40, queries=8, steps=6, batch_size=2,
+                        checkpoint_every=3, learning_rate=3e-3, warmup=2, max_offset=0)
+
+
+def _segments(count=6, offset=0):
+    return cut_segments(random_token_ids(4000, seed=1), offset, count, CFG.prefix + CFG.queries, "random tokens")
+
+
+def _perturbed(model, seed=0, scale=0.3):
+    """A merger whose last layers are not zero (so it folds something), for runtime tests."""
+    merger = _merger(model)
+    rng = np.random.default_rng(seed)
+    for layer in range(merger.config.num_layers):
+        for mlp in (merger.compress_tk[layer], merger.compress_tv[layer]):
+            mlp[6].weight = mx.array(rng.standard_normal(mlp[6].weight.shape).astype(np.float32) * scale)
+    mx.eval(merger.parameters())
+    return merger
+
+
+def _head_dim(model):
+    return model_kv_shape(model)[2]
+
+
+def _merger(model):
+    merger = new_merger(len(model.model.layers), _head_dim(model))
+    anchor_init(merger)
+    return merger
+
+
+def test_groups_and_d2o_fold_equal_the_engines_d2o(sharp):
+    model, _ = sharp
+    cache = make_prompt_cache(model)
+    model(mx.array([random_token_ids(40)], dtype=mx.uint32), cache=cache)
+    seq = cache[0].sequence
+    rng = np.random.default_rng(0)
+    heads = seq.arena.config.num_kv_heads
+    keep = np.stack([np.stack([np.sort(rng.choice(40, 12, replace=False)) for _ in range(heads)])
+                     for _ in range(len(cache))])
+    want, folded = merged_values(seq, keep, 0.2)
+    joined = 0
+    for layer in range(len(cache)):
+        keys, values = seq.arena.read(layer, seq.blocks, 40)
+        anchor_k, anchor_v, _, mean_v, weight, count = group_means(keys, values, mx.array(keep[layer]), 0.2)
+        joined += int(count.item())
+        got = d2o_fold(anchor_v, mean_v, weight)
+        expected = anchor_v if want[layer] is None else want[layer]
+        np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-4, atol=1e-5)
+        np.testing.assert_array_equal(np.array(anchor_k), np.take_along_axis(
+            np.array(keys.astype(mx.float32)), keep[layer][..., None], axis=1))
+    assert joined == folded > 0
+
+
+def test_an_untrained_merger_is_h2o_exactly_and_a_trained_one_keeps_its_budget(sharp):
+    model, _ = sharp
+    tokens = random_token_ids(90)
+    h2o = token_nlls(model, tokens, H2O(budget=24, recent=6), chunk_size=8)
+    start = token_nlls(model, tokens, LearnedMerger(budget=24, recent=6, threshold=0.0, weights=_merger(model)),
+                       chunk_size=8)
+    np.testing.assert_allclose(start, h2o, atol=1e-5)
+    sizes = []
+    folded = token_nlls(model, tokens, LearnedMerger(budget=24, recent=6, threshold=0.0, weights=_perturbed(model)),
+                        chunk_size=8, on_chunk=lambda i, cache: sizes.append(cache[0].sequence.num_tokens))
+    assert folded.shape == h2o.shape and not np.allclose(folded, h2o)  # the folds change what later tokens read
+    assert max(sizes) == 24 and sizes[-1] == 24
+
+
+def test_the_fold_rewrites_only_slots_that_absorbed_a_group(sharp):
+    model, _ = sharp
+    rng = np.random.default_rng(1)
+    keys = mx.array(rng.standard_normal((2, 30, _head_dim(model))).astype(np.float32))
+    values = mx.array(rng.standard_normal((2, 30, _head_dim(model))).astype(np.float32))
+    keep = mx.array(np.stack([np.sort(rng.choice(30, 8, replace=False)) for _ in range(2)]))
+    anchor_k, anchor_v, mean_k, mean_v, weight, _ = group_means(keys, values, keep, 0.3)
+    new_k, new_v = learned_fold(_perturbed(model), 0, anchor_k, anchor_v, mean_k, mean_v, weight)
+    grouped = np.array(weight) > 0
+    assert grouped.any() and not grouped.all()
+    for new, old in ((new_k, anchor_k), (new_v, anchor_v)):
+        changed = np.abs(np.array(new) - np.array(old)).max(axis=-1) > 0
+        np.testing.assert_array_equal(changed, grouped)
+
+
+def test_batched_equals_unbatched(sharp):
+    model, tokenizer = sharp
+    merger = _perturbed(model)
+    prompts = [random_token_ids(50, seed=s) for s in range(3)]
+    policies = [LearnedMerger(budget=24, recent=6, threshold=0.0, weights=merger),
+                LearnedMerger(budget=0.4, weights=merger), None]
+    assert_batched_matches_alone(model, tokenizer, prompts, policies, max_tokens=12, context=62)
+
+
+def test_prefix_scores_choose_what_the_running_h2o_keeps(sharp, monkeypatch):
+    """Scores captured in the teacher's prefill give the slots H2O keeps when the same prefix arrives as one chunk."""
+    model, _ = sharp
+    tokens = random_token_ids(40, seed=3)
+    policy = H2O(budget=12, sinks=2)
+    kept = {}
+    original = direct.apply_policy
+
+    def capture(cache, context):
+        original(cache, context)
+        if not kept:
+            kept["positions"] = np.stack(direct.policy_state_of(cache).positions)
+
+    monkeypatch.setattr(direct, "apply_policy", capture)
+    token_nlls(model, tokens + [5], policy, chunk_size=40)
+    segments = cut_segments(tokens, 0, 1, 40, "x")
+    scores = prefix_scores(model, segments, 40, np.zeros(1, dtype=np.int64), progress=False)
+    np.testing.assert_array_equal(keep_slots(scores, policy)[0], np.sort(kept["positions"], axis=-1))
+
+
+def test_training_starts_at_h2o_lowers_the_kl_and_the_policy_loads_it(sharp, tmp_path):
+    model, _ = sharp
+    cfg = MergerTrainConfig(**{**CFG.__dict__, "steps": 30, "checkpoint_every": 15})
+    merger, state = train_merger(model, _segments(), str(tmp_path), cfg, val=_segments(2, 3000), progress=False)
+    assert state["evals"][0]["train"] == pytest.approx(state["baselines"]["h2o"]["train"], rel=1e-6)
+    assert set(state["baselines"]) == {"h2o", "d2o"}
+    assert state["final"]["train"] < 0.8 * state["evals"][0]["train"]
+    path = str(tmp_path / "merger.safetensors")
+    loaded = load_merger(path)
+    for key, value in merger.state_dict().items():
+        np.testing.assert_array_equal(np.array(loaded.state_dict()[key]), np.array(value), err_msg=key)
+    policy = parse_policy(f"merger:budget=24,recent=6,threshold=0,weights={path}")
+    assert parse_policy(policy.describe()) == policy and policy.folds_keys
+    tokens = random_token_ids(90)
+    assert not np.allclose(token_nlls(model, tokens, policy, chunk_size=8),
+                           token_nlls(model, tokens, H2O(budget=24, recent=6), chunk_size=8))
+
+
+def test_resume_continues_exactly(sharp, tmp_path):
+    model, _ = sharp
+    straight, _ = train_merger(model, _segments(), str(tmp_path / "a"), CFG, progress=False)
+    train_merger(model, _segments(), str(tmp_path / "b"), CFG, progress=False, stop_at=3)
+    resumed, state = train_merger(model, _segments(), str(tmp_path / "b"), CFG, progress=False)
+    assert state["step"] == 6 and [h[0] for h in state["history"]] == list(range(6))
+    for key, value in straight.state_dict().items():
+        np.testing.assert_array_equal(np.array(resumed.state_dict()[key]), np.array(value), err_msg=key)
+
+
+def test_cli_trains_and_exports(tiny_gguf, tmp_path, monkeypatch, capsys):
+    from cortexstream.cli.main import main
+
+    monkeypatch.setattr(data_module, "wiki_segments", lambda tok, **kw: (_segments(), _segments(2, 3000)))
+    out, export = str(tmp_path / "run"), str(tmp_path / "m.safetensors")
+    base = ["train", "merger", "--model", tiny_gguf, "--out", out, "--prefix", "40", "--queries", "8",
+            "--budget", "0.3", "--sinks", "2", "--steps", "2", "--batch-size", "2", "--max-offset", "0",
+            "--no-progress"]
+    assert main(base + ["--export", export]) == 0
+    assert json.load(open(os.path.join(out, "state.json")))["step"] == 2
+    assert load_merger(export).config.factor == 2
+    assert main(base) != 0 and "holds a run already; pass --resume" in capsys.readouterr().err
+    assert main(base + ["--resume", "--export", str(tmp_path / "m.pth")]) != 0
+    assert "must be a .safetensors file" in capsys.readouterr().err
+
+
+def test_bad_weights_and_values_are_refused(sharp, tmp_path):
+    model, _ = sharp
+    window = KVCompressor(CompressorConfig(2, 8, 2, image=False))
+    path = str(tmp_path / "window.safetensors")
+    window.save(path)
+    with pytest.raises(InvalidArgumentError, match="is not a merger of evicted tokens"):
+        parse_policy(f"merger:weights={path}")
+    with pytest.raises(InvalidArgumentError, match="does not exist"):
+        LearnedMerger(weights=str(tmp_path / "missing.safetensors"))
+    with pytest.raises(InvalidArgumentError, match="factor 2"):
+        LearnedMerger(weights=KVCompressor(CompressorConfig(2, 8, 4, image=False)))
+    with pytest.raises(InvalidArgumentError, match="LearnedMerger: threshold 2.0 must be a cosine"):
+        parse_policy("merger:threshold=2")
+    with pytest.raises(InvalidArgumentError, match="cortexstream train merger"):  # no shipped merger fits the tiny model
+        token_nlls(model, random_token_ids(60), LearnedMerger(budget=24, recent=6, threshold=0.0), chunk_size=8)
+    with pytest.raises(InvalidArgumentError, match="budget"):
+        MergerTrainConfig(budget=0)
