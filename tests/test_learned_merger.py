@@ -10,6 +10,7 @@ import os
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from cortexstream.compression import CompressorConfig, KVCompressor
 from cortexstream.compression.evicted_merger import (anchor_init, d2o_fold, group_means, learned_fold, load_merger,
@@ -22,6 +23,7 @@ from cortexstream.kv.arena_config import model_kv_shape
 from cortexstream.kv.prompt_cache import make_prompt_cache
 from cortexstream.policies import H2O, parse_policy
 from cortexstream.policies.learned_merger import LearnedMerger
+from cortexstream.sidecar.network import SidecarConfig, SidecarNet
 from cortexstream.training.compression import data as data_module
 from cortexstream.training.compression.data import cut_segments
 from cortexstream.training.merger.scores import keep_slots, prefix_scores
@@ -53,8 +55,9 @@ def _head_dim(model):
     return model_kv_shape(model)[2]
 
 
-def _merger(model):
-    merger = new_merger(len(model.model.layers), _head_dim(model))
+def _merger(model, network="compressor"):
+    layers, heads, head_dim, _ = model_kv_shape(model)
+    merger = new_merger(network, layers, head_dim, heads)
     anchor_init(merger)
     return merger
 
@@ -113,11 +116,33 @@ def test_the_fold_rewrites_only_slots_that_absorbed_a_group(sharp):
 
 def test_batched_equals_unbatched(sharp):
     model, tokenizer = sharp
-    merger = _perturbed(model)
+    merger, sidecar = _perturbed(model), _merger(model, "sidecar")
     prompts = [random_token_ids(50, seed=s) for s in range(3)]
     policies = [LearnedMerger(budget=24, recent=6, threshold=0.0, weights=merger),
-                LearnedMerger(budget=0.4, weights=merger), None]
+                LearnedMerger(budget=0.4, threshold=0.0, weights=sidecar), None]
     assert_batched_matches_alone(model, tokenizer, prompts, policies, max_tokens=12, context=62)
+
+
+def test_a_sidecar_merger_replaces_grouped_slots_by_the_bead_of_the_pair(sharp):
+    model, _ = sharp
+    sidecar = _merger(model, "sidecar")
+    rng = np.random.default_rng(2)
+    heads, dim = model_kv_shape(model)[1], _head_dim(model)
+    keys = mx.array(rng.standard_normal((heads, 30, dim)).astype(np.float32))
+    values = mx.array(rng.standard_normal((heads, 30, dim)).astype(np.float32))
+    keep = mx.array(np.stack([np.sort(rng.choice(30, 8, replace=False)) for _ in range(heads)]))
+    anchor_k, anchor_v, mean_k, mean_v, weight, _ = group_means(keys, values, keep, 0.3)
+    new_k, new_v = learned_fold(sidecar, 1, anchor_k, anchor_v, mean_k, mean_v, weight)
+    group = mx.broadcast_to((heads + mx.arange(heads))[:, None], weight.shape)
+    bead_k, bead_v, mass = sidecar(mx.stack([anchor_k, mean_k], axis=-2), mx.stack([anchor_v, mean_v], axis=-2), group)
+    grouped = np.array(weight) > 0
+    assert grouped.any() and not grouped.all() and not np.array(mass).any()  # no log-mass: nothing to carry
+    np.testing.assert_allclose(np.array(new_k)[grouped], np.array(bead_k)[grouped], atol=1e-6)
+    np.testing.assert_allclose(np.array(new_v)[~grouped], np.array(anchor_v)[~grouped])
+    h2o = token_nlls(model, random_token_ids(90), H2O(budget=24, recent=6), chunk_size=8)
+    folded = token_nlls(model, random_token_ids(90), LearnedMerger(budget=24, recent=6, threshold=0.0,
+                                                                   weights=sidecar), chunk_size=8)
+    assert not np.allclose(folded, h2o)
 
 
 def test_prefix_scores_choose_what_the_running_h2o_keeps(sharp, monkeypatch):
@@ -158,14 +183,19 @@ def test_training_starts_at_h2o_lowers_the_kl_and_the_policy_loads_it(sharp, tmp
                            token_nlls(model, tokens, H2O(budget=24, recent=6), chunk_size=8))
 
 
-def test_resume_continues_exactly(sharp, tmp_path):
+@pytest.mark.parametrize("network", ["compressor", "sidecar"])
+def test_resume_continues_exactly(sharp, tmp_path, network):
     model, _ = sharp
-    straight, _ = train_merger(model, _segments(), str(tmp_path / "a"), CFG, progress=False)
-    train_merger(model, _segments(), str(tmp_path / "b"), CFG, progress=False, stop_at=3)
-    resumed, state = train_merger(model, _segments(), str(tmp_path / "b"), CFG, progress=False)
+    cfg = MergerTrainConfig(**{**CFG.__dict__, "network": network})
+    straight, _ = train_merger(model, _segments(), str(tmp_path / "a"), cfg, progress=False)
+    train_merger(model, _segments(), str(tmp_path / "b"), cfg, progress=False, stop_at=3)
+    resumed, state = train_merger(model, _segments(), str(tmp_path / "b"), cfg, progress=False)
     assert state["step"] == 6 and [h[0] for h in state["history"]] == list(range(6))
-    for key, value in straight.state_dict().items():
-        np.testing.assert_array_equal(np.array(resumed.state_dict()[key]), np.array(value), err_msg=key)
+    want, got = dict(tree_flatten(straight.parameters())), dict(tree_flatten(resumed.parameters()))
+    for key, value in want.items():
+        np.testing.assert_array_equal(np.array(got[key]), np.array(value), err_msg=key)
+    policy = LearnedMerger(weights=str(tmp_path / "b" / "merger.safetensors"))
+    assert policy.network == network and parse_policy(policy.describe()) == policy
 
 
 def test_cli_trains_and_exports(tiny_gguf, tmp_path, monkeypatch, capsys):
@@ -173,12 +203,13 @@ def test_cli_trains_and_exports(tiny_gguf, tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(data_module, "wiki_segments", lambda tok, **kw: (_segments(), _segments(2, 3000)))
     out, export = str(tmp_path / "run"), str(tmp_path / "m.safetensors")
-    base = ["train", "merger", "--model", tiny_gguf, "--out", out, "--prefix", "40", "--queries", "8",
+    base = ["train", "merger", "--model", tiny_gguf, "--out", out, "--network", "sidecar", "--prefix", "40",
+            "--queries", "8",
             "--budget", "0.3", "--sinks", "2", "--steps", "2", "--batch-size", "2", "--max-offset", "0",
             "--no-progress"]
     assert main(base + ["--export", export]) == 0
     assert json.load(open(os.path.join(out, "state.json")))["step"] == 2
-    assert load_merger(export).config.factor == 2
+    assert load_merger(export).config.window == 2
     assert main(base) != 0 and "holds a run already; pass --resume" in capsys.readouterr().err
     assert main(base + ["--resume", "--export", str(tmp_path / "m.pth")]) != 0
     assert "must be a .safetensors file" in capsys.readouterr().err
@@ -197,7 +228,13 @@ def test_bad_weights_and_values_are_refused(sharp, tmp_path):
         LearnedMerger(weights=KVCompressor(CompressorConfig(2, 8, 4, image=False)))
     with pytest.raises(InvalidArgumentError, match="LearnedMerger: threshold 2.0 must be a cosine"):
         parse_policy("merger:threshold=2")
-    with pytest.raises(InvalidArgumentError, match="cortexstream train merger"):  # no shipped merger fits the tiny model
+    with pytest.raises(InvalidArgumentError, match="network 'mlp' is not one of compressor, sidecar"):
+        parse_policy("merger:network=mlp")
+    with pytest.raises(InvalidArgumentError, match="network=sidecar but the weights hold a compressor merger"):
+        LearnedMerger(network="sidecar", weights=_merger(model))
+    with pytest.raises(InvalidArgumentError, match="without log-mass"):
+        LearnedMerger(weights=SidecarNet(SidecarConfig(head_dim=8, window=2, num_layers=2, num_kv_heads=2)))
+    with pytest.raises(InvalidArgumentError, match="cortexstream train merger --network compressor"):  # no shipped merger fits the tiny model
         token_nlls(model, random_token_ids(60), LearnedMerger(budget=24, recent=6, threshold=0.0), chunk_size=8)
     with pytest.raises(InvalidArgumentError, match="budget"):
         MergerTrainConfig(budget=0)

@@ -9,17 +9,34 @@ layer's text-K and text-V MLPs of a factor-2 `KVCompressor` as one window [ancho
 network is the shipped compressor's architecture and file format, used as a residual: the new token is the anchor
 plus the MLPs' output. A kept slot without a group stays as it is.
 
-`anchor_init` zeroes the MLPs' last layers, so an untrained merger is the eviction policy itself (H2O) and
-training only learns what to fold in. `group_means` is the same code at training time
-(batched, [B, H, n, D]) and at run time (one sequence, [H, n, D]).
+The sidecar's set encoder can be retrained the same way (`network="sidecar"`): the pair [anchor, mean] is a
+window of two tokens and its bead (key, value) replaces the kept slot. Its log-mass is off (`log_mass=False`):
+an evicting policy's kept slot is folded again at later evictions, and a bias set once would not follow.
+
+`anchor_init` zeroes the MLPs' last layers, so an untrained compressor merger is the eviction policy itself (H2O)
+and training only learns what to fold in (an untrained sidecar merger gives its attention-pooled bead of the
+pair). `group_means` is the same code at training time (batched, [B, H, n, D]) and at run time (one sequence,
+[H, n, D]).
 """
 
 from __future__ import annotations
+
+from enum import Enum
+from typing import Any, Mapping, Union
 
 import mlx.core as mx
 
 from cortexstream.compression.compressor import CompressorConfig, KVCompressor
 from cortexstream.errors import InvalidArgumentError
+from cortexstream.sidecar.network import SidecarConfig, SidecarNet
+
+
+class MergerNetwork(str, Enum):
+    COMPRESSOR = "compressor"
+    SIDECAR = "sidecar"
+
+
+Merger = Union[KVCompressor, SidecarNet]
 
 # A marker in the file's metadata: these weights fold evicted tokens, they do not merge windows.
 MERGES = "evicted"
@@ -64,55 +81,97 @@ def d2o_fold(anchor_v: mx.array, mean_v: mx.array, weight: mx.array) -> mx.array
     return (anchor_v + w * mean_v) / (1.0 + w)
 
 
-def learned_fold(merger: KVCompressor, layer: int, anchor_k: mx.array, anchor_v: mx.array, mean_k: mx.array,
+def learned_fold(merger: Merger, layer: int, anchor_k: mx.array, anchor_v: mx.array, mean_k: mx.array,
                  mean_v: mx.array, weight: mx.array) -> tuple[mx.array, mx.array]:
-    """The merger's fold where a group exists: anchor + MLP([anchor, mean]) (a residual: the MLP learns the
-    correction); the anchor elsewhere."""
+    """The merger's fold where a group exists, the anchor elsewhere: a compressor gives anchor + MLP([anchor,
+    mean]) (a residual: the MLP learns the correction), a sidecar the bead of the pair."""
     check_merger(merger, "merger")
+    has = (weight > 0)[..., None]
+    if isinstance(merger, SidecarNet):
+        heads = anchor_k.shape[-3]
+        pair_k = mx.stack([anchor_k, mean_k], axis=-2)
+        pair_v = mx.stack([anchor_v, mean_v], axis=-2)
+        group = mx.broadcast_to((layer * heads + mx.arange(heads))[:, None], anchor_k.shape[-3:-1])
+        bead_k, bead_v, _ = merger(pair_k, pair_v, mx.broadcast_to(group, anchor_k.shape[:-1]))
+        return mx.where(has, bead_k, anchor_k), mx.where(has, bead_v, anchor_v)
     pair_k = mx.concatenate([anchor_k[..., None, :], mean_k[..., None, :]], axis=-2)
     pair_v = mx.concatenate([anchor_v[..., None, :], mean_v[..., None, :]], axis=-2)
     shape = anchor_k.shape
     flat_k = pair_k.reshape(*shape[:-2], shape[-2] * FACTOR, shape[-1])
     flat_v = pair_v.reshape(*shape[:-2], shape[-2] * FACTOR, anchor_v.shape[-1])
     delta_k, delta_v = merger.merge_windows(flat_k, flat_v, layer)
-    has = (weight > 0)[..., None]
     return (mx.where(has, anchor_k + delta_k.astype(mx.float32), anchor_k),
             mx.where(has, anchor_v + delta_v.astype(mx.float32), anchor_v))
 
 
-def check_merger(merger: KVCompressor, source: str) -> None:
-    if merger.config.factor != FACTOR:
+def check_merger(merger: Merger, source: str) -> None:
+    if isinstance(merger, SidecarNet):
+        if merger.config.window < FACTOR or merger.config.log_mass:
+            raise InvalidArgumentError(f"{source}: a sidecar merger of evicted tokens takes windows of {FACTOR} "
+                                       f"tokens without log-mass (window {merger.config.window}, log_mass "
+                                       f"{merger.config.log_mass})")
+    elif not isinstance(merger, KVCompressor):
+        raise InvalidArgumentError(f"{source}: expected a KVCompressor or a SidecarNet, got {type(merger).__name__}")
+    elif merger.config.factor != FACTOR:
         raise InvalidArgumentError(f"{source}: a merger of evicted tokens has factor {FACTOR} ([anchor, group "
                                    f"mean]), these weights merge {merger.config.factor} tokens")
 
 
-def load_merger(path: str) -> KVCompressor:
+def network_of(merger: Merger) -> MergerNetwork:
+    return MergerNetwork.SIDECAR if isinstance(merger, SidecarNet) else MergerNetwork.COMPRESSOR
+
+
+def load_merger(path: str) -> Merger:
     """A merger from a safetensors file written by `cortexstream train merger` (its metadata says `merges:
-    evicted`); a window compressor's file is refused, since its MLPs compute something else."""
+    evicted`, for a compressor or a sidecar); a window compressor's or window sidecar's file is refused, since its
+    network computes something else."""
     from cortexstream.port import load_checkpoint
     from cortexstream.port.finite import check_finite
+    from cortexstream.sidecar.porting import META_KEY, load_sidecar, read_sidecar_info
 
     ckpt = load_checkpoint(path)
-    if (ckpt.metadata or {}).get("merges") != MERGES:
+    meta = ckpt.metadata or {}
+    merges = read_sidecar_info(path).get("merges") if META_KEY in meta else meta.get("merges")
+    if merges != MERGES:
         raise InvalidArgumentError(f"weights: '{path}' is not a merger of evicted tokens (no 'merges: {MERGES}' in "
-                                   "its metadata; a window compressor's weights merge windows). Train one with "
-                                   "`cortexstream train merger`")
+                                   "its metadata; a window compressor's or sidecar's weights merge windows). Train "
+                                   "one with `cortexstream train merger`")
     check_finite(ckpt.tensors, path)
-    merger = KVCompressor.from_state_dict(ckpt.tensors, source=path)
+    merger: Merger = load_sidecar(path) if META_KEY in meta else KVCompressor.from_state_dict(ckpt.tensors,
+                                                                                              source=path)
     check_merger(merger, path)
     return merger
 
 
-def new_merger(num_layers: int, head_dim: int) -> KVCompressor:
-    """An untrained merger (text MLPs only, no dropout); call `anchor_init` before training."""
+def save_merger(merger: Merger, path: str, metadata: Mapping[str, Any], dtype: str | None = None) -> None:
+    """Write a merger with `merges: evicted` and `metadata` (strings) in the file; dtype: the compressor's stored
+    dtype (a sidecar is stored as held)."""
+    from cortexstream.sidecar.porting import save_sidecar
+
+    if isinstance(merger, SidecarNet):
+        save_sidecar(merger, path, {**dict(metadata), "merges": MERGES})
+    else:
+        merger.save(path, dtype=dtype, metadata={**dict(metadata), "merges": MERGES})
+
+
+def new_merger(network: MergerNetwork | str, num_layers: int, head_dim: int, num_kv_heads: int) -> Merger:
+    """An untrained merger (call `anchor_init` before training): the compressor's text MLPs at factor 2 (no
+    dropout), or a sidecar with windows of 2 and no log-mass."""
+    kind = MergerNetwork(network)
+    if kind is MergerNetwork.SIDECAR:
+        return SidecarNet(SidecarConfig(head_dim=head_dim, window=FACTOR, num_layers=num_layers,
+                                        num_kv_heads=num_kv_heads, log_mass=False))
     return KVCompressor(CompressorConfig(num_layers, head_dim, FACTOR, image=False, dropout=0.0))
 
 
-def anchor_init(merger: KVCompressor) -> None:
+def anchor_init(merger: Merger) -> None:
     """Zero the last Linear of every MLP: the residual fold then returns the anchor exactly (plain eviction), and
     training starts from the eviction policy itself. The other layers keep their random initialisation, so the
     first steps' gradients reach them through the last layer (a residual network, unlike the window compressor's
-    mean-pooling start, whose ReLU shift makes every weight too sensitive for a useful learning rate)."""
+    mean-pooling start, whose ReLU shift makes every weight too sensitive for a useful learning rate). A sidecar
+    is left as built (its output heads start at zero already: the attention-pooled bead of the pair)."""
+    if isinstance(merger, SidecarNet):
+        return
     for layer in range(merger.config.num_layers):
         for mlp in (merger.compress_tk[layer], merger.compress_tv[layer]):
             mlp[6].weight = mx.zeros_like(mlp[6].weight)
@@ -120,5 +179,5 @@ def anchor_init(merger: KVCompressor) -> None:
     mx.eval(merger.parameters())
 
 
-__all__ = ["FACTOR", "MERGES", "anchor_init", "check_merger", "d2o_fold", "group_means", "learned_fold",
-           "new_merger"]
+__all__ = ["FACTOR", "MERGES", "Merger", "MergerNetwork", "anchor_init", "check_merger", "d2o_fold", "group_means",
+           "learned_fold", "load_merger", "network_of", "new_merger", "save_merger"]

@@ -27,6 +27,7 @@ class ShippedWeights:
     head_dim: int
     factor: int
     merges: str = "windows"  # "windows": a window compressor; "evicted": a merger of evicted tokens
+    network: str = "compressor"  # a merger's network: "compressor" or "sidecar"
 
     @property
     def path(self) -> str:
@@ -55,21 +56,21 @@ def shipped_factors() -> set[int]:
 
 
 def find_shipped(factor: int, *, head_dim: int, num_kv_heads: int, num_layers: int | None = None,
-                 merges: str = "windows") -> ShippedWeights:
+                 merges: str = "windows", network: str = "compressor") -> ShippedWeights:
     """The shipped weights for this cache shape and factor (num_layers None: not checked yet); `merges`: window
     compressors or mergers of evicted tokens (`compression.evicted_merger`)."""
     for entry in shipped_weights():
-        if (entry.factor, entry.head_dim, entry.num_kv_heads, entry.merges) == (factor, head_dim, num_kv_heads,
-                                                                               merges) and \
+        if (entry.factor, entry.head_dim, entry.num_kv_heads, entry.merges, entry.network) == \
+                (factor, head_dim, num_kv_heads, merges, network) and \
                 num_layers in (None, entry.num_layers):
             return entry
-    have = "; ".join(e.describe() for e in shipped_weights() if e.merges == merges) or "none"
+    have = "; ".join(e.describe() for e in shipped_weights() if (e.merges, e.network) == (merges, network)) or "none"
     layers = "?" if num_layers is None else num_layers
     if merges == "evicted":
         raise InvalidArgumentError(
-            f"merger: weights=None but no shipped merger of evicted tokens fits this model ({layers} layers, "
+            f"merger: weights=None but no shipped {network} merger of evicted tokens fits this model ({layers} layers, "
             f"{num_kv_heads} KV heads, head_dim {head_dim}); shipped: {have}. Train one with `cortexstream train "
-            f"merger --out DIR` and pass weights=DIR/merger.safetensors")
+            f"merger --network {network} --out DIR` and pass weights=DIR/merger.safetensors")
     raise InvalidArgumentError(
         f"compressor: weights=None but no shipped weights fit this model ({layers} layers, {num_kv_heads} KV "
         f"heads, head_dim {head_dim}) at factor {factor}; shipped: {have}. Train some with `cortexstream train "

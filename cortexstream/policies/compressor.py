@@ -29,15 +29,15 @@ from cortexstream.errors import InvalidArgumentError
 from cortexstream.policies.base import check_count
 from cortexstream.policies.merging import Merged, MergingPolicy
 
-# (real path, mtime_ns, size, kind) -> compressor with float32 weights; a rewritten file is a new key
-_LOADED: dict[tuple[str, int, int, str], KVCompressor] = {}
+# (real path, mtime_ns, size, kind) -> network with float32 weights; a rewritten file is a new key
+_LOADED: dict[tuple[str, int, int, str], Any] = {}
 _LOCK = threading.Lock()
 
 
-def load_cached(path: str, merges: str = "windows") -> KVCompressor:
+def load_cached(path: str, merges: str = "windows") -> Any:
     """A compressor from a file, loaded once per (path, modification time, size) and held as float32 (shipped
     files are float16; CPU matmuls are faster and exact enough in float32). merges="evicted": a merger of evicted
-    tokens (`compression.evicted_merger.load_merger`, which refuses a window compressor's file)."""
+    tokens, a compressor or a sidecar (`compression.evicted_merger.load_merger`, which refuses window networks)."""
     try:
         st = os.stat(path)
     except OSError as exc:

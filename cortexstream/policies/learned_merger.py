@@ -6,8 +6,9 @@ mean] pairs (`compression.evicted_merger`, `cortexstream train merger`) rewrite 
 kept slot that absorbed a group. Same budget and memory as H2O.
 
 Weights: `weights=None` uses the merger shipped for the running model's cache shape (`compression/weights/`,
-`merges: evicted` in the manifest); a path loads a file from `cortexstream train merger` (a window compressor's
-file is refused); a `KVCompressor` object is used as given. Loaded on first use and cached per file.
+`merges: evicted` and `network` in the manifest; `network=sidecar` picks the sidecar's); a path loads a file from
+`cortexstream train merger` (a window compressor's or sidecar's file is refused, and the file decides the network);
+a `KVCompressor` or `SidecarNet` object is used as given. Loaded on first use and cached per file.
 """
 
 from __future__ import annotations
@@ -19,53 +20,62 @@ from typing import ClassVar
 import mlx.core as mx
 
 from cortexstream.compression.compressor import KVCompressor
-from cortexstream.compression.evicted_merger import MERGES, check_merger, learned_fold
+from cortexstream.compression.evicted_merger import MERGES, Merger, MergerNetwork, check_merger, learned_fold, network_of
 from cortexstream.compression.shipped import find_shipped
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.policies.base import Budget
+from cortexstream.sidecar.network import SidecarNet
 from cortexstream.policies.compressor import load_cached
 from cortexstream.policies.d2o import D2O
 
 
 @dataclass(frozen=True, init=False)
 class LearnedMerger(D2O):
-    weights: str | None = None  # the path, None for shipped weights, or "<object ...>" for a KVCompressor
-    merger: KVCompressor | None = field(default=None, compare=False, hash=False, repr=False)
+    network: str = MergerNetwork.COMPRESSOR.value
+    weights: str | None = None  # the path, None for shipped weights, or "<object ...>" for a network object
+    merger: Merger | None = field(default=None, compare=False, hash=False, repr=False)
 
     name = "merger"
     folds_keys = True
-    parse_keys: ClassVar[dict[str, str]] = {**D2O.parse_keys, "weights": "str"}
+    parse_keys: ClassVar[dict[str, str]] = {**D2O.parse_keys, "network": "str", "weights": "str"}
 
     def __init__(self, budget: Budget = 0.2, sinks: int = 4, recent: int | None = None, keep_prefix: int = 0,
-                 threshold: float = 0.5, weights: "str | os.PathLike[str] | KVCompressor | None" = None) -> None:
+                 threshold: float = 0.5, network: str | None = None,
+                 weights: "str | os.PathLike[str] | KVCompressor | SidecarNet | None" = None) -> None:
         merger = None
-        if isinstance(weights, KVCompressor):
+        if network is not None and network not in {n.value for n in MergerNetwork}:
+            raise InvalidArgumentError(f"LearnedMerger: network '{network}' is not one of "
+                                       f"{', '.join(n.value for n in MergerNetwork)}")
+        if isinstance(weights, (KVCompressor, SidecarNet)):
             check_merger(weights, "weights")
-            merger, label = weights, f"<KVCompressor object at {id(weights):#x}>"
+            merger, label = weights, f"<{type(weights).__name__} object at {id(weights):#x}>"
+            found = network_of(weights).value
         elif isinstance(weights, (str, os.PathLike)):
             label = os.fspath(weights)
             if not os.path.isfile(label):
                 raise InvalidArgumentError(f"weights: file '{label}' does not exist")
-            load_cached(label, MERGES)  # read and check the file now, not at the first eviction
+            found = network_of(load_cached(label, MERGES)).value  # read and check the file now
         elif weights is None:
-            label = None
+            label, found = None, network or MergerNetwork.COMPRESSOR.value
         else:
-            raise InvalidArgumentError(f"weights: expected a path, a KVCompressor or None, got "
+            raise InvalidArgumentError(f"weights: expected a path, a KVCompressor, a SidecarNet or None, got "
                                        f"{type(weights).__name__}")
+        if network is not None and network != found:
+            raise InvalidArgumentError(f"LearnedMerger: network={network} but the weights hold a {found} merger")
         for name, value in (("budget", budget), ("sinks", sinks), ("recent", recent), ("keep_prefix", keep_prefix),
-                            ("threshold", threshold), ("weights", label), ("merger", merger)):
+                            ("threshold", threshold), ("network", found), ("weights", label), ("merger", merger)):
             object.__setattr__(self, name, value)
         self.__post_init__()
 
-    def resolve(self, *, num_kv_heads: int, head_dim: int, num_layers: int | None = None) -> KVCompressor:
+    def resolve(self, *, num_kv_heads: int, head_dim: int, num_layers: int | None = None) -> Merger:
         """The merger for a cache of this shape (loaded on first use); errors name what does not fit."""
         if self.merger is not None:
-            merger, source = self.merger, "the KVCompressor object"
+            merger, source = self.merger, f"the {type(self.merger).__name__} object"
         elif self.weights is not None:
             merger, source = load_cached(self.weights, MERGES), self.weights
         else:
             entry = find_shipped(2, head_dim=head_dim, num_kv_heads=num_kv_heads, num_layers=num_layers,
-                                 merges=MERGES)
+                                 merges=MERGES, network=self.network)
             merger, source = load_cached(entry.path, MERGES), entry.path
         if merger.config.head_dim != head_dim:
             raise InvalidArgumentError(f"weights: {source} has head_dim {merger.config.head_dim}, the model's is "
@@ -73,6 +83,9 @@ class LearnedMerger(D2O):
         if num_layers is not None and merger.config.num_layers != num_layers:
             raise InvalidArgumentError(f"weights: {source} has {merger.config.num_layers} layers, the model has "
                                        f"{num_layers}")
+        if isinstance(merger, SidecarNet) and merger.config.num_kv_heads != num_kv_heads:
+            raise InvalidArgumentError(f"weights: {source} was trained for {merger.config.num_kv_heads} KV heads, "
+                                       f"the model has {num_kv_heads}")
         return merger
 
     def fold_evicted(self, layer: int, anchor_k: mx.array, anchor_v: mx.array, mean_k: mx.array, mean_v: mx.array,
@@ -86,4 +99,6 @@ class LearnedMerger(D2O):
 
     def describe(self) -> str:
         base = super().describe().replace("d2o:", "merger:", 1)
+        if self.network != MergerNetwork.COMPRESSOR.value:
+            base += f",network={self.network}"
         return f"{base},weights={self.weights}" if self.weights and self.merger is None else base

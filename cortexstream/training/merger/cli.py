@@ -15,7 +15,7 @@ import os
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.training.flags import TrainerDefaults, add_trainer_flags, check_trainer_flags, loop_config_kwargs
 
-_TRAIN_ARGS = ("budget", "threshold", "sinks", "prefix", "queries", "max_offset")
+_TRAIN_ARGS = ("network", "budget", "threshold", "sinks", "prefix", "queries", "max_offset")
 DEFAULTS = TrainerDefaults(steps=300, batch_size=4, learning_rate=3e-4, warmup=10, checkpoint_every=50,
                            resume=False)
 
@@ -24,6 +24,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("merger", help="train the merger of evicted tokens (folds what H2O drops)")
     p.add_argument("--model", default=None, help="GGUF file, model directory or hub repo id (default: smollm2-135m)")
     p.add_argument("--out", required=True, help="run directory (checkpoints, state.json)")
+    p.add_argument("--network", default="compressor", choices=["compressor", "sidecar"],
+                   help="the compressor's MLPs (a residual on the kept token) or the sidecar's set encoder")
     p.add_argument("--budget", type=float, default=0.2, help="H2O's share of each training prefix")
     p.add_argument("--threshold", type=float, default=0.5, help="cosine a dropped token needs to join a group")
     p.add_argument("--sinks", type=int, default=4)
@@ -35,13 +37,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--val-segments", type=int, default=8, help="held-out segments (0: none)")
     p.add_argument("--train-offset", type=int, default=65536, help="first training token of wiki_text()")
     p.add_argument("--val-offset", type=int, default=32768, help="first held-out token of wiki_text()")
-    p.add_argument("--export", default=None, help="also write float16 weights to PATH (.safetensors)")
+    p.add_argument("--export", default=None,
+                   help="also write the weights to PATH (.safetensors; a compressor's in float16)")
     add_trainer_flags(p, DEFAULTS)
 
 
 def run(args: argparse.Namespace) -> int:
     import cortexstream
     from cortexstream.training.compression.data import wiki_segments
+    from cortexstream.compression.evicted_merger import save_merger
     from cortexstream.training.merger.train import MergerTrainConfig, metadata, train_merger
 
     check_trainer_flags(args)
@@ -59,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
                                  resume=args.resume, progress=not args.no_progress, stop_at=args.stop_at,
                                  model_name=args.model or "smollm2-135m")
     if args.export:
-        merger.save(args.export, dtype="float16", metadata=metadata(state))
+        save_merger(merger, args.export, metadata(state), dtype="float16")
     print(json.dumps({"step": state["step"], "baselines": state["baselines"], "first_eval": state["evals"][0],
                       "last_eval": state["evals"][-1], "final": state.get("final")}, indent=1))
     return 0

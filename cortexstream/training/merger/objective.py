@@ -14,8 +14,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from cortexstream.compression.compressor import KVCompressor
-from cortexstream.compression.evicted_merger import d2o_fold, group_means, learned_fold
+from cortexstream.compression.evicted_merger import Merger, d2o_fold, group_means, learned_fold
 from cortexstream.training.compression.objective import PrefixCache, distillation_loss, hidden_over_offsets
 
 # (layer, anchor_k, anchor_v, mean_k, mean_v, weight) -> (keys, values) of the kept slots
@@ -34,7 +33,7 @@ def d2o(layer: int, anchor_k: mx.array, anchor_v: mx.array, mean_k: mx.array, me
     return anchor_k, d2o_fold(anchor_v, mean_v, weight)
 
 
-def learned(merger: KVCompressor) -> FoldFn:
+def learned(merger: Merger) -> FoldFn:
     def fold(layer: int, anchor_k: mx.array, anchor_v: mx.array, mean_k: mx.array, mean_v: mx.array,
              weight: mx.array) -> tuple[mx.array, mx.array]:
         return learned_fold(merger, layer, anchor_k, anchor_v, mean_k, mean_v, weight)

@@ -19,8 +19,8 @@ import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 
-from cortexstream.compression.compressor import KVCompressor, head_dim_of
-from cortexstream.compression.evicted_merger import MERGES, anchor_init, new_merger
+from cortexstream.compression.evicted_merger import Merger, MergerNetwork, anchor_init, load_merger, new_merger, save_merger
+from cortexstream.kv.arena_config import model_kv_shape
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.policies.base import check_budget, check_real
 from cortexstream.policies.h2o import H2O
@@ -39,6 +39,7 @@ class MergerTrainConfig:
     """budget: H2O's share of each prefix (what it keeps); threshold: the cosine a dropped token needs to join a
     kept token's group; prefix P / queries Q: tokens per segment."""
 
+    network: str = MergerNetwork.COMPRESSOR.value
     budget: float = 0.2
     threshold: float = 0.5
     sinks: int = 4
@@ -55,6 +56,9 @@ class MergerTrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.network not in {n.value for n in MergerNetwork}:
+            raise InvalidArgumentError(f"network: '{self.network}' is not one of "
+                                       f"{', '.join(n.value for n in MergerNetwork)}")
         check_budget("budget", self.budget)
         check_real("merger", "threshold", self.threshold, -1.0, 1.0, "a cosine in [-1, 1]")
         for name in ("prefix", "queries", "steps", "batch_size", "checkpoint_every"):
@@ -100,7 +104,7 @@ def mean_kl(model: Any, data: MergerData, fold: FoldFn, cfg: MergerTrainConfig) 
 
 def train_merger(model: Any, train: Segments, out_dir: str, config: MergerTrainConfig = MergerTrainConfig(), *,
                  val: Segments | None = None, resume: bool = True, progress: bool = True,
-                 stop_at: int | None = None, model_name: str = "") -> tuple[KVCompressor, dict[str, Any]]:
+                 stop_at: int | None = None, model_name: str = "") -> tuple[Merger, dict[str, Any]]:
     """Train (or resume) a merger of evicted tokens for `model`. Returns (merger, state); state["baselines"] and
     state["evals"] hold mean KLs (nats per query token) of eviction, D2O and the merger."""
     cfg = config
@@ -110,7 +114,8 @@ def train_merger(model: Any, train: Segments, out_dir: str, config: MergerTrainC
     os.makedirs(out_dir, exist_ok=True)
     data_info = {"train": train.source, "val": val.source if val is not None else None}
     mx.random.seed(cfg.seed)
-    merger = new_merger(len(model.model.layers), head_dim_of(model))
+    layers, heads, head_dim, _ = model_kv_shape(model)
+    merger = new_merger(cfg.network, layers, head_dim, heads)
     anchor_init(merger)
     opt = optim.AdamW(learning_rate=lr_schedule(cfg.learning_rate, cfg.steps, cfg.warmup),
                       weight_decay=cfg.weight_decay)
@@ -118,7 +123,7 @@ def train_merger(model: Any, train: Segments, out_dir: str, config: MergerTrainC
                              "history": [], "evals": [], "baselines": None}
     saved = load_resumable(out_dir, asdict(cfg), {"data": data_info}, hint="use another --out") if resume else None
     if saved is not None:
-        merger = KVCompressor.from_file(os.path.join(out_dir, WEIGHTS))
+        merger = load_merger(os.path.join(out_dir, WEIGHTS))
         load_optimizer_state(out_dir, opt)
         state = saved
     sets = {"train": MergerData(model, train, cfg, cfg.seed, "teacher", progress)}
@@ -129,7 +134,7 @@ def train_merger(model: Any, train: Segments, out_dir: str, config: MergerTrainC
                               for name, fold in (("h2o", evict_fold), ("d2o", d2o))}
         state["evals"].append(_evaluate(model, merger, sets, cfg, 0))
 
-    def loss_fn(m: KVCompressor, batch: dict[str, Any]) -> tuple[mx.array, mx.array]:
+    def loss_fn(m: Merger, batch: dict[str, Any]) -> tuple[mx.array, mx.array]:
         return merger_loss(model, batch, learned(m), threshold=cfg.threshold)
 
     def inputs(step: int) -> tuple[dict[str, Any]]:
@@ -141,7 +146,7 @@ def train_merger(model: Any, train: Segments, out_dir: str, config: MergerTrainC
 
     def save(state: dict[str, Any]) -> None:
         meta = metadata(state)
-        save_checkpoint(out_dir, WEIGHTS, lambda p: merger.save(p, metadata=meta), opt, state)
+        save_checkpoint(out_dir, WEIGHTS, lambda p: save_merger(merger, p, meta), opt, state)
 
     end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
     settings = LoopSettings(end=end, checkpoint_every=cfg.checkpoint_every, grad_clip=cfg.grad_clip,
@@ -155,7 +160,7 @@ def train_merger(model: Any, train: Segments, out_dir: str, config: MergerTrainC
 
 def metadata(state: dict[str, Any]) -> dict[str, str]:
     """What a saved merger records: that it folds evicted tokens, its training settings and last losses."""
-    meta = {"merges": MERGES, "train_step": str(state["step"]), "train_config": json.dumps(state["train"]),
+    meta = {"train_step": str(state["step"]), "train_config": json.dumps(state["train"]),
             "train_data": json.dumps(state["data"]), "trained_on_model": state.get("model", ""),
             "baselines": json.dumps(state.get("baselines"))}
     if state.get("evals"):
@@ -163,7 +168,7 @@ def metadata(state: dict[str, Any]) -> dict[str, str]:
     return meta
 
 
-def _evaluate(model: Any, merger: KVCompressor, sets: dict[str, MergerData], cfg: MergerTrainConfig,
+def _evaluate(model: Any, merger: Merger, sets: dict[str, MergerData], cfg: MergerTrainConfig,
               step: int) -> dict[str, Any]:
     return {"step": step, **{split: mean_kl(model, d, learned(merger), cfg) for split, d in sets.items()}}
 
