@@ -125,17 +125,17 @@ def test_teacher_pool_matches_a_plain_cache_and_shifted_positions_are_consistent
 
 def test_teacher_pools_are_stored_and_reused(sharp, tmp_path):
     from cortexstream.training.compression import data
-    from cortexstream.training.compression.train import _pool
+    from cortexstream.training.compression.train import teacher_pool
 
     model, _ = sharp
     cfg = TrainConfig(**{**CFG.__dict__, "max_offset": 300})
-    first = _pool(model, _segments(4), cfg, 0, "t", str(tmp_path), "tiny", False)
+    first = teacher_pool(model, _segments(4), cfg, 0, "t", str(tmp_path), "tiny", False)
     built = []
     original = data.TeacherPool.__init__
     try:
         data.TeacherPool.__init__ = lambda *a, **k: built.append(1) or original(*a, **k)
-        again = _pool(model, _segments(4), cfg, 0, "t", str(tmp_path), "tiny", False)
-        other = _pool(model, _segments(4), cfg, 1, "t", str(tmp_path), "tiny", False)  # another seed: rebuilt
+        again = teacher_pool(model, _segments(4), cfg, 0, "t", str(tmp_path), "tiny", False)
+        other = teacher_pool(model, _segments(4), cfg, 1, "t", str(tmp_path), "tiny", False)  # another seed: rebuilt
     finally:
         data.TeacherPool.__init__ = original
     assert built == [1] and len(os.listdir(tmp_path)) == 2

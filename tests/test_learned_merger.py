@@ -168,7 +168,13 @@ def test_prefix_scores_choose_what_the_running_h2o_keeps(sharp, monkeypatch):
 def test_training_starts_at_h2o_lowers_the_kl_and_the_policy_loads_it(sharp, tmp_path):
     model, _ = sharp
     cfg = MergerTrainConfig(**{**CFG.__dict__, "steps": 30, "checkpoint_every": 15})
-    merger, state = train_merger(model, _segments(), str(tmp_path), cfg, val=_segments(2, 3000), progress=False)
+    merger, state = train_merger(model, _segments(), str(tmp_path), cfg, val=_segments(2, 3000), progress=False,
+                                 pool_cache=str(tmp_path / "pools"))
+    assert len([f for f in os.listdir(tmp_path / "pools") if f.startswith("h2o-scores-")]) == 2
+    sidecar_cfg = MergerTrainConfig(**{**cfg.__dict__, "network": "sidecar", "steps": 2})
+    _, again = train_merger(model, _segments(), str(tmp_path / "sidecar"), sidecar_cfg, progress=False,
+                            pool_cache=str(tmp_path / "pools"))  # the stored pool and scores: the same baselines
+    assert again["baselines"]["h2o"]["train"] == state["baselines"]["h2o"]["train"]
     assert state["evals"][0]["train"] == pytest.approx(state["baselines"]["h2o"]["train"], rel=1e-6)
     assert set(state["baselines"]) == {"h2o", "d2o"}
     assert state["final"]["train"] < 0.8 * state["evals"][0]["train"]

@@ -169,9 +169,9 @@ def train_compressor(model: Any, train: Segments, out_dir: str, config: TrainCon
         comp = KVCompressor(comp_cfg).update(comp.parameters())  # keep this run's dropout setting
         load_optimizer_state(out_dir, opt)
         state = saved
-    pools = {"train": _pool(model, train, cfg, cfg.seed, "teacher", pool_cache, model_name, progress)}
+    pools = {"train": teacher_pool(model, train, cfg, cfg.seed, "teacher", pool_cache, model_name, progress)}
     if val is not None:
-        pools["val"] = _pool(model, val, cfg, cfg.seed + 1, "teacher (val)", pool_cache, model_name, progress)
+        pools["val"] = teacher_pool(model, val, cfg, cfg.seed + 1, "teacher (val)", pool_cache, model_name, progress)
     if state["baselines"] is None:
         if cfg.init == "meanpool":
             meanpool_init(comp, pools["train"])
@@ -207,8 +207,10 @@ def train_compressor(model: Any, train: Segments, out_dir: str, config: TrainCon
     return comp, state
 
 
-def _pool(model: Any, segments: Segments, cfg: TrainConfig, seed: int, desc: str, cache_dir: str | None,
-          model_name: str, progress: bool) -> TeacherPool:
+def teacher_pool(model: Any, segments: Segments, cfg: Any, seed: int, desc: str, cache_dir: str | None,
+                 model_name: str, progress: bool) -> TeacherPool:
+    """The teacher pool of `segments` (cfg: any config with prefix, batch_size and max_offset), stored in and
+    reused from `cache_dir` when given (keyed by the tokens, those settings, the seed and the model)."""
     def build() -> TeacherPool:
         return TeacherPool(model, segments, cfg.prefix, batch_size=cfg.batch_size, progress=progress, desc=desc,
                            max_offset=cfg.max_offset, seed=seed)
@@ -216,11 +218,16 @@ def _pool(model: Any, segments: Segments, cfg: TrainConfig, seed: int, desc: str
     if cache_dir is None:
         return build()
     os.makedirs(cache_dir, exist_ok=True)
+    fingerprint = pool_fingerprint(model, segments, cfg, seed, model_name)
+    return TeacherPool.cached(os.path.join(cache_dir, f"pool-{fingerprint}.safetensors"), fingerprint, build)
+
+
+def pool_fingerprint(model: Any, segments: Segments, cfg: Any, seed: int, model_name: str) -> str:
+    """What a stored teacher pool depends on, hashed (also names what is stored beside it)."""
     digest = hashlib.sha256(segments.tokens.tobytes())
     digest.update(json.dumps([segments.source, cfg.prefix, cfg.batch_size, cfg.max_offset, seed, model_name,
                               len(model.model.layers)]).encode())
-    fingerprint = digest.hexdigest()[:24]
-    return TeacherPool.cached(os.path.join(cache_dir, f"pool-{fingerprint}.safetensors"), fingerprint, build)
+    return digest.hexdigest()[:24]
 
 
 def _cached_baselines(model: Any, pools: dict[str, TeacherPool], cfg: TrainConfig,
@@ -244,4 +251,4 @@ def _evaluate(model: Any, comp: KVCompressor, pools: dict[str, TeacherPool], cfg
                              for split, pool in pools.items()}}
 
 
-__all__ = ["TrainConfig", "baselines", "checkpoint_metadata", "mean_kl", "train_compressor"]
+__all__ = ["TrainConfig", "baselines", "checkpoint_metadata", "mean_kl", "pool_fingerprint", "teacher_pool", "train_compressor"]

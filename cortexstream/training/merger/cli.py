@@ -37,6 +37,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--val-segments", type=int, default=8, help="held-out segments (0: none)")
     p.add_argument("--train-offset", type=int, default=65536, help="first training token of wiki_text()")
     p.add_argument("--val-offset", type=int, default=32768, help="first held-out token of wiki_text()")
+    p.add_argument("--pool-cache", default=None,
+                   help="folder to store/reuse teacher pools and H2O scores (shared by runs on the same data)")
     p.add_argument("--export", default=None,
                    help="also write the weights to PATH (.safetensors; a compressor's in float16)")
     add_trainer_flags(p, DEFAULTS)
@@ -61,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
                                length=config.prefix + config.queries)
     merger, state = train_merger(model, train, args.out, config, val=val if args.val_segments else None,
                                  resume=args.resume, progress=not args.no_progress, stop_at=args.stop_at,
-                                 model_name=args.model or "smollm2-135m")
+                                 model_name=args.model or "smollm2-135m", pool_cache=args.pool_cache)
     if args.export:
         save_merger(merger, args.export, metadata(state), dtype="float16")
     print(json.dumps({"step": state["step"], "baselines": state["baselines"], "first_eval": state["evals"][0],

@@ -32,11 +32,12 @@ class _ScoringCache(PrefixCache):
         out = original_sdpa(queries, keys, values, self, scale=scale, mask=mask, sinks=sinks)
         b, hq, t, d = queries.shape
         heads = keys.shape[1]
-        q = queries.reshape(b, heads, hq // heads, t, d).astype(mx.float32)
-        logits = scale * (q @ keys.astype(mx.float32)[:, :, None].swapaxes(-1, -2))  # [B, H, G, T, T]
-        causal = mx.tril(mx.ones((t, t), dtype=mx.bool_))
+        group = hq // heads
+        q = queries.reshape(b, heads, group * t, d).astype(mx.float32)  # a GQA group's queries side by side
+        logits = scale * (q @ keys.astype(mx.float32).swapaxes(-1, -2))  # [B, H, G * T, T]: one plain matmul
+        causal = mx.tile(mx.tril(mx.ones((t, t), dtype=mx.bool_)), (group, 1))
         probs = mx.softmax(mx.where(causal, logits, -mx.inf), axis=-1, precise=True)
-        self.scores = probs.sum(axis=(2, 3))  # [B, H, T]
+        self.scores = probs.sum(axis=2)  # [B, H, T]
         return out
 
 

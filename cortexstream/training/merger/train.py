@@ -25,7 +25,8 @@ from cortexstream.errors import InvalidArgumentError
 from cortexstream.policies.base import check_budget, check_real
 from cortexstream.policies.h2o import H2O
 from cortexstream.training.checkpoints import save_checkpoint
-from cortexstream.training.compression.data import Segments, TeacherPool
+from cortexstream.training.compression.data import Segments
+from cortexstream.training.compression.train import pool_fingerprint, teacher_pool
 from cortexstream.training.loop import (LoopSettings, epoch_batch, load_optimizer_state, load_resumable, lr_schedule,
                                         run_steps)
 from cortexstream.training.merger.objective import FoldFn, d2o, evict_fold, learned, merger_loss
@@ -72,14 +73,23 @@ class MergerTrainConfig:
 
 
 class MergerData:
-    """A teacher pool and the policy's kept slots `[S, L, H, k]` for each of its prefixes."""
+    """A teacher pool and the policy's kept slots `[S, L, H, k]` for each of its prefixes. With `cache_dir`, the
+    pool and the prefixes' H2O scores are stored there and reused by runs on the same data (another network,
+    budget or threshold)."""
 
     def __init__(self, model: Any, segments: Segments, cfg: MergerTrainConfig, seed: int, desc: str,
-                 progress: bool) -> None:
-        self.pool = TeacherPool(model, segments, cfg.prefix, batch_size=cfg.batch_size, progress=progress,
-                                desc=desc, max_offset=cfg.max_offset, seed=seed)
-        scores = prefix_scores(model, segments, cfg.prefix, self.pool.offsets, batch_size=cfg.batch_size,
-                               progress=progress)
+                 progress: bool, cache_dir: str | None = None, model_name: str = "") -> None:
+        self.pool = teacher_pool(model, segments, cfg, seed, desc, cache_dir, model_name, progress)
+        path = None if cache_dir is None else os.path.join(
+            cache_dir, f"h2o-scores-{pool_fingerprint(model, segments, cfg, seed, model_name)}.npy")
+        if path is not None and os.path.exists(path):
+            scores = np.load(path)
+        else:
+            scores = prefix_scores(model, segments, cfg.prefix, self.pool.offsets, batch_size=cfg.batch_size,
+                                   progress=progress).astype(np.float32)
+            if path is not None:
+                np.save(path + ".tmp.npy", scores)
+                os.replace(path + ".tmp.npy", path)
         self.keep = mx.array(keep_slots(scores, cfg.policy()))
         self.source = segments.source
 
@@ -104,9 +114,11 @@ def mean_kl(model: Any, data: MergerData, fold: FoldFn, cfg: MergerTrainConfig) 
 
 def train_merger(model: Any, train: Segments, out_dir: str, config: MergerTrainConfig = MergerTrainConfig(), *,
                  val: Segments | None = None, resume: bool = True, progress: bool = True,
-                 stop_at: int | None = None, model_name: str = "") -> tuple[Merger, dict[str, Any]]:
+                 stop_at: int | None = None, model_name: str = "",
+                 pool_cache: str | None = None) -> tuple[Merger, dict[str, Any]]:
     """Train (or resume) a merger of evicted tokens for `model`. Returns (merger, state); state["baselines"] and
-    state["evals"] hold mean KLs (nats per query token) of eviction, D2O and the merger."""
+    state["evals"] hold mean KLs (nats per query token) of eviction, D2O and the merger. pool_cache: a folder
+    where teacher pools and H2O scores are stored and reused."""
     cfg = config
     if train.tokens.shape[1] != cfg.prefix + cfg.queries:
         raise InvalidArgumentError(f"train: segments of {train.tokens.shape[1]} tokens, config needs "
@@ -126,9 +138,9 @@ def train_merger(model: Any, train: Segments, out_dir: str, config: MergerTrainC
         merger = load_merger(os.path.join(out_dir, WEIGHTS))
         load_optimizer_state(out_dir, opt)
         state = saved
-    sets = {"train": MergerData(model, train, cfg, cfg.seed, "teacher", progress)}
+    sets = {"train": MergerData(model, train, cfg, cfg.seed, "teacher", progress, pool_cache, model_name)}
     if val is not None:
-        sets["val"] = MergerData(model, val, cfg, cfg.seed + 1, "teacher (val)", progress)
+        sets["val"] = MergerData(model, val, cfg, cfg.seed + 1, "teacher (val)", progress, pool_cache, model_name)
     if state["baselines"] is None:
         state["baselines"] = {name: {split: mean_kl(model, d, fold, cfg) for split, d in sets.items()}
                               for name, fold in (("h2o", evict_fold), ("d2o", d2o))}
