@@ -75,6 +75,26 @@ def test_recent_keeps_more_of_the_newest_keys_than_the_window():
             parse_policy(spec)
 
 
+def test_pooled_splits_the_voted_slots_between_pooled_and_raw_votes():
+    """pooled=3: the 3 slots the pooled votes rank first (a peak and its neighbours), then the rest of the voted
+    slots by the raw votes among the others (isolated heavy hitters the pooling would drown)."""
+    scores = np.zeros((1, 1, 40))
+    scores[0, 0, 10] = 10.0  # the question's fact: a peak
+    scores[0, 0, [20, 25, 30]] = [3.0, 2.5, 2.0]  # heavy hitters of the stream
+    base = dict(budget=9, window=3, kernel=3, sinks=2, recent=1)
+    all_pooled = SnapKV(**base).select(40, 100, scores)[0, 0].tolist()
+    split = SnapKV(**base, pooled=3).select(40, 100, scores)[0, 0].tolist()
+    assert all_pooled[2:8] == [9, 10, 11, 19, 20, 21]  # max pooling spends slots on the neighbours of 10 and 20
+    assert split == [0, 1, 9, 10, 11, 20, 25, 30, 39]  # pooled 9-11, then the raw top three
+    assert SnapKV(**base, pooled=0.34).pooled_tokens(9) == 3
+    policy = parse_policy("snapkv:budget=0.2,recent=0.5,pooled=0.2,merge=0.5")
+    assert policy.pooled == 0.2 and parse_policy(policy.describe()) == policy
+    for spec, words in (("snapkv:pooled=0", "pooled"), ("adakv:pooled=0.2", "AdaKV: pooled is not supported"),
+                        ("pyramidkv:pooled=4", "PyramidKV: pooled is not supported")):
+        with pytest.raises(InvalidArgumentError, match=words):
+            parse_policy(spec)
+
+
 def test_the_prompt_is_held_whole_while_it_is_prefilled():
     policy = SnapKV(budget=40)
     assert policy.max_physical_tokens(1000, 16, prompt_tokens=900) == 916

@@ -72,6 +72,9 @@ class AdaKV(SnapKV):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_real("AdaKV", "floor", self.floor, 0, 1, "a fraction in [0, 1]")
+        if self.pooled is not None:
+            raise InvalidArgumentError("AdaKV: pooled is not supported: its heads share one ranking of the pooled "
+                                       "votes (snapkv splits pooled and raw votes)")
         if self.merge is not None:
             raise InvalidArgumentError("AdaKV: merge is not supported: a pooled cell holds one head's key, and "
                                        "folding dropped keys into kept ones needs a per-head choice (snapkv)")

@@ -58,6 +58,9 @@ class PyramidKV(SnapKV):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_real("PyramidKV", "beta", self.beta, 1, float("inf"), "a number >= 1 (1: every layer the same)")
+        if self.pooled is not None:
+            raise InvalidArgumentError("PyramidKV: pooled is not supported: its heads share one ranking of the pooled "
+                                       "votes (snapkv splits pooled and raw votes)")
         if self.merge is not None:
             raise InvalidArgumentError("PyramidKV: merge is not supported: a lent cell holds one layer's key, and "
                                        "folding dropped keys into kept ones needs a per-head choice (snapkv)")

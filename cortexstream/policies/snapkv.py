@@ -20,6 +20,11 @@ GQA: a KV head's votes are summed over its query heads (as `attention_received` 
 budget (`recent=0.5` is H2O's split). Keeping more than the window serves text that is read on, not asked about
 (perplexity over a stream): the window alone keeps the last 32.
 
+`pooled` (default: every voted slot) is how many voted slots go to the pooled votes (a count, or a fraction of the
+budget); the other voted slots go to the raw votes, unpooled. What keeps a fact is a few pooled slots around what
+the question attended to (its context comes along); what keeps a stream of text predictable is many single heavy
+hitters and recent tokens. `pooled` splits one budget between the two instead of spending it all on neighbours.
+
 `merge=T` (CaM / D2O style, `engine.evict_merge`): a key the votes drop is not lost when it is close to a kept key
 of its head (cosine >= T): its value is folded into that kept key's value. Same slots and memory as without.
 """
@@ -68,6 +73,7 @@ class SnapKV(FoldsDropped, KVPolicy):
     sinks: int = 4
     merge: float | None = None
     recent: Budget | None = None
+    pooled: Budget | None = None
 
     name = "snapkv"
     evicts = True
@@ -75,7 +81,7 @@ class SnapKV(FoldsDropped, KVPolicy):
     selects_per_head = True  # votes pooled along one head's keys, a budget-fixed count per (layer, KV head)
     parse_keys: ClassVar[dict[str, str]] = {"budget": "budget", "window": "count", "kernel": "count",
                                             "pooling": "str", "sinks": "count", "merge": "float",
-                                            "recent": "budget"}
+                                            "recent": "budget", "pooled": "budget"}
 
     def __post_init__(self) -> None:
         check_budget("budget", self.budget)
@@ -91,6 +97,8 @@ class SnapKV(FoldsDropped, KVPolicy):
                                        f"{', '.join(p.value for p in Pooling)}") from None
         if self.recent is not None:
             check_budget("recent", self.recent)
+        if self.pooled is not None:
+            check_budget("pooled", self.pooled)
         self.check_merge(type(self).__name__)
         if isinstance(self.budget, int) and self.budget < self.minimum_budget:
             raise InvalidArgumentError(f"SnapKV: budget {self.budget} must be >= {self.minimum_budget} (sinks "
@@ -119,6 +127,11 @@ class SnapKV(FoldsDropped, KVPolicy):
             return self.window
         return self.recent if isinstance(self.recent, int) else int(self.recent * budget)
 
+    def pooled_tokens(self, budget: int) -> int:
+        """Voted slots chosen by the pooled votes: `pooled` (a count, or a fraction of `budget`)."""
+        assert self.pooled is not None
+        return self.pooled if isinstance(self.pooled, int) else int(self.pooled * budget)
+
     def select(self, num_physical: int, context: int, scores: np.ndarray | None) -> np.ndarray | None:
         budget = self.budget_tokens(context)
         if num_physical <= budget:
@@ -132,7 +145,13 @@ class SnapKV(FoldsDropped, KVPolicy):
         recent = min(self.recent_tokens(budget), budget - front - 1)
         voted = budget - front - recent
         pooled = pool_scores(scores, self.kernel, self.pooling)[:, :, front : n - recent]
-        order = np.argsort(-pooled, axis=-1, kind="stable")[..., :voted] + front
+        count = voted if self.pooled is None else min(voted, self.pooled_tokens(budget))
+        order = np.argsort(-pooled, axis=-1, kind="stable")[..., :count]
+        if count < voted:  # the rest by the raw votes, among the slots the pooled ones left
+            raw = np.array(scores[:, :, front : n - recent], dtype=np.float64)
+            np.put_along_axis(raw, order, -np.inf, axis=-1)
+            order = np.concatenate([order, np.argsort(-raw, axis=-1, kind="stable")[..., :voted - count]], axis=-1)
+        order = order + front
         return np.concatenate([
             np.broadcast_to(np.arange(front), (layers, heads, front)),
             np.sort(order, axis=-1),
@@ -142,4 +161,5 @@ class SnapKV(FoldsDropped, KVPolicy):
     def describe(self) -> str:
         return (f"snapkv:budget={self.budget},window={self.window},kernel={self.kernel},"
                 f"pooling={self.pooling.value},sinks={self.sinks}"
-                f"{option_suffix('recent', self.recent)}{merge_suffix(self.merge)}")
+                f"{option_suffix('recent', self.recent)}{option_suffix('pooled', self.pooled)}"
+                f"{merge_suffix(self.merge)}")
