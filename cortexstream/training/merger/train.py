@@ -102,10 +102,14 @@ class MergerData:
         return out
 
 
-def mean_kl(model: Any, data: MergerData, fold: FoldFn, cfg: MergerTrainConfig) -> float:
+def mean_kl(model: Any, data: MergerData, fold: FoldFn, cfg: MergerTrainConfig, desc: str = "KL",
+            progress: bool = False) -> float:
     """KL averaged over every query token of the data (no gradient)."""
+    from tqdm import tqdm
+
     total = 0.0
-    for lo in range(0, len(data), cfg.batch_size):
+    for lo in tqdm(range(0, len(data), cfg.batch_size), desc=desc, unit="batch", disable=not progress,
+                   leave=False):
         index = np.arange(lo, min(lo + cfg.batch_size, len(data)))
         _, kl = merger_loss(model, data.batch(index), fold, threshold=cfg.threshold)
         total += kl.item() * len(index)
@@ -142,9 +146,10 @@ def train_merger(model: Any, train: Segments, out_dir: str, config: MergerTrainC
     if val is not None:
         sets["val"] = MergerData(model, val, cfg, cfg.seed + 1, "teacher (val)", progress, pool_cache, model_name)
     if state["baselines"] is None:
-        state["baselines"] = {name: {split: mean_kl(model, d, fold, cfg) for split, d in sets.items()}
+        state["baselines"] = {name: {split: mean_kl(model, d, fold, cfg, f"KL {name} ({split})", progress)
+                                     for split, d in sets.items()}
                               for name, fold in (("h2o", evict_fold), ("d2o", d2o))}
-        state["evals"].append(_evaluate(model, merger, sets, cfg, 0))
+        state["evals"].append(_evaluate(model, merger, sets, cfg, 0, progress))
 
     def loss_fn(m: Merger, batch: dict[str, Any]) -> tuple[mx.array, mx.array]:
         return merger_loss(model, batch, learned(m), threshold=cfg.threshold)
@@ -154,7 +159,7 @@ def train_merger(model: Any, train: Segments, out_dir: str, config: MergerTrainC
 
     def evaluate(state: dict[str, Any]) -> None:
         if "val" in sets:
-            state["evals"].append(_evaluate(model, merger, {"val": sets["val"]}, cfg, state["step"]))
+            state["evals"].append(_evaluate(model, merger, {"val": sets["val"]}, cfg, state["step"], progress))
 
     def save(state: dict[str, Any]) -> None:
         meta = metadata(state)
@@ -165,7 +170,7 @@ def train_merger(model: Any, train: Segments, out_dir: str, config: MergerTrainC
                             desc="merger", terms=("loss", "kl"), progress=progress)
     run_steps(merger, loss_fn, opt, state, settings, inputs=inputs, evaluate=evaluate, save=save)
     if state["step"] == cfg.steps and "final" not in state:
-        state["final"] = _evaluate(model, merger, sets, cfg, state["step"])
+        state["final"] = _evaluate(model, merger, sets, cfg, state["step"], progress)
         save(state)
     return merger, state
 
@@ -180,9 +185,10 @@ def metadata(state: dict[str, Any]) -> dict[str, str]:
     return meta
 
 
-def _evaluate(model: Any, merger: Merger, sets: dict[str, MergerData], cfg: MergerTrainConfig,
-              step: int) -> dict[str, Any]:
-    return {"step": step, **{split: mean_kl(model, d, learned(merger), cfg) for split, d in sets.items()}}
+def _evaluate(model: Any, merger: Merger, sets: dict[str, MergerData], cfg: MergerTrainConfig, step: int,
+              progress: bool = False) -> dict[str, Any]:
+    return {"step": step, **{split: mean_kl(model, d, learned(merger), cfg, f"KL merger ({split})", progress)
+                             for split, d in sets.items()}}
 
 
 __all__ = ["MergerData", "MergerTrainConfig", "WEIGHTS", "mean_kl", "metadata", "train_merger"]
