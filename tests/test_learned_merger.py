@@ -244,3 +244,37 @@ def test_bad_weights_and_values_are_refused(sharp, tmp_path):
         token_nlls(model, random_token_ids(60), LearnedMerger(budget=24, recent=6, threshold=0.0), chunk_size=8)
     with pytest.raises(InvalidArgumentError, match="budget"):
         MergerTrainConfig(budget=0)
+
+
+def test_the_shipped_merger_fits_smollm2s_shape_and_window_compressors_are_not_mistaken_for_it():
+    from cortexstream.compression.shipped import shipped_factors, shipped_weights
+
+    merger = LearnedMerger().resolve(num_kv_heads=3, head_dim=64, num_layers=30)
+    assert isinstance(merger, KVCompressor) and merger.config.factor == 2
+    assert 2 in shipped_factors()  # the factor-2 window compressor is still the window compressor's
+    evicted = [e for e in shipped_weights() if e.merges == "evicted"]
+    assert evicted and all(os.path.isfile(e.path) for e in evicted)
+    with pytest.raises(InvalidArgumentError, match="no shipped sidecar merger") if not any(
+            e.network == "sidecar" for e in evicted) else _no_error():
+        LearnedMerger(network="sidecar").resolve(num_kv_heads=3, head_dim=64, num_layers=30)
+
+
+class _no_error:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.real_model
+def test_the_shipped_merger_on_smollm2_folds_and_stays_near_h2o(smollm):
+    """On text it was not trained on (Python docs) the shipped merger changes what H2O gives, and its perplexity
+    stays within a few percent of H2O's at the same budget (a broken fold would move it far off)."""
+    from pydoc_data.topics import topics
+
+    model, tokenizer = smollm
+    ids = tokenizer.encode("\n\n".join(topics[k] for k in sorted(topics)))[:640]
+    h2o = float(np.exp(token_nlls(model, ids, H2O(budget=0.2), chunk_size=32).mean()))
+    merged = float(np.exp(token_nlls(model, ids, parse_policy("merger:budget=0.2"), chunk_size=32).mean()))
+    assert merged != h2o and abs(merged / h2o - 1) < 0.05, (merged, h2o)
