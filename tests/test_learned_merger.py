@@ -246,25 +246,20 @@ def test_bad_weights_and_values_are_refused(sharp, tmp_path):
         MergerTrainConfig(budget=0)
 
 
-def test_the_shipped_merger_fits_smollm2s_shape_and_window_compressors_are_not_mistaken_for_it():
+def test_the_shipped_mergers_fit_smollm2s_shape_and_window_compressors_are_not_mistaken_for_them():
     from cortexstream.compression.shipped import shipped_factors, shipped_weights
 
     merger = LearnedMerger().resolve(num_kv_heads=3, head_dim=64, num_layers=30)
     assert isinstance(merger, KVCompressor) and merger.config.factor == 2
+    sidecar = LearnedMerger(network="sidecar").resolve(num_kv_heads=3, head_dim=64, num_layers=30)
+    assert isinstance(sidecar, SidecarNet) and sidecar.config.window == 2 and not sidecar.config.log_mass
     assert 2 in shipped_factors()  # the factor-2 window compressor is still the window compressor's
-    evicted = [e for e in shipped_weights() if e.merges == "evicted"]
-    assert evicted and all(os.path.isfile(e.path) for e in evicted)
-    with pytest.raises(InvalidArgumentError, match="no shipped sidecar merger") if not any(
-            e.network == "sidecar" for e in evicted) else _no_error():
-        LearnedMerger(network="sidecar").resolve(num_kv_heads=3, head_dim=64, num_layers=30)
-
-
-class _no_error:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    assert {e.network for e in shipped_weights() if e.merges == "evicted"} == {"compressor", "sidecar"}
+    with pytest.raises(InvalidArgumentError, match="no shipped sidecar merger of evicted tokens fits"):
+        LearnedMerger(network="sidecar").resolve(num_kv_heads=2, head_dim=64)
+    path = next(e.path for e in shipped_weights() if e.network == "sidecar")
+    with pytest.raises(InvalidArgumentError, match="trained for 3 KV heads, the model has 2"):
+        LearnedMerger(weights=path).resolve(num_kv_heads=2, head_dim=64)
 
 
 @pytest.mark.real_model
@@ -276,5 +271,6 @@ def test_the_shipped_merger_on_smollm2_folds_and_stays_near_h2o(smollm):
     model, tokenizer = smollm
     ids = tokenizer.encode("\n\n".join(topics[k] for k in sorted(topics)))[:640]
     h2o = float(np.exp(token_nlls(model, ids, H2O(budget=0.2), chunk_size=32).mean()))
-    merged = float(np.exp(token_nlls(model, ids, parse_policy("merger:budget=0.2"), chunk_size=32).mean()))
-    assert merged != h2o and abs(merged / h2o - 1) < 0.05, (merged, h2o)
+    for spec in ("merger:budget=0.2", "merger:budget=0.2,network=sidecar"):
+        merged = float(np.exp(token_nlls(model, ids, parse_policy(spec), chunk_size=32).mean()))
+        assert merged != h2o and abs(merged / h2o - 1) < 0.05, (spec, merged, h2o)
