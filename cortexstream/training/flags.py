@@ -67,6 +67,16 @@ def add_trainer_flags(p: argparse.ArgumentParser, defaults: TrainerDefaults) -> 
     p.set_defaults(warmup_cap=defaults.warmup_cap)
 
 
+def add_teacher_data_flags(p: argparse.ArgumentParser) -> None:
+    """Where the distillation trainers (compressor, merger) take their text and teacher positions from."""
+    p.add_argument("--max-offset", type=int, default=3072,
+                   help="run each teacher batch at a random position offset in [0, N] (RoPE coverage)")
+    p.add_argument("--segments", type=int, default=64, help="training segments (teacher pool size)")
+    p.add_argument("--val-segments", type=int, default=8, help="held-out segments (0: none)")
+    p.add_argument("--train-offset", type=int, default=65536, help="first training token of wiki_text()")
+    p.add_argument("--val-offset", type=int, default=32768, help="first held-out token of wiki_text()")
+
+
 def check_trainer_flags(args: argparse.Namespace) -> None:
     """Errors name the flag."""
     for name in ("steps", "batch_size", "checkpoint_every"):
@@ -90,4 +100,5 @@ def loop_config_kwargs(args: argparse.Namespace) -> dict[str, object]:
     return kwargs
 
 
-__all__ = ["LOOP_FIELDS", "TrainerDefaults", "add_trainer_flags", "check_trainer_flags", "loop_config_kwargs"]
+__all__ = ["LOOP_FIELDS", "TrainerDefaults", "add_teacher_data_flags", "add_trainer_flags", "check_trainer_flags",
+           "loop_config_kwargs"]

@@ -13,7 +13,8 @@ import json
 import os
 
 from cortexstream.errors import InvalidArgumentError
-from cortexstream.training.flags import TrainerDefaults, add_trainer_flags, check_trainer_flags, loop_config_kwargs
+from cortexstream.training.flags import (TrainerDefaults, add_teacher_data_flags, add_trainer_flags,
+                                         check_trainer_flags, loop_config_kwargs)
 
 # argparse dests that are TrainConfig fields beside the shared loop flags (the rest choose data, outputs, model)
 _TRAIN_ARGS = ("factor", "prefix", "queries", "sinks", "recent", "mse_weight", "log_mass_bias", "dropout",
@@ -38,12 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--init", default="meanpool", choices=["random", "meanpool"],
                    help="initial weights: random (the reference) or exactly mean pooling")
-    p.add_argument("--max-offset", type=int, default=3072,
-                   help="run each teacher batch at a random position offset in [0, N] (RoPE coverage)")
-    p.add_argument("--segments", type=int, default=64, help="training segments (teacher pool size)")
-    p.add_argument("--val-segments", type=int, default=8, help="held-out segments (0: none)")
-    p.add_argument("--train-offset", type=int, default=65536, help="first training token of wiki_text()")
-    p.add_argument("--val-offset", type=int, default=32768, help="first held-out token of wiki_text()")
+    add_teacher_data_flags(p)
     p.add_argument("--export", action="append", default=[],
                    help="also write the trained weights to PATH (.safetensors, .pth or .bin; repeatable)")
     p.add_argument("--export-dtype", default="float16", choices=["float32", "float16", "bfloat16"])

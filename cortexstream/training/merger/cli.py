@@ -13,7 +13,8 @@ import json
 import os
 
 from cortexstream.errors import InvalidArgumentError
-from cortexstream.training.flags import TrainerDefaults, add_trainer_flags, check_trainer_flags, loop_config_kwargs
+from cortexstream.training.flags import (TrainerDefaults, add_teacher_data_flags, add_trainer_flags,
+                                         check_trainer_flags, loop_config_kwargs)
 
 _TRAIN_ARGS = ("network", "budget", "threshold", "sinks", "prefix", "queries", "max_offset")
 DEFAULTS = TrainerDefaults(steps=300, batch_size=4, learning_rate=3e-4, warmup=10, checkpoint_every=50,
@@ -31,12 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--prefix", type=int, default=512, help="prefix tokens per segment (H2O keeps --budget of them)")
     p.add_argument("--queries", type=int, default=32, help="scored tokens after the prefix")
-    p.add_argument("--max-offset", type=int, default=3072,
-                   help="run each teacher batch at a random position offset in [0, N] (RoPE coverage)")
-    p.add_argument("--segments", type=int, default=64, help="training segments (teacher pool size)")
-    p.add_argument("--val-segments", type=int, default=8, help="held-out segments (0: none)")
-    p.add_argument("--train-offset", type=int, default=65536, help="first training token of wiki_text()")
-    p.add_argument("--val-offset", type=int, default=32768, help="first held-out token of wiki_text()")
+    add_teacher_data_flags(p)
     p.add_argument("--pool-cache", default=None,
                    help="folder to store/reuse teacher pools and H2O scores (shared by runs on the same data)")
     p.add_argument("--export", default=None,
