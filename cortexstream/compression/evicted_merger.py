@@ -22,7 +22,7 @@ pair). `group_means` is the same code at training time (batched, [B, H, n, D]) a
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, Mapping, Union
+from typing import Any, Callable, Mapping, Union
 
 import mlx.core as mx
 
@@ -37,6 +37,8 @@ class MergerNetwork(str, Enum):
 
 
 Merger = Union[KVCompressor, SidecarNet]
+# (layer, anchor_k, anchor_v, mean_k, mean_v, weight) -> new (keys, values) of the kept slots, from `group_means`
+Fold = Callable[[int, mx.array, mx.array, mx.array, mx.array, mx.array], tuple[mx.array, mx.array]]
 
 # A marker in the file's metadata: these weights fold evicted tokens, they do not merge windows.
 MERGES = "evicted"
@@ -179,5 +181,5 @@ def anchor_init(merger: Merger) -> None:
     mx.eval(merger.parameters())
 
 
-__all__ = ["FACTOR", "MERGES", "Merger", "MergerNetwork", "anchor_init", "check_merger", "d2o_fold", "group_means",
+__all__ = ["FACTOR", "Fold", "MERGES", "Merger", "MergerNetwork", "anchor_init", "check_merger", "d2o_fold", "group_means",
            "learned_fold", "load_merger", "network_of", "new_merger", "save_merger"]

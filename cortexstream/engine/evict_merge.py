@@ -11,16 +11,11 @@ dequantized and only the changed values are written back, requantized; keys are 
 
 from __future__ import annotations
 
-from typing import Callable
-
 import mlx.core as mx
 import numpy as np
 
-from cortexstream.compression.evicted_merger import group_means
+from cortexstream.compression.evicted_merger import Fold, group_means
 from cortexstream.kv.sequence_kv import SequenceKV
-
-# (layer, anchor_k, anchor_v, mean_k, mean_v, weight) -> new (keys, values) of the kept slots, all [H, k, D]
-Fold = Callable[[int, mx.array, mx.array, mx.array, mx.array, mx.array], tuple[mx.array, mx.array]]
 
 
 def merged_values(seq: SequenceKV, keep: np.ndarray, threshold: float) -> tuple[list[mx.array | None], int]:
@@ -71,10 +66,11 @@ def folded_kv(seq: SequenceKV, keep: np.ndarray, threshold: float,
         keys, values = seq.arena.read(layer, seq.blocks, n)
         rows = mx.array(np.sort(keep[layer], axis=-1).astype(np.int32))
         anchor_k, anchor_v, mean_k, mean_v, weight, joined = group_means(keys, values, rows, threshold)
-        if int(joined.item()) == 0:
+        count = int(joined.item())
+        if count == 0:
             out.append(None)
             continue
-        merged += int(joined.item())
+        merged += count
         out.append(fold(layer, anchor_k, anchor_v, mean_k, mean_v, weight))
     return out, merged
 

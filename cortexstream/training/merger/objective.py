@@ -10,15 +10,12 @@ scale and the learned one is trained on what a user reads: the next token.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 
-from cortexstream.compression.evicted_merger import Merger, d2o_fold, group_means, learned_fold
+from cortexstream.compression.evicted_merger import Fold, Merger, d2o_fold, group_means, learned_fold
 from cortexstream.training.compression.objective import PrefixCache, distillation_loss, hidden_over_offsets
-
-# (layer, anchor_k, anchor_v, mean_k, mean_v, weight) -> (keys, values) of the kept slots
-FoldFn = Callable[[int, mx.array, mx.array, mx.array, mx.array, mx.array], tuple[mx.array, mx.array]]
 
 
 def evict_fold(layer: int, anchor_k: mx.array, anchor_v: mx.array, mean_k: mx.array, mean_v: mx.array,
@@ -33,7 +30,7 @@ def d2o(layer: int, anchor_k: mx.array, anchor_v: mx.array, mean_k: mx.array, me
     return anchor_k, d2o_fold(anchor_v, mean_v, weight)
 
 
-def learned(merger: Merger) -> FoldFn:
+def learned(merger: Merger) -> Fold:
     def fold(layer: int, anchor_k: mx.array, anchor_v: mx.array, mean_k: mx.array, mean_v: mx.array,
              weight: mx.array) -> tuple[mx.array, mx.array]:
         return learned_fold(merger, layer, anchor_k, anchor_v, mean_k, mean_v, weight)
@@ -41,7 +38,7 @@ def learned(merger: Merger) -> FoldFn:
     return fold
 
 
-def merger_loss(model: Any, batch: dict[str, Any], fold: FoldFn, *,
+def merger_loss(model: Any, batch: dict[str, Any], fold: Fold, *,
                 threshold: float) -> tuple[mx.array, mx.array]:
     """(loss, kl) for a batch of the teacher pool plus `keep` `[B, L, H, k]` (the policy's slots per prefix)."""
     keep = batch["keep"]

@@ -29,7 +29,7 @@ from cortexstream.training.compression.data import Segments
 from cortexstream.training.compression.train import pool_fingerprint, teacher_pool
 from cortexstream.training.loop import (LoopSettings, epoch_batch, load_optimizer_state, load_resumable, lr_schedule,
                                         run_steps)
-from cortexstream.training.merger.objective import FoldFn, d2o, evict_fold, learned, merger_loss
+from cortexstream.training.merger.objective import Fold, d2o, evict_fold, learned, merger_loss
 from cortexstream.training.merger.scores import keep_slots, prefix_scores
 
 WEIGHTS = "merger.safetensors"
@@ -102,7 +102,7 @@ class MergerData:
         return out
 
 
-def mean_kl(model: Any, data: MergerData, fold: FoldFn, cfg: MergerTrainConfig, desc: str = "KL",
+def mean_kl(model: Any, data: MergerData, fold: Fold, cfg: MergerTrainConfig, desc: str = "KL",
             progress: bool = False) -> float:
     """KL averaged over every query token of the data (no gradient)."""
     from tqdm import tqdm
