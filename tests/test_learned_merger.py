@@ -236,6 +236,11 @@ def test_bad_weights_and_values_are_refused(sharp, tmp_path):
         parse_policy("merger:threshold=2")
     with pytest.raises(InvalidArgumentError, match="network 'mlp' is not one of compressor, sidecar"):
         parse_policy("merger:network=mlp")
+    with pytest.raises(InvalidArgumentError, match="threshold -0.2 must be a cosine in \\[0, 1\\] for a learned"):
+        parse_policy("merger:threshold=-0.2")
+    for bad in ({"threshold": -0.5}, {"network": "mlp"}):
+        with pytest.raises(InvalidArgumentError, match="MergerTrainConfig: (threshold|network)"):
+            MergerTrainConfig(**bad)
     with pytest.raises(InvalidArgumentError, match="network=sidecar but the weights hold a compressor merger"):
         LearnedMerger(network="sidecar", weights=_merger(model))
     with pytest.raises(InvalidArgumentError, match="without log-mass"):

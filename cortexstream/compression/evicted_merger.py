@@ -119,6 +119,21 @@ def check_merger(merger: Merger, source: str) -> None:
                                    f"mean]), these weights merge {merger.config.factor} tokens")
 
 
+def check_network(owner: str, network: str) -> None:
+    """`network` names a `MergerNetwork`, else an error naming `owner`."""
+    if network not in {n.value for n in MergerNetwork}:
+        raise InvalidArgumentError(f"{owner}: network '{network}' is not one of "
+                                   f"{', '.join(n.value for n in MergerNetwork)}")
+
+
+def check_threshold(owner: str, threshold: float) -> None:
+    """A group's mean weighs its members by their cosines (`group_means`), so the threshold that admits them must
+    be a cosine in [0, 1]: a negative one would admit members whose negative weights the mean cannot carry."""
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
+        raise InvalidArgumentError(f"{owner}: threshold {threshold!r} must be a cosine in [0, 1] for a learned "
+                                   "merger (a group's mean weighs its members by their cosines)")
+
+
 def network_of(merger: Merger) -> MergerNetwork:
     return MergerNetwork.SIDECAR if isinstance(merger, SidecarNet) else MergerNetwork.COMPRESSOR
 
@@ -181,5 +196,5 @@ def anchor_init(merger: Merger) -> None:
     mx.eval(merger.parameters())
 
 
-__all__ = ["FACTOR", "Fold", "MERGES", "Merger", "MergerNetwork", "anchor_init", "check_merger", "d2o_fold", "group_means",
+__all__ = ["FACTOR", "Fold", "MERGES", "Merger", "MergerNetwork", "anchor_init", "check_merger", "check_network", "check_threshold", "d2o_fold", "group_means",
            "learned_fold", "load_merger", "network_of", "new_merger", "save_merger"]

@@ -20,7 +20,8 @@ from typing import ClassVar
 import mlx.core as mx
 
 from cortexstream.compression.compressor import KVCompressor
-from cortexstream.compression.evicted_merger import MERGES, Merger, MergerNetwork, check_merger, learned_fold, network_of
+from cortexstream.compression.evicted_merger import (MERGES, Merger, MergerNetwork, check_merger, check_network,
+                                                     check_threshold, learned_fold, network_of)
 from cortexstream.compression.shipped import find_shipped
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.policies.base import Budget
@@ -43,9 +44,8 @@ class LearnedMerger(D2O):
                  threshold: float = 0.5, network: str | None = None,
                  weights: "str | os.PathLike[str] | KVCompressor | SidecarNet | None" = None) -> None:
         merger = None
-        if network is not None and network not in {n.value for n in MergerNetwork}:
-            raise InvalidArgumentError(f"LearnedMerger: network '{network}' is not one of "
-                                       f"{', '.join(n.value for n in MergerNetwork)}")
+        if network is not None:
+            check_network("LearnedMerger", network)
         if isinstance(weights, (KVCompressor, SidecarNet)):
             check_merger(weights, "weights")
             merger, label = weights, f"<{type(weights).__name__} object at {id(weights):#x}>"
@@ -66,6 +66,10 @@ class LearnedMerger(D2O):
                             ("threshold", threshold), ("network", found), ("weights", label), ("merger", merger)):
             object.__setattr__(self, name, value)
         self.__post_init__()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_threshold(type(self).__name__, self.threshold)
 
     def resolve(self, *, num_kv_heads: int, head_dim: int, num_layers: int | None = None) -> Merger:
         """The merger for a cache of this shape (loaded on first use); errors name what does not fit."""

@@ -19,10 +19,11 @@ import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 
-from cortexstream.compression.evicted_merger import Merger, MergerNetwork, anchor_init, load_merger, new_merger, save_merger
+from cortexstream.compression.evicted_merger import (Merger, MergerNetwork, anchor_init, check_network, check_threshold,
+                                                     load_merger, new_merger, save_merger)
 from cortexstream.kv.arena_config import model_kv_shape
 from cortexstream.errors import InvalidArgumentError
-from cortexstream.policies.base import check_budget, check_real
+from cortexstream.policies.base import check_budget
 from cortexstream.policies.h2o import H2O
 from cortexstream.training.checkpoints import save_checkpoint
 from cortexstream.training.compression.data import Segments
@@ -57,11 +58,9 @@ class MergerTrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.network not in {n.value for n in MergerNetwork}:
-            raise InvalidArgumentError(f"network: '{self.network}' is not one of "
-                                       f"{', '.join(n.value for n in MergerNetwork)}")
+        check_network("MergerTrainConfig", self.network)
         check_budget("budget", self.budget)
-        check_real("merger", "threshold", self.threshold, -1.0, 1.0, "a cosine in [-1, 1]")
+        check_threshold("MergerTrainConfig", self.threshold)
         for name in ("prefix", "queries", "steps", "batch_size", "checkpoint_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise InvalidArgumentError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
