@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from cortexstream.engine.engine import Engine
-from test_engine import random_prompts
+from test_engine import collect, random_prompts
 
 
 def run(model, tokenizer, pipeline, requests, abort_at=None, **engine_kwargs):
@@ -90,3 +90,25 @@ def test_pipelined_with_admissions_preemption_and_policies(tiny):
     assert inflight > 0
     for x, y in zip(piped, sync):
         assert x["tokens"] == y["tokens"] and x["reason"] == y["reason"]
+
+
+def test_a_job_sized_private_arena_pipelines_its_one_request(tiny):
+    """The public calls' private arena holds the job and one spare block per request. Every decode step of a
+    single request on it has room for its next two tokens, so it is pipelined (it once was not: the check asked
+    for two free blocks beyond what the sequences need)."""
+    from cortexstream.engine.sizing import fit_to_context, private_arena
+    from cortexstream.policies.parsing import parse_policy
+
+    model, tokenizer = tiny
+    prompt = list(range(3, 40))
+    arena = private_arena(model, [(len(prompt), fit_to_context(model, len(prompt), 24), parse_policy(None))],
+                          block_size=4, prefill_step_size=512)
+    engine = Engine(model, tokenizer, max_num_seqs=1, prefix_caching=False, arena=arena)
+    rid = engine.add_request(prompt, max_tokens=24)
+    pipelined, results = [], {}
+    while engine.has_unfinished:
+        if engine.scheduler.running and engine.scheduler.running[0].output_ids:
+            pipelined.append(engine.scheduler.may_pipeline())
+        collect(engine.step(), results)
+    assert len(results[rid]["tokens"]) == 24
+    assert pipelined and all(pipelined[:-2])  # the last steps: its final token needs no next step

@@ -131,6 +131,7 @@ def test_the_draft_model_computes_each_prompt_chunk_in_its_step(tiny, other_draf
     so the first drafting pass after the prompt feeds one token, not the prompt: no pause of a draft-model prefill
     between the first two output tokens. Greedy output is plain decoding's."""
     from cortexstream.engine.draft_runner import DraftRunner
+    from cortexstream.engine.verify_cost import PLAIN_STEPS_TO_MEASURE
 
     model, tokenizer = tiny
     prompt = _prompts(1, seed=9)[0] * 3  # 15-117 tokens: several chunks of 16
@@ -148,4 +149,7 @@ def test_the_draft_model_computes_each_prompt_chunk_in_its_step(tiny, other_draf
     assert run_all(engine)[rid]["tokens"] == expected[0]
     assert [start for start, _, _ in feeds] == list(range(0, len(prompt), 16))
     assert sum(n for _, n, _ in feeds) == len(prompt) and {k for _, _, k in feeds} == {0}
-    assert contexts and contexts[0] == 1 and max(contexts) <= 3  # the sampled token, then kept drafts + one
+    # the first drafting pass feeds the tokens since the prompt (after the plain steps that time the batch's
+    # pipelined period: engine/verify_cost.py), then kept drafts + one
+    assert contexts and contexts[0] <= 1 + PLAIN_STEPS_TO_MEASURE and max(contexts[1:]) <= 3
+    assert contexts[0] < len(prompt) // 4

@@ -264,12 +264,43 @@ def test_with_the_engine_clock_idle_sequences_probe_in_the_same_steps():
     assert len(steps) <= 6  # 8, 16, 32, 64, 128 (backing off to 8 * 8 = 64)
 
 
-def test_partial_acceptance_counts_one_failed_trial():
+def test_a_draft_is_one_first_token_trial_and_continuation_trials_up_to_the_first_rejection():
     draft = AdaptiveDraftLength(4, initial_rate=0.5, prior_trials=2.0, decay=0.5)
-    draft.record(4, 2)  # two successes, one failure; the fourth token was never tested
-    assert draft.acceptance_rate == pytest.approx((0.5 * 1.0 + 2) / (0.5 * 2.0 + 3))
-    draft.record(3, 3)  # all accepted: three successes, no failure
-    assert draft.acceptance_rate == pytest.approx((0.5 * 2.5 + 3) / (0.5 * 4.0 + 3))
+    draft.record(4, 2)  # first token accepted; later: one success, one failure; the fourth was never tested
+    assert draft.acceptance_rate == pytest.approx((0.5 * 1.0 + 1) / (0.5 * 2.0 + 1))  # after a rejection
+    assert draft.continuation_rate == pytest.approx((0.5 * 1.0 + 1) / (0.5 * 2.0 + 2))
+    draft.record(3, 3)  # all accepted: a first-token success (state: after a rejection), two later successes
+    assert draft.continuation_rate == pytest.approx((0.5 * 1.5 + 2) / (0.5 * 3.0 + 2))
+    assert draft.acceptance_rate == pytest.approx(0.5)  # now after a full acceptance: that state's prior
+    draft.record(2, 0)  # the first token rejected (a trial of the full-acceptance state): no continuation trial
+    assert draft.continuation_rate == pytest.approx((0.5 * 1.5 + 2) / (0.5 * 3.0 + 2))
+    assert draft.acceptance_rate == pytest.approx(1.75 / 2)  # after a rejection again: that state's rate
+    draft.record(1, 1)
+    assert draft.acceptance_rate == pytest.approx(0.5 * 1.0 / (0.5 * 2.0 + 1))  # the failure above
+
+
+def test_expected_tokens_with_a_weaker_first_token():
+    assert expected_tokens(0.9, 3, first=0.5) == pytest.approx(1 + 0.5 * (1 + 0.9 + 0.81))
+    assert expected_tokens(1.0, 3, first=0.5) == pytest.approx(2.5)
+    assert expected_tokens(0.6, 4, first=0.6) == pytest.approx(expected_tokens(0.6, 4))
+
+
+def test_a_copying_stretch_drafts_long_and_a_rejection_drafts_short():
+    """The first token's rate is kept per state: after a fully accepted draft a copy usually goes on, after a
+    rejection the next proposal often misses. Same history of rates, different k by state."""
+    draft = AdaptiveDraftLength(8, cost_per_draft=0.6, initial_rate=0.6)
+    for _ in range(30):  # after a rejection: one more miss, then a hit starts a stretch of five full acceptances
+        draft.record(1, 0)
+        draft.record(1, 1)
+        for _ in range(4):
+            draft.record(4, 4)
+        draft.record(4, 0)
+    after_miss = draft.k
+    assert draft.acceptance_rate == pytest.approx(0.5, abs=0.05)
+    draft.record(1, 1)
+    after_hit = draft.k
+    assert draft.acceptance_rate == pytest.approx(0.8, abs=0.05) and draft.continuation_rate > 0.99
+    assert after_miss == 0 and after_hit == 8
 
 
 def test_not_adaptive_always_drafts_k_max():

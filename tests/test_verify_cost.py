@@ -263,8 +263,8 @@ def test_the_engine_times_verify_passes_and_feeds_every_sequence_the_measured_co
 
     model, tokenizer = tiny
     engine = Engine(model, tokenizer, kv_tokens=2048, block_size=4, speculative="ngram:k=4,n=2")
-    for seed in range(3):
-        engine.add_request(_looping(seed), max_tokens=40)
+    for seed in range(3):  # finishing one after another: verify passes of several row counts
+        engine.add_request(_looping(seed), max_tokens=30 + 15 * seed)
     estimate, checked = engine.scheduler.verify_cost, 0
     while engine.has_unfinished:
         collect(engine.step(), {})
@@ -311,3 +311,57 @@ def test_the_first_pass_of_a_shape_is_not_a_sample():
         model.observe(rows, 0.035 + 0.006 * rows)
     assert model.seconds_per_row == pytest.approx(0.006, rel=1e-6)
     assert model.measured_cost(1) == pytest.approx(0.006 / 0.041, rel=1e-3)
+
+
+# --- a batch pauses drafting to time its plain pipelined step ---------------------------------------------------
+
+def test_a_batch_size_wants_plain_steps_until_its_pipelined_period_is_measured():
+    from cortexstream.engine.verify_cost import PLAIN_STEPS_TO_MEASURE
+
+    model = VerifyCostModel()
+    assert model.wants_plain_steps(8) and model.wants_plain_steps(1)
+    model.observe_pipelined(8, 0.15)  # a shape's first sample is skipped
+    assert model.wants_plain_steps(8)
+    model.observe_pipelined(8, 0.14)
+    assert not model.wants_plain_steps(8)
+    assert not model.wants_plain_steps(7) and not model.wants_plain_steps(10)  # within a quarter of the batch
+    assert model.wants_plain_steps(5) and model.wants_plain_steps(11)
+    for _ in range(PLAIN_STEPS_TO_MEASURE):  # a size whose steps never pipeline stops asking after a few
+        assert model.wants_plain_steps(3)
+        model.plain_step_paused(3)
+    assert not model.wants_plain_steps(3)
+    with pytest.raises(InvalidArgumentError, match="batch"):
+        model.wants_plain_steps(0)
+
+
+def test_the_engine_times_plain_steps_of_a_new_batch_before_it_drafts(tiny):
+    """A batch that would draft from its first decode step first runs plain pipelined steps until their period is
+    measured, so the pipelining a drafting step gives up is counted from the start; then it drafts; greedy output
+    is plain decoding's."""
+    from cortexstream.engine.engine import Engine
+    from tests.test_engine import collect, run_all
+
+    model, tokenizer = tiny
+    prompts = [_looping(3), _looping(4)]
+    plain = Engine(model, tokenizer, kv_tokens=2048, block_size=4)
+    plain_ids = [plain.add_request(p, max_tokens=40) for p in prompts]
+    expected = run_all(plain)
+    engine = Engine(model, tokenizer, kv_tokens=2048, block_size=4, speculative="ngram:k=4,n=2")
+    engine.scheduler.verify_cost = VerifyCostModel(0.0)  # drafting looks free: every sequence would draft at once
+    ids = [engine.add_request(p, max_tokens=40) for p in prompts]
+    decode_steps, tokens = [], {}
+    schedule = engine.scheduler.schedule
+
+    def record():
+        plan, ended = schedule()
+        if plan.decode and not plan.prefill:
+            decode_steps.append(any(item.draft for item in plan.decode))
+        return plan, ended
+
+    engine.scheduler.schedule = record
+    while engine.has_unfinished:
+        collect(engine.step(), tokens)
+    assert [tokens[i]["tokens"] for i in ids] == [expected[i]["tokens"] for i in plain_ids]
+    first_draft = decode_steps.index(True)
+    assert 3 <= first_draft <= 6  # from idle, a skipped first sample, a sample
+    assert engine.scheduler.verify_cost.pipelined_step(2) is not None

@@ -48,7 +48,7 @@ def room_to_grow(running: list[Sequence], blocks: BlockManager) -> bool:
     preempting anyone."""
     # A sequence with room reserved for its next two tokens needs no block, unless it writes a shared one.
     allocator, bs = blocks.allocator, blocks.block_size
-    need = 2
+    need = 0
     for seq in running:
         table = seq.block_table
         if not seq.uses_arena:

@@ -151,10 +151,23 @@ class Scheduler:
     def may_pipeline(self) -> bool:
         """True when the next step can only decode: nothing to admit or prefill, and blocks enough for every
         running sequence to grow (and copy on write) without preempting anyone."""
-        if self.waiting or any(s.num_pending > 1 or scoring(s) or (
-                s.speculation is not None and s.speculation.wants_draft(self.clock)) for s in self.running):
+        if self.waiting or any(s.num_pending > 1 or scoring(s) for s in self.running):
+            return False
+        if not self._measuring_plain() and any(s.speculation is not None and s.speculation.wants_draft(self.clock)
+                                               for s in self.running):
             return False  # speculation needs its last token read to draft from it
         return kv_capacity.room_to_grow(self.running, self.blocks)
+
+    def _measuring_plain(self) -> bool:
+        """Whether this step pauses drafting to time plain pipelined steps: the batch only decodes, every
+        speculating sequence adapts its k, and the period of a plain step at this batch size is not measured yet
+        (`VerifyCostModel.wants_plain_steps`)."""
+        speculating = [s.speculation for s in self.running if s.speculation is not None]
+        if not speculating or self.waiting or not all(x.config.adaptive for x in speculating):
+            return False
+        if any(s.num_pending > 1 or scoring(s) for s in self.running):
+            return False
+        return self.verify_cost.wants_plain_steps(len(self.running))
 
     def schedule(self) -> tuple[StepPlan, list[Sequence]]:
         """The next step's plan, and the sequences that ended since the last one (rejected, aborted, failed)."""
@@ -178,6 +191,9 @@ class Scheduler:
                 prefill.append((seq, chunk))
                 budget -= chunk
         prefilling = {id(s) for s, _ in prefill} | {id(s) for s in self.running if scoring(s, score)}
+        paused = self._measuring_plain()  # no drafts this step: its plain pipelined period is timed
+        if paused:
+            self.verify_cost.plain_step_paused(len(self.running))
         decode: list[Sequence] = []
         drafts: dict[int, tuple[int, ...]] = {}
         for seq in list(self.running):
@@ -185,7 +201,7 @@ class Scheduler:
                 continue
             if seq.num_inflight and len(seq.output_ids) + 1 >= seq.sampling.max_tokens:
                 continue  # its unread token is its last by length: no step after it
-            draft, by_model = self._draft(seq, self.clock)
+            draft, by_model = ((), None) if paused else self._draft(seq, self.clock)
             extra = len(draft) + (by_model.k if by_model else 0)
             if extra and self.blocks.reserve(seq, 1 + extra):
                 drafts[id(seq)] = (draft, by_model)

@@ -44,7 +44,9 @@ tokens while its own pass was launched (`pipelined_pass`) is timed as the period
 decayed mean per batch size (first of each size skipped). When measured it is the unit instead of `a + b*B`, and a
 step that drafts pays `f = (a + b*B) / T(B) - 1` on top of its rows, once, whatever k (`fixed_cost`; taken as if
 the whole batch drafted, so shared by all). Where the step's Python is as long as its pass (a 135M model on a CPU)
-that is a large share; where the pass dominates it is near 0.
+that is a large share; where the pass dominates it is near 0. A batch whose sequences draft from their first step
+would never run a plain step to time, so a batch size with no `T(B)` measured near it pauses drafting for a few
+decode-only steps (`wants_plain_steps`; the scheduler asks it).
 
 A draft model's passes are a term of their own: they grow with k, not with the verify rows. The runner times them
 (`StepResult.draft_seconds`, out of the verify sample's seconds) and the estimate keeps their mean seconds per pass
@@ -61,6 +63,10 @@ import math
 
 from cortexstream.engine.step_plan import StepPlan, StepResult
 from cortexstream.errors import InvalidArgumentError
+
+# Plain steps a batch size may spend with drafting paused to measure its pipelined period (three do it: one launches
+# from idle, the next is a shape's first sample, skipped; the margin covers a step that could not pipeline).
+PLAIN_STEPS_TO_MEASURE = 6
 
 # What one drafted token costs, in decode steps, until measured. Above what a weight-bound pass's extra row costs:
 # a drafting sequence also loses the pipelined decode (its next draft needs the token just sampled), and with
@@ -131,6 +137,10 @@ class _MeanByCount:
         old = self._means.get(count)
         self._means[count] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 
+    def has_near(self, count: int) -> bool:
+        """Whether a count within a quarter of `count` (at least the count itself) has a mean."""
+        return any(abs(n - count) <= count // 4 for n in self._means)
+
     def nearest(self, count: int) -> float | None:
         if not self._means:
             return None
@@ -170,6 +180,7 @@ class VerifyCostModel:
         self._last_seconds: float | None = None  # the latest verify sample's seconds (a plain step's upper bound)
         self._draft_pass = _MeanByCount(self.decay)  # sequences drafting -> seconds of one draft pass
         self._pipelined = _MeanByCount(self.decay)  # batch -> seconds of a pipelined plain step
+        self._plain_tries: dict[int, int] = {}  # batch -> steps spent with drafting paused to measure its period
 
     @property
     def fitted(self) -> bool:
@@ -232,6 +243,19 @@ class VerifyCostModel:
         _check_count("batch", batch)
         _check_seconds(seconds)
         self._pipelined.add(batch, seconds)
+
+    def wants_plain_steps(self, batch: int) -> bool:
+        """Whether decoding `batch` sequences should pause drafting to measure the pipelined period `T(B)`: none
+        measured within a quarter of `batch`, and fewer than `PLAIN_STEPS_TO_MEASURE` steps spent trying. Without it
+        a batch that drafts from its first step never sees a plain step, and the pipelining it gives up is never
+        counted (SmolLM2, 8 edits: a cost per draft of 0.25 against 0.7 measured later, and every sequence drafted)."""
+        _check_count("batch", batch)
+        return not self._pipelined.has_near(batch) and self._plain_tries.get(batch, 0) < PLAIN_STEPS_TO_MEASURE
+
+    def plain_step_paused(self, batch: int) -> None:
+        """A step of `batch` sequences decoded with drafting paused (`wants_plain_steps`)."""
+        _check_count("batch", batch)
+        self._plain_tries[batch] = self._plain_tries.get(batch, 0) + 1
 
     def pipelined_step(self, batch: int) -> float | None:
         """The measured period of a pipelined plain step at the nearest measured batch size (None: not measured)."""
@@ -297,4 +321,4 @@ class VerifyCostModel:
         return rows + self.draft_cost(batch)
 
 
-__all__ = ["PRIOR_COST_PER_DRAFT", "VerifyCostModel", "drafted_passes", "pipelined_pass", "timed_pass"]
+__all__ = ["PLAIN_STEPS_TO_MEASURE", "PRIOR_COST_PER_DRAFT", "VerifyCostModel", "drafted_passes", "pipelined_pass", "timed_pass"]
