@@ -279,3 +279,17 @@ def test_the_shipped_merger_on_smollm2_folds_and_stays_near_h2o(smollm):
     for spec in ("merger:budget=0.2", "merger:budget=0.2,network=sidecar"):
         merged = float(np.exp(token_nlls(model, ids, parse_policy(spec), chunk_size=32).mean()))
         assert merged != h2o and abs(merged / h2o - 1) < 0.05, (spec, merged, h2o)
+
+
+def test_the_manifest_spells_what_a_file_merges_and_its_network_as_enums():
+    from cortexstream.compression.evicted_merger import MergerNetwork
+    from cortexstream.compression.shipped import Merges, ShippedWeights, shipped_weights
+
+    mergers = [e for e in shipped_weights() if e.merges is Merges.EVICTED]
+    assert {e.network for e in mergers} == {MergerNetwork.COMPRESSOR, MergerNetwork.SIDECAR}
+    assert all(e.merges is Merges.WINDOWS and e.network is MergerNetwork.COMPRESSOR
+               for e in shipped_weights() if e not in mergers)
+    with pytest.raises(ValueError, match=r"x\.safetensors: merges='bogus' is not one of 'windows', 'evicted'"):
+        ShippedWeights("x.safetensors", "m", 1, 1, 4, 2, merges="bogus")
+    with pytest.raises(ValueError, match="network='gru'"):
+        ShippedWeights("x.safetensors", "m", 1, 1, 4, 2, network="gru")

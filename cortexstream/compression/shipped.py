@@ -10,12 +10,22 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from enum import Enum
 from functools import lru_cache
 
+from cortexstream.compression.evicted_merger import MERGES, MergerNetwork
 from cortexstream.errors import InvalidArgumentError, ModelLoadError
 
 WEIGHTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights")
 MANIFEST = os.path.join(WEIGHTS_DIR, "manifest.json")
+
+
+class Merges(str, Enum):
+    """What a shipped file merges: fixed windows of tokens (a window compressor) or evicted tokens into kept ones (a
+    merger, `compression.evicted_merger`)."""
+
+    WINDOWS = "windows"
+    EVICTED = MERGES
 
 
 @dataclass(frozen=True)
@@ -26,8 +36,17 @@ class ShippedWeights:
     num_kv_heads: int
     head_dim: int
     factor: int
-    merges: str = "windows"  # "windows": a window compressor; "evicted": a merger of evicted tokens
-    network: str = "compressor"  # a merger's network: "compressor" or "sidecar"
+    merges: Merges = Merges.WINDOWS
+    network: MergerNetwork = MergerNetwork.COMPRESSOR  # a merger's network
+
+    def __post_init__(self) -> None:  # the manifest gives strings
+        for name, kind in (("merges", Merges), ("network", MergerNetwork)):
+            value = getattr(self, name)
+            try:
+                object.__setattr__(self, name, kind(value))
+            except ValueError:
+                allowed = ", ".join(repr(k.value) for k in kind)
+                raise ValueError(f"{self.file}: {name}={value!r} is not one of {allowed}") from None
 
     @property
     def path(self) -> str:
@@ -52,13 +71,15 @@ def shipped_weights() -> tuple[ShippedWeights, ...]:
 
 
 def shipped_factors() -> set[int]:
-    return {entry.factor for entry in shipped_weights() if entry.merges == "windows"}
+    return {entry.factor for entry in shipped_weights() if entry.merges is Merges.WINDOWS}
 
 
 def find_shipped(factor: int, *, head_dim: int, num_kv_heads: int, num_layers: int | None = None,
-                 merges: str = "windows", network: str = "compressor") -> ShippedWeights:
+                 merges: Merges = Merges.WINDOWS,
+                 network: MergerNetwork = MergerNetwork.COMPRESSOR) -> ShippedWeights:
     """The shipped weights for this cache shape and factor (num_layers None: not checked yet); `merges`: window
     compressors or mergers of evicted tokens (`compression.evicted_merger`)."""
+    merges, network = Merges(merges), MergerNetwork(network)
     for entry in shipped_weights():
         if (entry.factor, entry.head_dim, entry.num_kv_heads, entry.merges, entry.network) == \
                 (factor, head_dim, num_kv_heads, merges, network) and \
@@ -66,11 +87,11 @@ def find_shipped(factor: int, *, head_dim: int, num_kv_heads: int, num_layers: i
             return entry
     have = "; ".join(e.describe() for e in shipped_weights() if (e.merges, e.network) == (merges, network)) or "none"
     layers = "?" if num_layers is None else num_layers
-    if merges == "evicted":
+    if merges is Merges.EVICTED:
         raise InvalidArgumentError(
-            f"merger: weights=None but no shipped {network} merger of evicted tokens fits this model ({layers} layers, "
+            f"merger: weights=None but no shipped {network.value} merger of evicted tokens fits this model ({layers} layers, "
             f"{num_kv_heads} KV heads, head_dim {head_dim}); shipped: {have}. Train one with `cortexstream train "
-            f"merger --network {network} --out DIR` and pass weights=DIR/merger.safetensors")
+            f"merger --network {network.value} --out DIR` and pass weights=DIR/merger.safetensors")
     raise InvalidArgumentError(
         f"compressor: weights=None but no shipped weights fit this model ({layers} layers, {num_kv_heads} KV "
         f"heads, head_dim {head_dim}) at factor {factor}; shipped: {have}. Train some with `cortexstream train "

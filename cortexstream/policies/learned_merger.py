@@ -22,7 +22,7 @@ import mlx.core as mx
 from cortexstream.compression.compressor import KVCompressor
 from cortexstream.compression.evicted_merger import (MERGES, Merger, MergerNetwork, check_merger, check_network,
                                                      check_threshold, learned_fold, network_of)
-from cortexstream.compression.shipped import find_shipped
+from cortexstream.compression.shipped import Merges, find_shipped
 from cortexstream.errors import InvalidArgumentError
 from cortexstream.policies.base import Budget
 from cortexstream.sidecar.network import SidecarNet
@@ -79,7 +79,7 @@ class LearnedMerger(D2O):
             merger, source = load_cached(self.weights, MERGES), self.weights
         else:
             entry = find_shipped(2, head_dim=head_dim, num_kv_heads=num_kv_heads, num_layers=num_layers,
-                                 merges=MERGES, network=self.network)
+                                 merges=Merges.EVICTED, network=MergerNetwork(self.network))
             merger, source = load_cached(entry.path, MERGES), entry.path
         if merger.config.head_dim != head_dim:
             raise InvalidArgumentError(f"weights: {source} has head_dim {merger.config.head_dim}, the model's is "
