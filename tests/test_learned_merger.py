@@ -245,7 +245,8 @@ def test_bad_weights_and_values_are_refused(sharp, tmp_path):
         LearnedMerger(network="sidecar", weights=_merger(model))
     with pytest.raises(InvalidArgumentError, match="without log-mass"):
         LearnedMerger(weights=SidecarNet(SidecarConfig(head_dim=8, window=2, num_layers=2, num_kv_heads=2)))
-    with pytest.raises(InvalidArgumentError, match="cortexstream train merger --network compressor"):  # no shipped merger fits the tiny model
+    # no shipped merger fits the tiny model
+    with pytest.raises(InvalidArgumentError, match="cortexstream train merger --network compressor"):
         token_nlls(model, random_token_ids(60), LearnedMerger(budget=24, recent=6, threshold=0.0), chunk_size=8)
     with pytest.raises(InvalidArgumentError, match="budget"):
         MergerTrainConfig(budget=0)

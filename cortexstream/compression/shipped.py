@@ -89,8 +89,9 @@ def find_shipped(factor: int, *, head_dim: int, num_kv_heads: int, num_layers: i
     layers = "?" if num_layers is None else num_layers
     if merges is Merges.EVICTED:
         raise InvalidArgumentError(
-            f"merger: weights=None but no shipped {network.value} merger of evicted tokens fits this model ({layers} layers, "
-            f"{num_kv_heads} KV heads, head_dim {head_dim}); shipped: {have}. Train one with `cortexstream train "
+            f"merger: weights=None but no shipped {network.value} merger of evicted tokens fits this model "
+            f"({layers} layers, {num_kv_heads} KV heads, head_dim {head_dim}); shipped: {have}. Train one with "
+            f"`cortexstream train "
             f"merger --network {network.value} --out DIR` and pass weights=DIR/merger.safetensors")
     raise InvalidArgumentError(
         f"compressor: weights=None but no shipped weights fit this model ({layers} layers, {num_kv_heads} KV "

@@ -9,8 +9,8 @@ step emits the accepted prefix of the draft plus one token of the target's own.
 Two rates, not one. Drafted tokens are not accepted independently: the first token of a draft is the weak one (the
 proposal may not fit at all), and once it is accepted the rest usually follows (the output is copying a stretch of
 its input). And a draft that follows a fully accepted one is far likelier to hit than one after a rejection
-(docs/speculative.md gives the measured rates). So a sequence keeps a first-token rate per state (its previous verify accepted everything, or
-not) and one continuation rate, and a verify step with k drafts emits on average
+(docs/speculative.md gives the measured rates). So a sequence keeps a first-token rate per state (its previous
+verify accepted everything, or not) and one continuation rate, and a verify step with k drafts emits on average
 `E(k) = 1 + a1 * (1 + a + ... + a^(k-1))` tokens, `a1` the first-token rate of its state and `a` the continuation
 rate; with both equal it is the independent model's `(1 - a^(k+1)) / (1 - a)`. In a copying stretch this drafts
 long; after a rejection short or not at all.

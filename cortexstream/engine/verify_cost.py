@@ -18,8 +18,8 @@ seen it is the prior; a few samples move it part of the way; many spread samples
 make it the measured cost. While the remembered samples hardly vary in rows (weighted variance under `min_spread`:
 only probes of one draft token, the same batch) the slope is kept and only the level `a` follows the data, and as
 the spread is forgotten the cost drifts back to the prior, so drafting is tried again and measured afresh instead of
-staying off on an old estimate. The first pass of each row count is not a sample: a new shape's first pass allocates and builds what later passes
-reuse (SmolLM2 on this CPU: 140-160 ms for a 5-row verify whose later passes take 50-77 ms; that one sample set the
+staying off on an old estimate. The first pass of each row count is not a sample: a new shape's first pass
+allocates and builds what later passes reuse (SmolLM2 on this CPU: 140-160 ms for a 5-row verify whose later passes take 50-77 ms; that one sample set the
 cost per draft to 0.6 at a batch of 1, which turned drafting off for good). A sample longer than `outlier` times the
 current prediction (a pause of the caller
 between steps, another process) is clipped to it, so one stall moves the fit a bounded amount while a lasting change
@@ -321,4 +321,5 @@ class VerifyCostModel:
         return rows + self.draft_cost(batch)
 
 
-__all__ = ["PLAIN_STEPS_TO_MEASURE", "PRIOR_COST_PER_DRAFT", "VerifyCostModel", "drafted_passes", "pipelined_pass", "timed_pass"]
+__all__ = ["PLAIN_STEPS_TO_MEASURE", "PRIOR_COST_PER_DRAFT", "VerifyCostModel", "drafted_passes", "pipelined_pass",
+           "timed_pass"]
