@@ -318,12 +318,17 @@ def test_the_first_pass_of_a_shape_is_not_a_sample():
 def test_a_batch_size_wants_plain_steps_until_its_pipelined_period_is_measured():
     from cortexstream.engine.verify_cost import PLAIN_STEPS_TO_MEASURE
 
+    from cortexstream.engine.verify_cost import PIPELINED_SAMPLES
+
     model = VerifyCostModel()
     assert model.wants_plain_steps(8) and model.wants_plain_steps(1)
-    model.observe_pipelined(8, 0.15)  # a shape's first sample is skipped
-    assert model.wants_plain_steps(8)
-    model.observe_pipelined(8, 0.14)
+    model.observe_pipelined(8, 0.30)  # a shape's first sample is skipped
+    for seconds in [0.19, 0.15, 0.15][:PIPELINED_SAMPLES]:
+        assert model.wants_plain_steps(8)
+        model.observe_pipelined(8, seconds)
     assert not model.wants_plain_steps(8)
+    # a weighted mean: the first sample does not outweigh the later ones
+    assert model.pipelined_step(8) == pytest.approx((0.95 ** 2 * 0.19 + 0.95 * 0.15 + 0.15) / (0.95 ** 2 + 0.95 + 1))
     assert not model.wants_plain_steps(7) and not model.wants_plain_steps(10)  # within a quarter of the batch
     assert model.wants_plain_steps(5) and model.wants_plain_steps(11)
     for _ in range(PLAIN_STEPS_TO_MEASURE):  # a size whose steps never pipeline stops asking after a few
@@ -339,6 +344,7 @@ def test_the_engine_times_plain_steps_of_a_new_batch_before_it_drafts(tiny):
     measured, so the pipelining a drafting step gives up is counted from the start; then it drafts; greedy output
     is plain decoding's."""
     from cortexstream.engine.engine import Engine
+    from cortexstream.engine.verify_cost import PLAIN_STEPS_TO_MEASURE
     from tests.test_engine import collect, run_all
 
     model, tokenizer = tiny
@@ -363,5 +369,25 @@ def test_the_engine_times_plain_steps_of_a_new_batch_before_it_drafts(tiny):
         collect(engine.step(), tokens)
     assert [tokens[i]["tokens"] for i in ids] == [expected[i]["tokens"] for i in plain_ids]
     first_draft = decode_steps.index(True)
-    assert 3 <= first_draft <= 6  # from idle, a skipped first sample, a sample
+    assert 5 <= first_draft <= PLAIN_STEPS_TO_MEASURE  # from idle, a skipped first sample, PIPELINED_SAMPLES
     assert engine.scheduler.verify_cost.pipelined_step(2) is not None
+
+
+def test_before_the_fit_a_measured_period_and_one_verify_sample_bound_the_cost():
+    model = VerifyCostModel()
+    assert model.early_cost(8) is None and model.cost_per_draft(8) == PRIOR_COST_PER_DRAFT
+    model.observe(26, 0.5)  # a shape's first pass: not a sample
+    model.observe(26, 0.40)  # one row count: no fit yet
+    assert not model.fitted and model.early_cost(8) is None  # no period measured
+    for seconds in (0.2, 0.16, 0.16, 0.16):
+        model.observe_pipelined(8, seconds)
+    per_row = (0.40 - 0.16) / (26 - 8)
+    assert model.early_cost(8) == pytest.approx(per_row * 8 / 0.16)
+    assert model.cost_per_draft(8) == pytest.approx(per_row * 8 / 0.16)  # above the prior: it rules
+    assert model.early_cost(30) is None  # the sample has no more rows than the batch
+    cheap = VerifyCostModel()
+    cheap.observe(26, 0.2)
+    cheap.observe(26, 0.17)
+    for _ in range(4):
+        cheap.observe_pipelined(8, 0.16)
+    assert cheap.early_cost(8) < PRIOR_COST_PER_DRAFT and cheap.cost_per_draft(8) == PRIOR_COST_PER_DRAFT

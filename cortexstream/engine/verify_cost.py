@@ -64,9 +64,13 @@ import math
 from cortexstream.engine.step_plan import StepPlan, StepResult
 from cortexstream.errors import InvalidArgumentError
 
-# Plain steps a batch size may spend with drafting paused to measure its pipelined period (three do it: one launches
-# from idle, the next is a shape's first sample, skipped; the margin covers a step that could not pipeline).
-PLAIN_STEPS_TO_MEASURE = 6
+# Samples of a batch size's pipelined period before drafting trusts it: the first ones after a prefill run slow
+# (SmolLM2, 8 edits: 0.19 s against 0.15 s later), and a single one set the period for the rest of the run.
+PIPELINED_SAMPLES = 3
+# Plain steps a batch size may spend with drafting paused to measure its pipelined period (five do it: one launches
+# from idle, the next is a shape's first sample, skipped, then PIPELINED_SAMPLES; the margin covers a step that could
+# not pipeline).
+PLAIN_STEPS_TO_MEASURE = 8
 
 # What one drafted token costs, in decode steps, until measured. Above what a weight-bound pass's extra row costs:
 # a drafting sequence also loses the pipelined decode (its next draft needs the token just sampled), and with
@@ -122,29 +126,32 @@ def _check_count(name: str, value: int) -> None:
 
 
 class _MeanByCount:
-    """A decayed mean of seconds per count of sequences, read at the nearest measured count. The first sample of
-    each count is skipped, as `VerifyCostModel.observe` skips a new shape's first pass."""
+    """A decayed mean of seconds per count of sequences, read at the nearest measured count: each sample's weight
+    decays by `decay` per newer one, and the mean is the weighted sum over the weights (so the first samples do not
+    outweigh the later ones). The first sample of each count is skipped, as `VerifyCostModel.observe` skips a new
+    shape's first pass."""
 
     def __init__(self, decay: float) -> None:
         self.decay = decay
-        self._means: dict[int, float] = {}
+        self._sums: dict[int, tuple[float, float, int]] = {}  # count -> (weighted seconds, weight, samples)
         self._seen: set[int] = set()
 
     def add(self, count: int, seconds: float) -> None:
         if count not in self._seen:
             self._seen.add(count)
             return
-        old = self._means.get(count)
-        self._means[count] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        total, weight, samples = self._sums.get(count, (0.0, 0.0, 0))
+        self._sums[count] = (self.decay * total + seconds, self.decay * weight + 1.0, samples + 1)
 
-    def has_near(self, count: int) -> bool:
-        """Whether a count within a quarter of `count` (at least the count itself) has a mean."""
-        return any(abs(n - count) <= count // 4 for n in self._means)
+    def has_near(self, count: int, samples: int = 1) -> bool:
+        """Whether a count within a quarter of `count` (at least the count itself) has `samples` samples or more."""
+        return any(abs(n - count) <= count // 4 and s[2] >= samples for n, s in self._sums.items())
 
     def nearest(self, count: int) -> float | None:
-        if not self._means:
+        if not self._sums:
             return None
-        return self._means[min(self._means, key=lambda n: (abs(n - count), n))]
+        total, weight, _ = self._sums[min(self._sums, key=lambda n: (abs(n - count), n))]
+        return total / weight
 
 
 def _number(name: str, value: float, low: float, high: float, closed: bool = False) -> float:
@@ -178,6 +185,7 @@ class VerifyCostModel:
         self._distinct = False  # two row counts seen
         self._shapes: set[int] = set()  # row counts whose first pass was seen (and not taken as a sample)
         self._last_seconds: float | None = None  # the latest verify sample's seconds (a plain step's upper bound)
+        self._last_rows = 0  # and its rows
         self._draft_pass = _MeanByCount(self.decay)  # sequences drafting -> seconds of one draft pass
         self._pipelined = _MeanByCount(self.decay)  # batch -> seconds of a pipelined plain step
         self._plain_tries: dict[int, int] = {}  # batch -> steps spent with drafting paused to measure its period
@@ -216,7 +224,7 @@ class VerifyCostModel:
         if self._first_rows is None:
             self._first_rows = rows
         self._distinct = self._distinct or rows != self._first_rows
-        self._last_seconds = float(seconds)
+        self._last_seconds, self._last_rows = float(seconds), rows
         x, y = float(rows), float(seconds)
         self._sums = [self.decay * s + v for s, v in zip(self._sums, (1.0, x, x * x, y, x * y))]
         self.samples += 1
@@ -245,12 +253,13 @@ class VerifyCostModel:
         self._pipelined.add(batch, seconds)
 
     def wants_plain_steps(self, batch: int) -> bool:
-        """Whether decoding `batch` sequences should pause drafting to measure the pipelined period `T(B)`: none
-        measured within a quarter of `batch`, and fewer than `PLAIN_STEPS_TO_MEASURE` steps spent trying. Without it
+        """Whether decoding `batch` sequences should pause drafting to measure the pipelined period `T(B)`: fewer
+        than `PIPELINED_SAMPLES` samples within a quarter of `batch`, and fewer than `PLAIN_STEPS_TO_MEASURE` steps spent trying. Without it
         a batch that drafts from its first step never sees a plain step, and the pipelining it gives up is never
         counted."""
         _check_count("batch", batch)
-        return not self._pipelined.has_near(batch) and self._plain_tries.get(batch, 0) < PLAIN_STEPS_TO_MEASURE
+        return not self._pipelined.has_near(batch, PIPELINED_SAMPLES) and \
+            self._plain_tries.get(batch, 0) < PLAIN_STEPS_TO_MEASURE
 
     def plain_step_paused(self, batch: int) -> None:
         """A step of `batch` sequences decoded with drafting paused (`wants_plain_steps`)."""
@@ -315,11 +324,26 @@ class VerifyCostModel:
 
     def cost_per_draft(self, batch: int) -> float:
         """What one drafted token costs a sequence in a batch of `batch` decoding sequences, in units of its share
-        of a plain step: the measured cost blended with the prior by `confidence`."""
+        of a plain step: the measured cost blended with the prior by `confidence`; before the fit, the prior or the
+        early estimate from the pipelined period (`early_cost`), whichever is larger."""
         measured = self.measured_cost(batch)
-        rows = self.prior if measured is None else self.confidence * measured + (1.0 - self.confidence) * self.prior
+        if measured is None:
+            early = self.early_cost(batch)
+            rows = self.prior if early is None else max(self.prior, early)
+        else:
+            rows = self.confidence * measured + (1.0 - self.confidence) * self.prior
         return rows + self.draft_cost(batch)
 
+    def early_cost(self, batch: int) -> float | None:
+        """Before the fit: the cost per draft from the pipelined period `T(B)` and the latest verify sample of more
+        rows than `batch`, taking the period as a plain pass's time, `((t - T) / (rows - B)) * B / T` (an upper
+        bound: the verify pass also pays the pipelining it gave up). None without both."""
+        step = self.pipelined_step(max(1, batch))
+        if step is None or self._last_seconds is None or self._last_rows <= batch:
+            return None
+        per_row = max(0.0, self._last_seconds - step) / (self._last_rows - batch)
+        return per_row * max(1, batch) / step
 
-__all__ = ["PLAIN_STEPS_TO_MEASURE", "PRIOR_COST_PER_DRAFT", "VerifyCostModel", "drafted_passes", "pipelined_pass",
-           "timed_pass"]
+
+__all__ = ["PIPELINED_SAMPLES", "PLAIN_STEPS_TO_MEASURE", "PRIOR_COST_PER_DRAFT", "VerifyCostModel", "drafted_passes",
+           "pipelined_pass", "timed_pass"]
