@@ -196,5 +196,6 @@ def anchor_init(merger: Merger) -> None:
     mx.eval(merger.parameters())
 
 
-__all__ = ["FACTOR", "Fold", "MERGES", "Merger", "MergerNetwork", "anchor_init", "check_merger", "check_network", "check_threshold", "d2o_fold", "group_means",
-           "learned_fold", "load_merger", "network_of", "new_merger", "save_merger"]
+__all__ = ["FACTOR", "Fold", "MERGES", "Merger", "MergerNetwork", "anchor_init", "check_merger", "check_network",
+           "check_threshold", "d2o_fold", "group_means", "learned_fold", "load_merger", "network_of", "new_merger",
+           "save_merger"]

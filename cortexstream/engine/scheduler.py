@@ -151,21 +151,23 @@ class Scheduler:
     def may_pipeline(self) -> bool:
         """True when the next step can only decode: nothing to admit or prefill, and blocks enough for every
         running sequence to grow (and copy on write) without preempting anyone."""
-        if self.waiting or any(s.num_pending > 1 or scoring(s) for s in self.running):
+        if not self._only_decodes():
             return False
         if not self._measuring_plain() and any(s.speculation is not None and s.speculation.wants_draft(self.clock)
                                                for s in self.running):
             return False  # speculation needs its last token read to draft from it
         return kv_capacity.room_to_grow(self.running, self.blocks)
 
+    def _only_decodes(self) -> bool:
+        """Nothing to admit, prefill or score: the next step decodes the running sequences only."""
+        return not self.waiting and not any(s.num_pending > 1 or scoring(s) for s in self.running)
+
     def _measuring_plain(self) -> bool:
         """Whether this step pauses drafting to time plain pipelined steps: the batch only decodes, every
         speculating sequence adapts its k, and the period of a plain step at this batch size is not measured yet
         (`VerifyCostModel.wants_plain_steps`)."""
         speculating = [s.speculation for s in self.running if s.speculation is not None]
-        if not speculating or self.waiting or not all(x.config.adaptive for x in speculating):
-            return False
-        if any(s.num_pending > 1 or scoring(s) for s in self.running):
+        if not speculating or not all(x.config.adaptive for x in speculating) or not self._only_decodes():
             return False
         return self.verify_cost.wants_plain_steps(len(self.running))
 
