@@ -204,6 +204,9 @@ def test_a_sequence_whose_drafts_do_not_pay_is_pipelined_and_still_probes(tiny, 
     from cortexstream.engine.ngram_proposer import NgramIndex
 
     model, tokenizer = tiny
+    # every step finds a match reaching back 4 tokens (a class whose prior drafts) and proposes what is rejected
+    monkeypatch.setattr(NgramIndex, "match", lambda self, n: (0, 1))
+    monkeypatch.setattr(NgramIndex, "extent", lambda self, start, size, cap: 4)
     monkeypatch.setattr(NgramIndex, "propose", lambda self, k, n: [3] * k)
     engine = Engine(model, tokenizer, kv_tokens=2048, block_size=BS, speculative="ngram:k=4")
     rid = engine.add_request(list(range(5, 12)), max_tokens=80)

@@ -89,6 +89,18 @@ class NgramIndex:
                 return start, g
         return None
 
+    def extent(self, start: int, size: int, cap: int) -> int:
+        """How many of the last tokens equal those ending where the occurrence of the last `size` tokens at `start`
+        ends (what `match` returned), counted back from the gram up to `cap`: the length of the copy so far."""
+        toks = self._tokens
+        if not (0 <= start and 1 <= size and start + size < len(toks) and toks[start:start + size] == toks[-size:]):
+            raise InvalidArgumentError(f"start, size: ({start}, {size}) is not an earlier occurrence of the last "
+                                       f"{size} tokens")
+        extent, i, j = size, start - 1, len(toks) - size - 1
+        while extent < cap and i >= 0 and toks[i] == toks[j]:
+            extent, i, j = extent + 1, i - 1, j - 1
+        return extent
+
     def propose(self, k: int, n: int) -> list[int]:
         """Up to `k` tokens that followed the latest earlier occurrence of the sequence's last `n` tokens.
 

@@ -1,7 +1,8 @@
 """A sequence's speculative decoding state: what it drafts next and how many tokens. Pure Python.
 
 Prompt lookup (`ngram`): the drafter is an index of the sequence's own tokens (prompt and output so far); each step
-it proposes the continuation of the latest earlier occurrence of the last n tokens (engine/ngram_proposer.py).
+it proposes the continuation of the latest earlier occurrence of the last n tokens (engine/ngram_proposer.py), as
+many tokens as the match's extent (how far back the copy goes, engine/match_extent.py) makes pay.
 Draft model (`draft:model=...`): the runner's draft model proposes (engine/draft_runner.py); this state tracks how
 many of the sequence's tokens the draft model's KV holds (`draft_len`, a function of the plans alone: a fresh,
 re-admitted or forked sequence starts at 0), so each plan tells the runner what to feed it first.
@@ -16,6 +17,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from cortexstream.engine.adaptive_draft import AdaptiveDraftLength
+from cortexstream.engine.match_extent import EXTENT_CAP, EXTENT_PRIORS, extent_class
 from cortexstream.engine.ngram_proposer import NgramIndex
 from cortexstream.engine.speculative_config import SpeculativeConfig, SpeculativeMethod
 from cortexstream.engine.step_plan import ModelDraft
@@ -29,7 +31,8 @@ class SpeculationState:
         self.config = config
         self.by_model = config.method is SpeculativeMethod.DRAFT
         self.index = None if self.by_model else NgramIndex(config.n)
-        self.length = AdaptiveDraftLength(config.k, adaptive=config.adaptive, cost_per_draft=PRIOR_COST_PER_DRAFT)
+        self.length = AdaptiveDraftLength(config.k, adaptive=config.adaptive, cost_per_draft=PRIOR_COST_PER_DRAFT,
+                                          contexts=None if self.by_model else EXTENT_PRIORS)
         self.indexed = 0  # tokens of the sequence in the index
         self.draft_len = 0  # tokens whose KV the draft model holds (draft models)
         self._planned: tuple[int, int] | None = None  # (tokens known, k) of the model draft in flight
@@ -74,9 +77,12 @@ class SpeculationState:
         if len(tokens) > self.indexed:
             self.index.extend(list(tokens[self.indexed:]))
             self.indexed = len(tokens)
-        draft = tuple(self.index.propose(k, self.config.n))
+        found = self.index.match(self.config.n)
+        context = None if found is None else extent_class(self.index.extent(*found, EXTENT_CAP))
+        k = min(self.length.draft_length(context), room)  # by how far the match reaches back (a copy, or chance)
+        draft = tuple(self.index.propose(k, self.config.n)) if k > 0 else ()
         if not draft:
-            self.length.record(0, 0)  # nothing matched: costs nothing, says nothing about acceptance
+            self.length.record(0, 0)  # nothing matched, or not well enough to pay: says nothing about acceptance
         return draft, None
 
     def feed(self, tokens: Sequence[int], end: int) -> ModelDraft | None:
