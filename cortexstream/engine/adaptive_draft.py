@@ -6,25 +6,35 @@ reads, not weight reads), near 1 when a batch is compute-bound and every row cos
 engine measures it (engine/verify_cost.py) and sets it with `set_cost_per_draft` as the batch changes. A verify
 step emits the accepted prefix of the draft plus one token of the target's own.
 
-Two rates, not one. Drafted tokens are not accepted independently: the first token of a draft is the weak one (the
-proposal may not fit at all), and once it is accepted the rest usually follows (the output is copying a stretch of
-its input). And a draft that follows a fully accepted one is far likelier to hit than one after a rejection
-(docs/speculative.md gives the measured rates). So a sequence keeps a first-token rate per state (its previous
-verify accepted everything, or not) and one continuation rate, and a verify step with k drafts emits on average
-`E(k) = 1 + a1 * (1 + a + ... + a^(k-1))` tokens, `a1` the first-token rate of its state and `a` the continuation
-rate; with both equal it is the independent model's `(1 - a^(k+1)) / (1 - a)`. In a copying stretch this drafts
-long; after a rejection short or not at all.
+Two rates, not one, per context. Drafted tokens are not accepted independently: the first token of a draft is the
+weak one (the proposal may not fit at all), and once it is accepted the rest usually follows (the output is copying
+a stretch of its input). How likely the first token is depends on the draft's context, and a sequence keeps a
+first-token rate and a continuation rate per context, so a verify step with k drafts emits on average
+`E(k) = 1 + a1 * (1 + a + ... + a^(k-1))` tokens, `a1` the first-token rate of its context and `a` the continuation
+rate; with both equal it is the independent model's `(1 - a^(k+1)) / (1 - a)`. The contexts (docs/speculative.md
+gives the measured rates):
+- Prompt lookup: the class of the match's extent, how far back the copy goes (engine/match_extent.py), each with
+  its measured rates as a prior. It is known only once the sequence's last token is read, so k is chosen after the
+  read (`draft_length`), and whether to read at all is decided before it (below).
+- A draft model: whether the previous verify accepted its whole draft (a draft after a full acceptance hits far
+  more often than one after a rejection), known before the step; the continuation rate is shared by both states.
 
 Plain decoding emits 1 token per unit of cost, so k is the one in 1..k_max that maximises `E(k) / (1 + f + c*k)`,
 or 0 (plain decoding) when none exceeds 1; with k=1 that needs `a1 > f + c`. `f` (`fixed_cost`, also measured) is
-what a drafting step costs whatever k: the pipelined decode it gives up.
+what a drafting step costs whatever k: the pipelined decode it gives up. Once the last token was read (prompt
+lookup), `f` is paid anyway, and drafting is weighed against a plain token at `1 / (1 + f)`.
 
 The rates are estimated per drafted token as trials: a step that proposed p tokens and had j accepted made one
 first-token trial (a success when j >= 1) and `min(j, p - 1)` continuation trials with `max(0, j - 1)` successes
 (the tokens after the first rejection were never tested). Each rate is an exponential moving average: its
-successes and trials decay by `decay` per step that tested it, and the rate is their ratio, starting from
-`initial_rate` worth `prior_trials` trials. A proposal that came back empty (the proposer had nothing) cost nothing
+successes and trials decay by `decay` per step that tested it, and the rate is their ratio, starting from the
+context's prior (`initial_rate` for both states without contexts) worth `prior_trials` trials. A proposal that came back empty (the proposer had nothing) cost nothing
 and tested nothing, so it leaves the estimates alone.
+
+Reading costs. A drafting sequence needs its last token read, so the step gives up the pipelined decode for the whole
+batch. With prompt lookup a sequence reads after a fully accepted draft (the copy is expected to go on, in a class
+as long or longer) and otherwise only while the classes its reads found (decayed frequencies, no match included)
+save more than `f` (plus `MIN_READ_SAVING`): the mean over them of the tokens a draft there gains net of its rows.
 
 At k = 0 a sequence would never learn that drafting started to pay (a prompt-lookup proposer starts hitting when
 the output begins quoting the prompt), so every so often it drafts one token again: a probe. Probes cost more than
