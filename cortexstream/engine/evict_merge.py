@@ -14,43 +14,27 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from cortexstream.compression.evicted_merger import Fold, group_means
+from cortexstream.compression.evicted_merger import Fold, d2o_fold, group_means
 from cortexstream.kv.sequence_kv import SequenceKV
 
 
 def merged_values(seq: SequenceKV, keep: np.ndarray, threshold: float) -> tuple[list[mx.array | None], int]:
     """Per layer, the new values `[H, n_keep, D]` of the kept slots in ascending slot order (None: unchanged),
-    and how many dropped slots were merged. `keep`: `[L, H, n_keep]` slots to keep (before compaction)."""
+    and how many dropped slots were merged. `keep`: `[L, H, n_keep]` slots to keep (before compaction). The groups
+    and the fold are the ones the learned merger was trained against (`group_means`, `d2o_fold`)."""
     out: list[mx.array | None] = []
     merged = 0
     n = seq.num_tokens
     for layer in range(keep.shape[0]):
         keys, values = seq.arena.read(layer, seq.blocks, n)
-        k = np.asarray(keys.astype(mx.float32))
-        v = np.asarray(values.astype(mx.float32))
-        rows = np.sort(keep[layer], axis=-1)
-        new_v = np.take_along_axis(v, rows[..., None], axis=1)  # [H, n_keep, D]
-        changed = False
-        for head in range(k.shape[0]):
-            dropped = np.setdiff1d(np.arange(n), rows[head], assume_unique=True)
-            if dropped.size == 0:
-                continue
-            unit = k[head] / np.maximum(np.linalg.norm(k[head], axis=-1, keepdims=True), 1e-6)
-            sim = unit[dropped] @ unit[rows[head]].T  # [dropped, kept]
-            best = sim.argmax(axis=1)
-            weight = sim[np.arange(dropped.size), best]
-            take = weight >= threshold
-            if not take.any():
-                continue
-            target, weight, source = best[take], weight[take], dropped[take]
-            total = np.ones(rows.shape[1])
-            acc = new_v[head].copy()
-            np.add.at(acc, target, weight[:, None] * v[head][source])
-            np.add.at(total, target, weight)
-            new_v[head] = acc / total[:, None]
-            merged += int(take.sum())
-            changed = True
-        out.append(mx.array(new_v.astype(np.float32)) if changed else None)
+        rows = mx.array(np.sort(keep[layer], axis=-1).astype(np.int32))
+        _, anchor_v, _, mean_v, weight, joined = group_means(keys, values, rows, threshold)
+        count = int(joined.item())
+        if count == 0:
+            out.append(None)
+            continue
+        merged += count
+        out.append(d2o_fold(anchor_v, mean_v, weight))
     return out, merged
 
 
