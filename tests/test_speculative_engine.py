@@ -202,12 +202,17 @@ def test_a_sequence_whose_drafts_do_not_pay_is_pipelined_and_still_probes(tiny, 
     """Drafts that are always rejected drive k to 0: the sequence then decodes pipelined like a plain one, and
     now and then drafts one token again (its last token read first)."""
     from cortexstream.engine.ngram_proposer import NgramIndex
+    from cortexstream.engine.verify_cost import VerifyCostModel
 
     model, tokenizer = tiny
     # every step finds a match reaching back 4 tokens (a class whose prior drafts) and proposes what is rejected
     monkeypatch.setattr(NgramIndex, "match", lambda self, n: (0, 1))
     monkeypatch.setattr(NgramIndex, "extent", lambda self, start, size, cap: 4)
     monkeypatch.setattr(NgramIndex, "propose", lambda self, k, n: [3] * k)
+    # the cost of a draft pinned: measured, it follows the machine's load, and a cost that drifts back down (as the
+    # fit forgets its spread) rightly makes a read pay again, one verify more than this test counts
+    measured = VerifyCostModel.after_step
+    monkeypatch.setattr(VerifyCostModel, "after_step", lambda self, *args: (measured(self, *args), (0.2, 0.0))[1])
     engine = Engine(model, tokenizer, kv_tokens=2048, block_size=BS, speculative="ngram:k=4")
     rid = engine.add_request(list(range(5, 12)), max_tokens=80)
     state = engine.lookup(rid).speculation
@@ -220,5 +225,5 @@ def test_a_sequence_whose_drafts_do_not_pay_is_pipelined_and_still_probes(tiny, 
     assert state.length.k == 0 and verified_at_zero is not None
     assert pipelined > 30  # most steps after k reached 0 overlapped the next step's launch
     # then probes on the engine clock's multiples of 16, 32, 64 (after half an interval idle, backing off while
-    # they fail): 1 to 3 in the steps left, depending on the step at which k reached 0 (set by measured timings)
-    assert 1 <= state.verify_steps - verified_at_zero <= 3
+    # they fail): 1 to 3 in the steps left, depending on the step at which k reached 0
+    assert 1 <= state.verify_steps - verified_at_zero <= 3, (state.verify_steps, verified_at_zero)
