@@ -28,8 +28,8 @@ The rates are estimated per drafted token as trials: a step that proposed p toke
 first-token trial (a success when j >= 1) and `min(j, p - 1)` continuation trials with `max(0, j - 1)` successes
 (the tokens after the first rejection were never tested). Each rate is an exponential moving average: its
 successes and trials decay by `decay` per step that tested it, and the rate is their ratio, starting from the
-context's prior (`initial_rate` for both states without contexts) worth `prior_trials` trials. A proposal that came back empty (the proposer had nothing) cost nothing
-and tested nothing, so it leaves the estimates alone.
+context's prior (`initial_rate` for both states without contexts) worth `prior_trials` trials. A proposal that
+came back empty (the proposer had nothing) cost nothing and tested nothing, so it leaves the estimates alone.
 
 Reading costs. A drafting sequence needs its last token read, so the step gives up the pipelined decode for the whole
 batch. With prompt lookup a sequence reads after a fully accepted draft (the copy is expected to go on, in a class
@@ -135,7 +135,8 @@ class AdaptiveDraftLength:
         self.max_backoff = max_backoff
         self.probe_interval = probe_every  # steps between probes now (backs off while probes fail)
         self.by_context = contexts is not None
-        priors = dict(contexts) if contexts is not None else {hit: (initial_rate, initial_rate) for hit in (True, False)}
+        priors = dict(contexts) if contexts is not None else {
+            hit: (initial_rate, initial_rate) for hit in (True, False)}
         # per context: the first draft token's rate and the rate of every later token given the ones before it
         # were accepted (without contexts the continuation rate is one, shared by both states)
         self._first = {key: _Rate(float(first), float(prior_trials)) for key, (first, _) in priors.items()}
