@@ -22,20 +22,9 @@ def merged_values(seq: SequenceKV, keep: np.ndarray, threshold: float) -> tuple[
     """Per layer, the new values `[H, n_keep, D]` of the kept slots in ascending slot order (None: unchanged),
     and how many dropped slots were merged. `keep`: `[L, H, n_keep]` slots to keep (before compaction). The groups
     and the fold are the ones the learned merger was trained against (`group_means`, `d2o_fold`)."""
-    out: list[mx.array | None] = []
-    merged = 0
-    n = seq.num_tokens
-    for layer in range(keep.shape[0]):
-        keys, values = seq.arena.read(layer, seq.blocks, n)
-        rows = mx.array(np.sort(keep[layer], axis=-1).astype(np.int32))
-        _, anchor_v, _, mean_v, weight, joined = group_means(keys, values, rows, threshold)
-        count = int(joined.item())
-        if count == 0:
-            out.append(None)
-            continue
-        merged += count
-        out.append(d2o_fold(anchor_v, mean_v, weight))
-    return out, merged
+    new, merged = folded_kv(seq, keep, threshold, lambda layer, anchor_k, anchor_v, mean_k, mean_v, weight: (
+        anchor_k, d2o_fold(anchor_v, mean_v, weight)))
+    return [None if pair is None else pair[1] for pair in new], merged
 
 
 def folded_kv(seq: SequenceKV, keep: np.ndarray, threshold: float,
