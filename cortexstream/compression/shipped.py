@@ -91,8 +91,8 @@ def find_shipped(factor: int, *, head_dim: int, num_kv_heads: int, num_layers: i
         raise InvalidArgumentError(
             f"merger: weights=None but no shipped {network.value} merger of evicted tokens fits this model "
             f"({layers} layers, {num_kv_heads} KV heads, head_dim {head_dim}); shipped: {have}. Train one with "
-            f"`cortexstream train "
-            f"merger --network {network.value} --out DIR` and pass weights=DIR/merger.safetensors")
+            f"`cortexstream train merger --network {network.value} --out DIR` and pass "
+            f"weights=DIR/merger.safetensors")
     raise InvalidArgumentError(
         f"compressor: weights=None but no shipped weights fit this model ({layers} layers, {num_kv_heads} KV "
         f"heads, head_dim {head_dim}) at factor {factor}; shipped: {have}. Train some with `cortexstream train "

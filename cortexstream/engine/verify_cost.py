@@ -19,10 +19,10 @@ make it the measured cost. While the remembered samples hardly vary in rows (wei
 only probes of one draft token, the same batch) the slope is kept and only the level `a` follows the data, and as
 the spread is forgotten the cost drifts back to the prior, so drafting is tried again and measured afresh instead of
 staying off on an old estimate. The first pass of each row count is not a sample: a new shape's first pass
-allocates and builds what later passes reuse (SmolLM2 on this CPU: 140-160 ms for a 5-row verify whose later passes take 50-77 ms; that one sample set the
-cost per draft to 0.6 at a batch of 1, which turned drafting off for good). A sample longer than `outlier` times the
-current prediction (a pause of the caller
-between steps, another process) is clipped to it, so one stall moves the fit a bounded amount while a lasting change
+allocates and builds what later passes reuse (SmolLM2 on this CPU: 140-160 ms for a 5-row verify whose later
+passes take 50-77 ms; that one sample set the cost per draft to 0.6 at a batch of 1, which turned drafting off for
+good). A sample longer than `outlier` times the current prediction (a pause of the caller between steps, another
+process) is clipped to it, so one stall moves the fit a bounded amount while a lasting change
 still moves it.
 
 What is timed (`timed_pass`). The engine times a step from launching its passes to applying its tokens. A plain
@@ -254,9 +254,9 @@ class VerifyCostModel:
 
     def wants_plain_steps(self, batch: int) -> bool:
         """Whether decoding `batch` sequences should pause drafting to measure the pipelined period `T(B)`: fewer
-        than `PIPELINED_SAMPLES` samples within a quarter of `batch`, and fewer than `PLAIN_STEPS_TO_MEASURE` steps spent trying. Without it
-        a batch that drafts from its first step never sees a plain step, and the pipelining it gives up is never
-        counted."""
+        than `PIPELINED_SAMPLES` samples within a quarter of `batch`, and fewer than `PLAIN_STEPS_TO_MEASURE` steps
+        spent trying. Without it a batch that drafts from its first step never sees a plain step, and the
+        pipelining it gives up is never counted."""
         _check_count("batch", batch)
         return not self._pipelined.has_near(batch, PIPELINED_SAMPLES) and \
             self._plain_tries.get(batch, 0) < PLAIN_STEPS_TO_MEASURE
