@@ -203,14 +203,14 @@ def test_compressed_cache_attends_as_the_full_cache_masked_per_head(sharp, new_t
 
 def test_batched_equals_alone_and_stays_within_the_budget(sharp, monkeypatch):
     model, tokenizer = sharp
-    calls = {"decode": 0, "prompt": 0}
-    original = pooled_state.attend_cells
+    calls = {"decode": 0, "alone": 0}
+    original = pooled_state.attend_columns
 
     def counting(*args, **kwargs):
-        calls["decode" if args[8] is not None else "prompt"] += 1  # `valid`: a row of the decode batch
+        calls["decode" if args[6] is not None else "alone"] += 1  # `valid`: a row of the decode batch
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(pooled_state, "attend_cells", counting)
+    monkeypatch.setattr(pooled_state, "attend_columns", counting)
     prompts = [random_token_ids(60, seed=s) for s in range(3)]
     policies = [AdaKV(budget=30, window=8, floor=0.0), AdaKV(budget=0.4, window=4), SnapKV(budget=30, window=8)]
     assert_batched_matches_alone(model, tokenizer, prompts, policies, max_tokens=12, context=72)

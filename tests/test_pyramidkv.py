@@ -180,13 +180,13 @@ def test_a_later_turn_compresses_again_over_lent_cells(deep):
 def test_batched_equals_alone_and_stays_within_the_budget(deep, monkeypatch):
     model, tokenizer = deep
     calls = {"foreign": 0}
-    original = pooled_state.attend_cells
+    original = pooled_state.attend_columns
 
-    def counting(*args, **kwargs):
-        calls["foreign"] += kwargs.get("foreign") is not None
-        return original(*args, **kwargs)
+    def counting(cells, *args, **kwargs):
+        calls["foreign"] += cells.num_local < cells.num_extras  # extras past the layer's own are foreign
+        return original(cells, *args, **kwargs)
 
-    monkeypatch.setattr(pooled_state, "attend_cells", counting)
+    monkeypatch.setattr(pooled_state, "attend_columns", counting)
     prompts = [random_token_ids(60, seed=s) for s in range(3)]
     policies = [PyramidKV(budget=30, window=8, beta=4), PyramidKV(budget=0.4, window=4), SnapKV(budget=30, window=8)]
     assert_batched_matches_alone(model, tokenizer, prompts, policies, max_tokens=12, context=72)

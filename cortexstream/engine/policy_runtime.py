@@ -21,6 +21,7 @@ from cortexstream.errors import InvalidArgumentError
 from cortexstream.kv.sequence_kv import SequenceKV
 from cortexstream.engine.evict_merge import folded_kv, merged_values, write_kv, write_values
 from cortexstream.engine.observation import observation_for
+from cortexstream.engine.pooled_decode import ExtrasReader
 from cortexstream.engine.pooled_heads import column_owners
 from cortexstream.engine.pooled_layers import ForeignCells, add_foreign, layer_columns
 from cortexstream.engine.pooled_state import PooledCells
@@ -51,6 +52,8 @@ class PolicyState(PooledCells):
         self.pending_foreign: list[mx.array | None] = [None] * num_layers
         self.sequence: SequenceKV | None = None  # the sequence whose arena holds the foreign cells (`bind`)
         self._bias_arrays: dict[int, tuple[int, mx.array]] = {}  # layer -> (keys, [1, Hq, 1, keys]) cache
+        # pooled layouts: per layer, its cells as laid out since the last compaction (`engine.pooled_decode`)
+        self._layer_cells: dict[int, ExtrasReader] = {}
         self.num_evicted = 0
         self.num_evictions = 0
         self.num_merged = 0  # physical slots removed by merging
@@ -262,6 +265,7 @@ class PolicyState(PooledCells):
             self.scores[layer] = np.concatenate([sc[:, :start], merged_sc, sc[:, end:]], axis=1)
             self.bias[layer] = np.concatenate([self.bias[layer][:, :start], bias, self.bias[layer][:, end:]], axis=1)
         self._bias_arrays.clear()
+        self._layer_cells.clear()
 
     # --- logit bias -------------------------------------------------------------------------------------------
     def has_bias(self) -> bool:
@@ -308,6 +312,7 @@ class PolicyState(PooledCells):
             self.owners[layer] = np.take_along_axis(self.owners[layer], index, axis=1)
             self.owner_layers[layer] = np.take_along_axis(self.owner_layers[layer], index, axis=1)
         self._bias_arrays.clear()
+        self._layer_cells.clear()
 
     def trim(self, layer: int, n: int, offset: int) -> None:
         """Drop the last n slots of a layer, which must be the last n logical tokens in every head."""
@@ -324,6 +329,7 @@ class PolicyState(PooledCells):
         if layer == 0:
             self.mass = self.mass[:-n]
         self._bias_arrays.pop(layer, None)
+        self._layer_cells.pop(layer, None)
 
     def clone(self) -> "PolicyState":
         other = PolicyState(self.policy, 0, 0)

@@ -12,8 +12,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from cortexstream.engine.pooled_decode import ExtrasReader, attend_columns, layer_cells
 from cortexstream.engine.pooled_heads import (
-    Foreign, Reduce, attend_cells, column_owners, gather_cells, is_pooled, place,
+    FLAT_QUERIES, Foreign, Reduce, attend_cells, column_owners, gather_cells, is_pooled, place,
 )
 from cortexstream.engine.pooled_layers import foreign_cells, read_foreign
 from cortexstream.errors import InvalidArgumentError
@@ -76,6 +77,7 @@ class PooledCells:
                        or self.foreign[layer] is not None for layer in range(layers)]
         self.mass = np.ones(m)
         self._bias_arrays.clear()
+        self._layer_cells.clear()
         self.num_evicted += n - m
         self.num_evictions += 1
         return n - m
@@ -117,13 +119,13 @@ class PooledCells:
     def attend_pooled(self, layer: int, queries: mx.array, keys: mx.array, values: mx.array, scale: float,
                       mask: Any, sinks: mx.array | None, record_from: int | None, valid: int | None = None
                       ) -> mx.array:
-        """One sequence's attention over a layer whose cells have owners (`pooled_heads.attend_cells`), its
-        logit biases added and, from query row `record_from` on (None: not at all), its scores recorded."""
+        """One sequence's attention over a layer whose cells have owners, its logit biases added and, from query
+        row `record_from` on (None: not at all), its scores recorded: short passes per column
+        (`pooled_decode.attend_columns`), longer ones and models with sinks per owner (`pooled_heads.attend_cells`)."""
         num_keys = keys.shape[2]
-        owners, bias = self.owners_for(layer, num_keys), self.bias_row(layer, num_keys)
-        mine, foreign = self.mine(layer, num_keys), self.foreign_for(layer)
-        if self.reconstruction is not None:  # KVzip: maxima during a reconstruction pass only, never sums
-            if foreign is not None or mine is not None:
+        if self.reconstruction is not None:
+            owners, bias = self.owners_for(layer, num_keys), self.bias_row(layer, num_keys)  # KVzip: maxima during a reconstruction pass only, never sums
+            if self.foreign[layer] is not None or self.mine(layer, num_keys) is not None:
                 raise InvalidArgumentError(f"{self.policy.name}: a reconstruction over cells lent across layers "
                                            "is not supported")
             if not self.reconstruction.recording:
@@ -134,14 +136,43 @@ class PooledCells:
             return out
         if not self.policy.needs_attention_scores:
             record_from = None
-        out, received, far = attend_cells(queries, keys, values, scale, mask, sinks, owners, bias, valid,
-                                          record_from, mine=mine, foreign=foreign)
+        if sinks is None and queries.shape[2] <= FLAT_QUERIES:
+            reader = self._cells_reader(layer)
+            extra_keys, extra_values = reader.read(self._bound()) if reader.cells.groups else (None, None)
+            out, received, far = attend_columns(reader.cells, queries, keys, values, scale, mask, valid, extra_keys,
+                                                extra_values, record_from)
+        else:
+            owners, bias = self.owners_for(layer, num_keys), self.bias_row(layer, num_keys)
+            out, received, far = attend_cells(queries, keys, values, scale, mask, sinks, owners, bias, valid,
+                                              record_from, mine=self.mine(layer, num_keys),
+                                              foreign=self.foreign_for(layer))
         if received is not None:
             self.record(layer, received)
         if far is not None:
             prior = self.pending_foreign[layer]
             self.pending_foreign[layer] = far if prior is None else prior + far
         return out
+
+    def _cells_reader(self, layer: int) -> ExtrasReader:
+        """The layer's cells as laid out since the last compaction (built at its first short pass)."""
+        reader = self._layer_cells.get(layer)
+        if reader is None:
+            bias = self.bias[layer] if self.bias[layer].any() else None
+            cells = self.foreign[layer]
+            far_bias = None
+            if cells is not None and self.has_bias():
+                far_bias = np.array([self.bias[int(m)][c, s] for m, c, s in
+                                     zip(cells.lenders, cells.columns, cells.slots)], np.float32)
+            reader = ExtrasReader(layer_cells(layer, self.owners[layer], self.owner_layers[layer], bias, cells,
+                                              far_bias))
+            self._layer_cells[layer] = reader
+        return reader
+
+    def _bound(self) -> SequenceKV:
+        if self.sequence is None:
+            raise InvalidArgumentError(f"{self.policy.name}: cells lent between heads and layers are read through "
+                                       "the sequence (bind)")
+        return self.sequence
 
 
 __all__ = ["PooledCells"]

@@ -44,8 +44,8 @@ from cortexstream.kv.allocator import BlockAllocator
 from cortexstream.kv.arena_config import ArenaConfig
 from cortexstream.kv.arena_moves import StoredMoves
 from cortexstream.kv.arena_sides import (
-    Side, as_dtype, full_float, new_side, pad_side, read_side, read_side_per_head, side_arrays, side_nbytes,
-    strided_side, take_side, write_side,
+    Side, as_dtype, full_float, new_side, pad_side, read_cells, read_side, read_side_per_head, side_arrays,
+    side_nbytes, strided_side, take_side, write_side,
 )
 from cortexstream.kv.quantized_blocks import CodeView
 from cortexstream.kv.kv_dtype import StorageType
@@ -300,6 +300,11 @@ class KVArena(StoredMoves):
         if slots.ndim == 1:
             return read_side(keys, slots, self.dtype)[0], read_side(values, slots, self.dtype)[0]
         return read_side_per_head(keys, slots, self.dtype), read_side_per_head(values, slots, self.dtype)
+
+    def gather_cells(self, layer: int, columns: mx.array, slots: mx.array) -> tuple[mx.array, mx.array]:
+        """K `[n, D]` and V `[n, Dv]` of single cells: column (KV head) `columns[i]` at arena slot `slots[i]`."""
+        return (read_cells(self.keys[layer], columns, slots, self.dtype),
+                read_cells(self.values[layer], columns, slots, self.dtype))
 
     # --- writes -----------------------------------------------------------------------------------------------
     def write(

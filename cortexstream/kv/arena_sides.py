@@ -103,6 +103,15 @@ def read_side_per_head(side: Side, slots: mx.array, dtype: mx.Dtype) -> mx.array
     return mx.take_along_axis(side[0], slots[:, :, None], axis=1)
 
 
+def read_cells(side: Side, columns: mx.array, slots: mx.array, dtype: mx.Dtype) -> mx.array:
+    """Float rows `[n, D]`: cell i is column `columns[i]` at arena slot `slots[i]` (int32 `[n]` each)."""
+    if isinstance(side, _CODED):  # codes are read for every column at those slots, then picked
+        rows = read_side(side, slots, dtype)[0]
+        return rows[columns, mx.arange(rows.shape[1])]
+    _, heads, num_slots, dim = side.shape  # one gather from the flat rows: indexing side[0] first copies it
+    return side.reshape(heads * num_slots, dim)[columns * num_slots + slots]
+
+
 def take_side(side: Side, index: Index) -> Side:
     """The stored rows at `index`, as stored (for `put_side`); floats for keys grouped per channel."""
     if isinstance(side, ChannelQuantizedRows):
