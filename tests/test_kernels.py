@@ -237,3 +237,42 @@ def test_sequence_keep_runs_the_eviction_gather_of_the_chosen_backend(monkeypatc
         rows = mx.array(keep[layer])[:, :, None]
         assert mx.array_equal(k, mx.take_along_axis(keys, rows, axis=1)).item()
         assert mx.array_equal(v, mx.take_along_axis(values, rows, axis=1)).item()
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_compact_layer_moves_only_what_follows_the_first_change(monkeypatch, kv_dtype):
+    """A token evicted while decoding: the rows before it stay where they are and are not rewritten; the arena
+    reads as a full compaction would leave it (codes moved with their scales on int8)."""
+    from cortexstream.kv.arena import KVArena
+    from cortexstream.kv.arena_config import ArenaConfig
+    from cortexstream.kv.kv_dtype import parse_kv_dtype
+
+    assert eg.unchanged_prefix(np.array([0, 1, 2, 4, 5])) == 3
+    assert eg.unchanged_prefix(np.array([[0, 1, 3], [0, 2, 3]])) == 1
+    assert eg.unchanged_prefix(np.array([0, 1, 2])) == 3
+    rng = np.random.default_rng(12)
+    storage = None if kv_dtype is None else parse_kv_dtype(kv_dtype, model_dtype="float32")
+    arena_ = KVArena(ArenaConfig(num_layers=1, num_kv_heads=2, head_dim=64, num_blocks=12, block_size=4,
+                                 kv_dtype=storage))
+    blocks = [7, 2, 9, 4]
+    keys = mx.array(rng.standard_normal((2, 14, 64)).astype(np.float32))
+    values = mx.array(rng.standard_normal((2, 14, 64)).astype(np.float32))
+    arena_.write(0, blocks, 0, keys, values)
+    before_k, before_v = arena_.read(0, blocks, 14)
+    keep = np.array([[0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12, 13], [0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13]])
+    writes = []
+    original = arena_.write if kv_dtype is None else arena_.move_rows
+    name = "write" if kv_dtype is None else "move_rows"
+
+    def counting(*args, **kwargs):
+        writes.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(arena_, name, counting)
+    assert eg.compact_layer(arena_, 0, blocks, keep, backend="reference") == 13
+    k, v = arena_.read(0, blocks, 13)
+    rows = mx.array(keep)[:, :, None]
+    assert mx.array_equal(k, mx.take_along_axis(before_k, rows, axis=1)).item()
+    assert mx.array_equal(v, mx.take_along_axis(before_v, rows, axis=1)).item()
+    moved = writes[0][3] if kv_dtype is None else writes[0][2]
+    assert (moved.shape[1] if kv_dtype is None else moved.shape[0]) == 13 - 6  # rows from position 6 on

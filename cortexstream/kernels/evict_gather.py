@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from cortexstream.kernels.dispatch import METAL, resolve_backend
 from cortexstream.kernels.launch import (
@@ -84,19 +85,35 @@ def compact_layer(arena: Any, layer: int, blocks: Sequence[int], keep: Any, *, b
     moved to positions 0..n-1 of its block table. Returns n. The caller owns locking, copy-on-write and lengths.
 
     A quantized arena moves the kept rows' codes with their own scales and biases (`arena.move_rows`): no
-    requantization, so a kept row is bit-identical to what it was.
+    requantization, so a kept row is bit-identical to what it was. Only rows from the first position that changes
+    are moved (a token evicted while decoding moves the tokens after it, not the whole cache).
     """
+    n = int(np.shape(keep)[-1])
+    first = unchanged_prefix(keep)
+    if first == n:
+        return n
+    keep = np.asarray(keep)[..., first:]
     if arena.quantized:
         bs = arena.config.block_size
         table = as_index_array(list(blocks))
         rows = as_index_array(keep)
-        slots = arena_slots(table, rows[None, :] if rows.ndim == 1 else rows, bs)  # [1 or H, n]
-        n = int(slots.shape[1])
-        destination = arena_slots(table, mx.arange(n, dtype=mx.int32)[None, :], bs)[0]
+        slots = arena_slots(table, rows[None, :] if rows.ndim == 1 else rows, bs)  # [1 or H, n - first]
+        destination = arena_slots(table, mx.arange(first, n, dtype=mx.int32)[None, :], bs)[0]
         arena.move_rows(layer, slots[0] if rows.ndim == 1 else slots, destination)
         return n
     keys, values = evict_gather(*arena.layer_buffers(layer), list(blocks), keep,
                                 arena.config.block_size, backend=backend)
     mx.eval(keys, values)  # materialise before the in-place write into the same buffers
-    arena.write(layer, blocks, 0, keys, values)
-    return int(keys.shape[1])
+    arena.write(layer, blocks, first, keys, values)
+    return n
+
+
+def unchanged_prefix(keep: Any) -> int:
+    """How many leading positions `keep` ([n] or [H, n], ascending, unique) leaves where they are: position i stays
+    while every row keeps i at i."""
+    rows = np.asarray(keep)
+    n = rows.shape[-1]
+    same = rows == np.arange(n)
+    if same.ndim == 2:
+        same = same.all(axis=0)
+    return n if bool(same.all()) else int(np.argmin(same))
