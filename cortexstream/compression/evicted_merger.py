@@ -59,21 +59,29 @@ def group_means(keys: mx.array, values: mx.array, keep: mx.array,
     index = keep.astype(mx.int32)
     anchor_k = mx.take_along_axis(k32, index[..., None], axis=-2)
     anchor_v = mx.take_along_axis(v32, index[..., None], axis=-2)
-    unit = k32 / mx.maximum(mx.linalg.norm(k32, axis=-1, keepdims=True), 1e-6)
-    unit_kept = mx.take_along_axis(unit, index[..., None], axis=-2)
-    sim = unit @ unit_kept.swapaxes(-1, -2)  # [..., H, n, k]
+    dropped = n - index.shape[-1]
+    if dropped <= 0:
+        total = mx.zeros(index.shape, mx.float32)
+        return anchor_k, anchor_v, anchor_k, anchor_v, total, mx.array(0)
+    # Only the dropped slots are compared with the kept ones (one per head while decoding, not the whole cache).
+    kept = mx.zeros(index.shape[:-1] + (n,), mx.int32)
+    kept = mx.put_along_axis(kept, index, mx.array(1, mx.int32), axis=-1)
+    drop = mx.stop_gradient(mx.argsort(kept, axis=-1)[..., :dropped])  # [..., H, d]: the slots not kept
+    drop_k = mx.take_along_axis(k32, drop[..., None], axis=-2)
+    drop_v = mx.take_along_axis(v32, drop[..., None], axis=-2)
+    unit_kept = anchor_k / mx.maximum(mx.linalg.norm(anchor_k, axis=-1, keepdims=True), 1e-6)
+    unit_drop = drop_k / mx.maximum(mx.linalg.norm(drop_k, axis=-1, keepdims=True), 1e-6)
+    sim = unit_drop @ unit_kept.swapaxes(-1, -2)  # [..., H, d, k]
     best = mx.argmax(sim, axis=-1)
     weight = mx.max(sim, axis=-1)
-    kept = mx.zeros(index.shape[:-1] + (n,), mx.bool_)
-    kept = mx.put_along_axis(kept, index, mx.array(True), axis=-1)
-    weight = mx.where(mx.logical_and(mx.logical_not(kept), weight >= threshold), weight, 0.0)
-    assign = (mx.arange(index.shape[-1]) == best[..., None]).astype(mx.float32) * weight[..., None]  # [..., n, k]
+    weight = mx.where(weight >= threshold, weight, 0.0)
+    assign = (mx.arange(index.shape[-1]) == best[..., None]).astype(mx.float32) * weight[..., None]  # [..., d, k]
     assign = mx.stop_gradient(assign)
     total = assign.sum(axis=-2)  # [..., H, k]
     denom = mx.maximum(total, 1e-6)[..., None]
     has = (total > 0)[..., None]
-    mean_k = mx.where(has, (assign.swapaxes(-1, -2) @ k32) / denom, anchor_k)
-    mean_v = mx.where(has, (assign.swapaxes(-1, -2) @ v32) / denom, anchor_v)
+    mean_k = mx.where(has, (assign.swapaxes(-1, -2) @ drop_k) / denom, anchor_k)
+    mean_v = mx.where(has, (assign.swapaxes(-1, -2) @ drop_v) / denom, anchor_v)
     return anchor_k, anchor_v, mean_k, mean_v, total, (weight > 0).sum()
 
 

@@ -165,6 +165,9 @@ class PolicyState(PooledCells):
                                                                                  seq.logical_length):
             return 0
         n = seq.num_tokens
+        budget = self.policy.budget_tokens(context)
+        if self.policy.pools_heads and budget is not None and n <= budget:
+            return 0  # within its budget a pooling policy keeps every cell: no stacking of every layer's state
         scores = np.stack(self.scores) if self.policy.needs_attention_scores else None
         if self.policy.pools_heads:
             owners = np.stack(self.owners).astype(np.int64)

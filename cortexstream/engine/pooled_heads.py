@@ -183,9 +183,11 @@ def attend_cells(queries: mx.array, keys: mx.array, values: mx.array, scale: flo
     return out, local, far
 
 
-# Up to this many queries (decode steps, small verify passes) a layer is attended in one call over all its cells,
-# each query head masked to its group's cells: KV heads times more products than the per-head gathers, one kernel
-# instead of one per head, and no copy of the owned cells. Longer passes (prompt chunks) gather per head.
+# Up to this many queries (decode steps, small verify passes) a pass is short. A policy's short passes attend per
+# column (`engine.pooled_decode`); here, where that layout is not kept (a reconstruction pass, a model with sinks),
+# a layer is attended in one call over all its cells, each query head masked to its group's cells: KV heads times
+# more products than the per-head gathers, one kernel instead of one per head, and no copy of the owned cells.
+# Longer passes (prompt chunks) gather per head.
 FLAT_QUERIES = 4
 
 
