@@ -11,6 +11,8 @@ dequantized and only the changed values are written back, requantized; keys are 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import numpy as np
 
@@ -18,47 +20,80 @@ from cortexstream.compression.evicted_merger import Fold, d2o_fold, group_means
 from cortexstream.kv.sequence_kv import SequenceKV
 
 
-def merged_values(seq: SequenceKV, keep: np.ndarray, threshold: float) -> tuple[list[mx.array | None], int]:
-    """Per layer, the new values `[H, n_keep, D]` of the kept slots in ascending slot order (None: unchanged),
-    and how many dropped slots were merged. `keep`: `[L, H, n_keep]` slots to keep (before compaction). The groups
-    and the fold are the ones the learned merger was trained against (`group_means`, `d2o_fold`)."""
+# Folded rows are materialised once computed, so the compaction and the writes that follow update the arena's
+# buffers in place instead of copying them (a pending fold still reads them). Up to this many bytes of rows are
+# evaluated at once; more, a layer at a time.
+MATERIALISE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class FoldedRows:
+    """One layer's kept rows from the first one a fold changed: keys (None: unchanged) and values `[H, m, D]` for
+    slots `start`.. after compaction."""
+
+    start: int
+    keys: mx.array | None
+    values: mx.array
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + (0 if self.keys is None else self.keys.nbytes)
+
+
+def merged_values(seq: SequenceKV, keep: np.ndarray, threshold: float) -> tuple[list[FoldedRows | None], int]:
+    """Per layer, the new values of the kept slots a fold changed (None: none), and how many dropped slots were
+    merged. `keep`: `[L, H, n_keep]` slots to keep (before compaction). The groups and the fold are the ones the
+    learned merger was trained against (`group_means`, `d2o_fold`)."""
     new, merged = folded_kv(seq, keep, threshold, lambda layer, anchor_k, anchor_v, mean_k, mean_v, weight: (
         anchor_k, d2o_fold(anchor_v, mean_v, weight)))
-    return [None if pair is None else pair[1] for pair in new], merged
+    return [None if rows is None else FoldedRows(rows.start, None, rows.values) for rows in new], merged
 
 
-def folded_kv(seq: SequenceKV, keep: np.ndarray, threshold: float,
-              fold: Fold) -> tuple[list[tuple[mx.array, mx.array] | None], int]:
-    """A learned fold (`KVPolicy.folds_keys`): per layer the new keys and values `[H, n_keep, D]` of the kept
-    slots in ascending slot order (None: no group in that layer), and how many dropped slots joined a group.
-    The groups are D2O's (`compression.evicted_merger.group_means`, the code the merger was trained with)."""
-    out: list[tuple[mx.array, mx.array] | None] = []
+def folded_kv(seq: SequenceKV, keep: np.ndarray, threshold: float, fold: Fold) -> tuple[list[FoldedRows | None], int]:
+    """A learned fold (`KVPolicy.folds_keys`): per layer the new keys and values of the kept slots in ascending
+    slot order from the first one in a group (None: no group in that layer), and how many dropped slots joined a
+    group. The groups are D2O's (`compression.evicted_merger.group_means`, the code the merger was trained with)."""
+    out: list[FoldedRows | None] = []
     merged = 0
     n = seq.num_tokens
     for layer in range(keep.shape[0]):
         keys, values = seq.arena.read(layer, seq.blocks, n)
         rows = mx.array(np.sort(keep[layer], axis=-1).astype(np.int32))
         anchor_k, anchor_v, mean_k, mean_v, weight, joined = group_means(keys, values, rows, threshold)
+        grouped = (weight > 0).any(axis=0)  # [n_keep]: some head's anchor has a group
+        mx.eval(joined, grouped)
         count = int(joined.item())
         if count == 0:
             out.append(None)
             continue
         merged += count
-        out.append(fold(layer, anchor_k, anchor_v, mean_k, mean_v, weight))
+        start = int(np.argmax(np.asarray(grouped)))
+        new_k, new_v = fold(layer, anchor_k, anchor_v, mean_k, mean_v, weight)
+        out.append(FoldedRows(start, new_k[:, start:], new_v[:, start:]))
+    _materialise(out)  # before the compaction writes the buffers these rows are read from
     return out, merged
 
 
-def write_kv(seq: SequenceKV, new: list[tuple[mx.array, mx.array] | None]) -> None:
-    """After compaction: write each layer's folded keys and values at slots 0..n_keep-1."""
-    for layer, pair in enumerate(new):
-        if pair is not None:
-            seq.write_kv(layer, 0, pair[0], pair[1])
+def _materialise(new: list[FoldedRows | None]) -> None:
+    rows = [r for r in new if r is not None]
+    if sum(r.nbytes for r in rows) <= MATERIALISE_BYTES:
+        mx.eval([[r.values] + ([] if r.keys is None else [r.keys]) for r in rows])
+        return
+    for r in rows:
+        mx.eval(r.values, [] if r.keys is None else r.keys)
+
+
+def write_kv(seq: SequenceKV, new: list[FoldedRows | None]) -> None:
+    """After compaction: write each layer's folded keys and values at their slots."""
+    for layer, rows in enumerate(new):
+        if rows is not None:
+            seq.write_kv(layer, rows.start, rows.keys, rows.values)
     mx.eval(seq.arena.arrays())
 
 
-def write_values(seq: SequenceKV, values: list[mx.array | None]) -> None:
-    """After compaction: write each layer's new kept values at slots 0..n_keep-1 (keys stay as stored)."""
-    for layer, new in enumerate(values):
-        if new is not None:
-            seq.write_values(layer, 0, new)
+def write_values(seq: SequenceKV, new: list[FoldedRows | None]) -> None:
+    """After compaction: write each layer's new kept values at their slots (keys stay as stored)."""
+    for layer, rows in enumerate(new):
+        if rows is not None:
+            seq.write_values(layer, rows.start, rows.values)
     mx.eval(seq.arena.arrays())
