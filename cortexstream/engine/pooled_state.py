@@ -123,8 +123,8 @@ class PooledCells:
         row `record_from` on (None: not at all), its scores recorded: short passes per column
         (`pooled_decode.attend_columns`), longer ones and models with sinks per owner (`pooled_heads.attend_cells`)."""
         num_keys = keys.shape[2]
-        if self.reconstruction is not None:
-            owners, bias = self.owners_for(layer, num_keys), self.bias_row(layer, num_keys)  # KVzip: maxima during a reconstruction pass only, never sums
+        if self.reconstruction is not None:  # KVzip: maxima during a reconstruction pass only, never sums
+            owners, bias = self.owners_for(layer, num_keys), self.bias_row(layer, num_keys)
             if self.foreign[layer] is not None or self.mine(layer, num_keys) is not None:
                 raise InvalidArgumentError(f"{self.policy.name}: a reconstruction over cells lent across layers "
                                            "is not supported")
