@@ -44,15 +44,16 @@ def merged_values(seq: SequenceKV, keep: np.ndarray, threshold: float) -> tuple[
     """Per layer, the new values of the kept slots a fold changed (None: none), and how many dropped slots were
     merged. `keep`: `[L, H, n_keep]` slots to keep (before compaction). The groups and the fold are the ones the
     learned merger was trained against (`group_means`, `d2o_fold`)."""
-    new, merged = folded_kv(seq, keep, threshold, lambda layer, anchor_k, anchor_v, mean_k, mean_v, weight: (
-        anchor_k, d2o_fold(anchor_v, mean_v, weight)))
-    return [None if rows is None else FoldedRows(rows.start, None, rows.values) for rows in new], merged
+    return folded_kv(seq, keep, threshold, lambda layer, anchor_k, anchor_v, mean_k, mean_v, weight: (
+        anchor_k, d2o_fold(anchor_v, mean_v, weight)), with_keys=False)
 
 
-def folded_kv(seq: SequenceKV, keep: np.ndarray, threshold: float, fold: Fold) -> tuple[list[FoldedRows | None], int]:
+def folded_kv(seq: SequenceKV, keep: np.ndarray, threshold: float, fold: Fold,
+              with_keys: bool = True) -> tuple[list[FoldedRows | None], int]:
     """A learned fold (`KVPolicy.folds_keys`): per layer the new keys and values of the kept slots in ascending
     slot order from the first one in a group (None: no group in that layer), and how many dropped slots joined a
-    group. The groups are D2O's (`compression.evicted_merger.group_means`, the code the merger was trained with)."""
+    group. The groups are D2O's (`compression.evicted_merger.group_means`, the code the merger was trained with).
+    `with_keys=False`: the fold leaves keys as stored, so its keys are neither kept nor computed."""
     out: list[FoldedRows | None] = []
     merged = 0
     n = seq.num_tokens
@@ -69,7 +70,7 @@ def folded_kv(seq: SequenceKV, keep: np.ndarray, threshold: float, fold: Fold) -
         merged += count
         start = int(np.argmax(np.asarray(grouped)))
         new_k, new_v = fold(layer, anchor_k, anchor_v, mean_k, mean_v, weight)
-        out.append(FoldedRows(start, new_k[:, start:], new_v[:, start:]))
+        out.append(FoldedRows(start, new_k[:, start:] if with_keys else None, new_v[:, start:]))
     _materialise(out)  # before the compaction writes the buffers these rows are read from
     return out, merged
 

@@ -175,7 +175,7 @@ class PolicyState(PooledCells):
                 owners = np.stack(self.owner_layers).astype(np.int64) * owners.shape[1] + owners
             return self.keep_cells(seq, self.policy.select_cells(n, context, scores, np.stack(self.positions),
                                                                  owners))
-        if self.queries is not None and n > self.policy.budget_tokens(context):
+        if self.queries is not None and n > budget:
             scores = self.expected_scores(seq)
         keep = self.policy.select(n, context, scores)
         removed = 0

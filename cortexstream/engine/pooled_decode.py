@@ -16,20 +16,19 @@ column's own slots, so they extend the column mask with zeros. Reading the extra
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
 from cortexstream.engine.attention_hook import additive_mask
-from cortexstream.engine.pooled_layers import ForeignCells
+from cortexstream.engine.pooled_layers import ForeignCells, gather_resolved, lender_groups, resolve_cells
 from cortexstream.kv.sequence_kv import SequenceKV
 
 NEG_INF = float("-inf")
 
 
-@dataclass(frozen=True)
-class ExtraGroup:
+class ExtraGroup(NamedTuple):
     """The extras one layer's arrays hold (the attending layer's own, lent within it, or another's): the column
     and sequence slot of each cell."""
 
@@ -80,9 +79,7 @@ def layer_cells(layer: int, owners: np.ndarray, owner_layers: np.ndarray, bias: 
         extra_heads.append(owners[lent_cols, lent_slots].astype(np.int64))
         extra_bias.append(zero[lent_cols, lent_slots])
     if foreign is not None:
-        for lender in np.unique(foreign.lenders):  # grouped by lender, in this order (`foreign_cells`)
-            pick = foreign.lenders == lender
-            groups.append(ExtraGroup(int(lender), foreign.columns[pick], foreign.slots[pick]))
+        groups += [ExtraGroup(*group) for group in lender_groups(foreign)]
         extra_heads.append(foreign.heads.astype(np.int64))
         extra_bias.append(np.zeros(len(foreign), np.float32) if foreign_bias is None
                           else foreign_bias.astype(np.float32))
@@ -116,23 +113,11 @@ class ExtrasReader:
 
     def read(self, seq: SequenceKV) -> tuple[mx.array, mx.array]:
         """Keys `[X, D]` and values `[X, Dv]` of the extras, in `LayerCells` order."""
-        arena = seq.arena
         key = tuple(seq.blocks)  # slots stay valid as the arena grows (growth appends)
         if key != self._key:
-            self._reads = []
-            for group in self.cells.groups:
-                slots = arena.slot_indices(seq.blocks, 0, int(group.slots.max()) + 1)[group.slots]
-                self._reads.append((group.lender, mx.array(group.columns.astype(np.int32)),
-                                    mx.array(slots.astype(np.int32))))
+            self._reads = resolve_cells(seq, self.cells.groups)
             self._key = key
-        keys, values = [], []
-        for lender, columns, slots in self._reads:
-            k, v = arena.gather_cells(lender, columns, slots)
-            keys.append(k)
-            values.append(v)
-        if len(keys) == 1:
-            return keys[0], values[0]
-        return mx.concatenate(keys), mx.concatenate(values)
+        return gather_resolved(seq.arena, self._reads)
 
 
 def attend_columns(cells: LayerCells, queries: mx.array, keys: mx.array, values: mx.array, scale: float,

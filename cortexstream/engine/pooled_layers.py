@@ -17,6 +17,7 @@ so they are older than any query: no mask applies to them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Iterable
 
 import mlx.core as mx
 import numpy as np
@@ -60,21 +61,36 @@ def foreign_cells(owners: list[np.ndarray], owner_layers: list[np.ndarray]) -> l
     return out
 
 
-def read_foreign(seq: SequenceKV, cells: ForeignCells) -> tuple[mx.array, mx.array]:
-    """The keys `[F, D]` and values `[F, Dv]` of `cells`, read from the lenders' arrays through the sequence's block
-    table as it is now (dequantized when the arena stores codes)."""
-    keys, values = [], []
-    for lender in np.unique(cells.lenders):  # cells are grouped by lender, in this order
-        pick = cells.lenders == lender
-        slots = cells.slots[pick]
+def lender_groups(cells: ForeignCells) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """`cells` per lender, in their order (they are grouped by lender): (lender layer, columns, sequence slots)."""
+    return [(int(lender), cells.columns[cells.lenders == lender], cells.slots[cells.lenders == lender])
+            for lender in np.unique(cells.lenders)]
+
+
+def resolve_cells(seq: SequenceKV, groups: Iterable[tuple[int, np.ndarray, np.ndarray]]
+                  ) -> list[tuple[int, mx.array, mx.array]]:
+    """Per group of cells (lender layer, columns, sequence slots): the lender, the columns and the arena slots as
+    int32 arrays, through the sequence's block table as it is now."""
+    out = []
+    for lender, columns, slots in groups:
         arena_slots = seq.arena.slot_indices(seq.blocks, 0, int(slots.max()) + 1)[slots]
-        k, v = seq.arena.gather_slots(int(lender), arena_slots)  # [H, F_m, D]: every column at those slots
-        columns, rows = mx.array(cells.columns[pick].astype(np.int32)), mx.arange(int(pick.sum()))
-        keys.append(k[columns, rows])
-        values.append(v[columns, rows])
+        out.append((int(lender), mx.array(columns.astype(np.int32)), mx.array(arena_slots.astype(np.int32))))
+    return out
+
+
+def gather_resolved(arena: Any, reads: list[tuple[int, mx.array, mx.array]]) -> tuple[mx.array, mx.array]:
+    """The keys `[F, D]` and values `[F, Dv]` of resolved cells (`resolve_cells`), in their order (dequantized when
+    the arena stores codes)."""
+    keys, values = zip(*(arena.gather_cells(lender, columns, slots) for lender, columns, slots in reads))
     if len(keys) == 1:
         return keys[0], values[0]
     return mx.concatenate(keys, axis=0), mx.concatenate(values, axis=0)
+
+
+def read_foreign(seq: SequenceKV, cells: ForeignCells) -> tuple[mx.array, mx.array]:
+    """The keys `[F, D]` and values `[F, Dv]` of `cells`, read from the lenders' arrays through the sequence's block
+    table as it is now (dequantized when the arena stores codes)."""
+    return gather_resolved(seq.arena, resolve_cells(seq, lender_groups(cells)))
 
 
 def add_foreign(scores: list[np.ndarray], cells: ForeignCells, received: np.ndarray) -> None:
@@ -89,4 +105,5 @@ def layer_columns(layer: int, heads: int, num_slots: int) -> np.ndarray:
     return np.full((heads, num_slots), layer, dtype=np.int16)
 
 
-__all__ = ["ForeignCells", "add_foreign", "foreign_cells", "layer_columns", "read_foreign"]
+__all__ = ["ForeignCells", "add_foreign", "foreign_cells", "gather_resolved", "layer_columns", "lender_groups",
+           "read_foreign", "resolve_cells"]

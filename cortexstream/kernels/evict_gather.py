@@ -88,11 +88,12 @@ def compact_layer(arena: Any, layer: int, blocks: Sequence[int], keep: Any, *, b
     requantization, so a kept row is bit-identical to what it was. Only rows from the first position that changes
     are moved (a token evicted while decoding moves the tokens after it, not the whole cache).
     """
-    n = int(np.shape(keep)[-1])
+    keep = np.asarray(keep)
+    n = int(keep.shape[-1])
     first = unchanged_prefix(keep)
     if first == n:
         return n
-    keep = np.asarray(keep)[..., first:]
+    keep = keep[..., first:]
     if arena.quantized:
         bs = arena.config.block_size
         table = as_index_array(list(blocks))
