@@ -219,7 +219,7 @@ def test_batched_equals_alone_and_stays_within_the_budget(sharp, monkeypatch):
 
 def test_an_equal_split_is_snapkv_token_for_token(sharp):
     """At the prompt's compression an equal split keeps SnapKV's keys. While decoding, a pooled policy compresses
-    to `pooled_target` (slack fewer, so not every token rebuilds its layout), so the runs part ways once the cache
+    to `eviction_target` (slack fewer, so not every token rebuilds its layout), so the runs part ways once the cache
     first goes over the budget again: the first two tokens are compared, and with no slack (a budget under 8) all."""
     model, tokenizer = sharp
     prompts = [random_token_ids(60, seed=s) for s in range(2)]
@@ -229,7 +229,7 @@ def test_an_equal_split_is_snapkv_token_for_token(sharp):
         snap = engine_run(model, tokenizer, prompts, [SnapKV(budget=budget, window=4)] * 2, max_tokens=tokens,
                           prefill_step_size=256)
         assert ada[0] == snap[0]
-    assert AdaKV().pooled_target(25, 24, 5) == 21 and AdaKV().pooled_target(70, 24, 5) == 24
+    assert AdaKV().eviction_target(25, 24, 5) == 21 and AdaKV().eviction_target(70, 24, 5) == 24
 
 
 def int8_run(model, tokenizer, policy, flag, prompt_tokens: int = 60):
@@ -309,7 +309,7 @@ def test_kvzip_with_shared_head_budgets(sharp):
         kv, state = engine.runner.kv_view(rid), engine.runner.policy_view(rid)
         if state is not None and state.num_evictions:
             seen.append((kv.num_tokens, max(int((o == h).sum()) for o in state.owners for h in range(2))))
-    assert seen and seen[0][0] == 24 and all(21 <= slots <= 24 for slots, _ in seen)  # decoding: pooled_target
+    assert seen and seen[0][0] == 24 and all(21 <= slots <= 24 for slots, _ in seen)  # decoding: eviction_target
     assert max(most for _, most in seen) > 24
     prompts = [random_token_ids(50, seed=s) for s in range(2)]
     # (the prompt is held whole while it is reconstructed, so the budget check of assert_batched_matches_alone

@@ -107,7 +107,7 @@ def test_snapkv_merge_keeps_its_choice_and_budget_and_changes_only_values(sharp)
                         on_chunk=lambda i, cache: sizes.append(cache[0].sequence.num_tokens))
     np.testing.assert_allclose(never, plain, atol=1e-5)
     assert folded.shape == plain.shape and not np.allclose(folded, plain)
-    assert max(sizes) == 24 and sizes[-1] == 24
+    assert max(sizes) == 24 and 21 <= sizes[-1] <= 24  # a last pass of 2 tokens evicts slack (3) below the budget
 
 
 def test_merging_snapkv_and_kvzip_batched_equal_alone(sharp):

@@ -102,7 +102,7 @@ def test_an_untrained_merger_is_h2o_exactly_and_a_trained_one_keeps_its_budget(s
     folded = token_nlls(model, tokens, LearnedMerger(budget=24, recent=6, threshold=0.0, weights=_perturbed(model)),
                         chunk_size=8, on_chunk=lambda i, cache: sizes.append(cache[0].sequence.num_tokens))
     assert folded.shape == h2o.shape and not np.allclose(folded, h2o)  # the folds change what later tokens read
-    assert max(sizes) == 24 and sizes[-1] == 24
+    assert max(sizes) == 24 and 21 <= sizes[-1] <= 24  # a last pass of 2 tokens evicts slack (3) below the budget
 
 
 def test_the_fold_rewrites_only_slots_that_absorbed_a_group(sharp):

@@ -147,7 +147,9 @@ def test_engine_holds_the_prompt_then_compresses_it_to_the_budget_and_frees_bloc
     prefill = [(logical, physical) for logical, physical, _ in held if logical < 100]
     assert prefill and all(logical == physical for logical, physical in prefill)  # nothing evicted mid-prompt
     after = [physical for logical, physical, _ in held if logical >= 100]
-    assert after and all(physical == budget for physical in after)
+    low = policy.eviction_target(budget + 1, budget, 0)  # decoding evicts `slack` below the budget at a time
+    assert after and after[0] == budget and all(low <= physical <= budget for physical in after)
+    assert any(physical < budget for physical in after)
     assert max(blocks for logical, _, blocks in held if logical >= 100) <= -(-budget // 16) + 1
     assert engine.arena.allocator.num_used_blocks == 0
 

@@ -85,7 +85,7 @@ class AdaKV(SnapKV):
     def select_cells(self, num_physical: int, context: int, scores: np.ndarray | None, positions: np.ndarray,
                      owners: np.ndarray) -> np.ndarray | None:
         """Cells to keep, a bool mask `[L, H, n]` over the stored cells (column h, slot s) with exactly
-        `budget x H` per layer (`pooled_target`: a little less when decoding went just over it); `positions` and
+        `budget x H` per layer (`eviction_target`: a little less when decoding went just over it); `positions` and
         `owners` `[L, H, n]` say which token of which head each cell holds. None: nothing to evict yet."""
         budget = self.budget_tokens(context)
         if num_physical <= budget:
@@ -97,7 +97,7 @@ class AdaKV(SnapKV):
                                        f"{owners.shape} must all be [layers, heads, {num_physical}]")
         front = min(self.sinks, budget - 2)
         recent = min(self.recent_tokens(budget), budget - front - 1)
-        keep = self.pooled_target(num_physical, budget, front + recent + 1)
+        keep = self.eviction_target(num_physical, budget, front + recent + 1)
         pool = lambda row: pool_scores(row[None], self.kernel, self.pooling)[0]  # noqa: E731
         return np.stack([shared_cells(s, p, o, front, recent, keep - front - recent, self.floor, pool)
                          for s, p, o in zip(scores, positions, owners)])

@@ -190,11 +190,12 @@ class KVPolicy:
         """
         return None
 
-    def pooled_target(self, num_physical: int, budget: int, minimum: int) -> int:
-        """Slots a policy that pools heads keeps when `num_physical` exceeds `budget`. Its layout is rebuilt at every
-        compression (cells move between columns, the whole cache is rewritten), so when only a few tokens went over
-        the budget (decoding) it keeps `slack` fewer and the next `slack` tokens need no compression; a prompt that
-        overshoots by more is compressed to the budget itself. Never below `minimum`."""
+    def eviction_target(self, num_physical: int, budget: int, minimum: int) -> int:
+        """Slots an evicting policy keeps when `num_physical` exceeds `budget`. When only a few tokens went over
+        the budget (decoding), it keeps `slack` fewer, so the next `slack` tokens need no eviction: a compaction
+        (and, for a pooling policy, the rebuild of its layout) once every `slack` tokens instead of after each
+        one. A pass that overshoots by more (a prompt) is compressed to the budget itself. Never below `minimum`.
+        The cache never holds more than the budget between passes either way."""
         slack = min(16, budget // 8)
         return max(minimum, budget - slack) if num_physical - budget < slack else budget
 

@@ -73,7 +73,7 @@ class H2O(KVPolicy):
         if scores is None:
             raise InvalidArgumentError(f"{self.name}: key scores are required but were not collected")
         front, recent = self.protected, self.recent_tokens(budget)
-        heavy = budget - front - recent
+        heavy = self.eviction_target(num_physical, budget, front + recent + 1) - front - recent
         layers, heads, n = scores.shape
         if n != num_physical:
             raise InvalidArgumentError(f"H2O: {n} scores for {num_physical} physical tokens")

@@ -113,7 +113,8 @@ class KVzip(FoldsDropped, KVPolicy):
             raise InvalidArgumentError(f"KVzip: {n} scores for {num_physical} physical tokens")
         front = min(self.sinks, budget - 1)
         pooled = self._pooled(scores)
-        chosen = np.argsort(-pooled[:, :, front:], axis=-1, kind="stable")[..., : budget - front] + front
+        keep = self.eviction_target(num_physical, budget, front + 1)
+        chosen = np.argsort(-pooled[:, :, front:], axis=-1, kind="stable")[..., : keep - front] + front
         return np.concatenate([np.broadcast_to(np.arange(front), (layers, heads, front)),
                                np.sort(chosen, axis=-1)], axis=-1)
 
@@ -134,7 +135,7 @@ class KVzip(FoldsDropped, KVPolicy):
         if scores is None:
             raise InvalidArgumentError("KVzip: reconstruction scores are required but were not collected")
         front = min(self.sinks, budget - 1)
-        keep = self.pooled_target(num_physical, budget, front + 1)
+        keep = self.eviction_target(num_physical, budget, front + 1)
         pool = lambda row: self._pooled(row[None])[0]  # noqa: E731
         return np.stack([shared_cells(s, p, o, front, 0, keep - front, self.floor, pool)
                          for s, p, o in zip(scores, positions, owners)])

@@ -84,7 +84,7 @@ class KVzipHeads(KVPolicy):
 
     def select_cells(self, num_physical: int, context: int, scores: np.ndarray | None, positions: np.ndarray,
                      owners: np.ndarray) -> np.ndarray | None:
-        """Cells to keep, a bool mask `[L, H, n]` with exactly `budget x H x L` in all (`pooled_target`: a little
+        """Cells to keep, a bool mask `[L, H, n]` with exactly `budget x H x L` in all (`eviction_target`: a little
         less when decoding went just over it); `owners` `[L, H, n]` holds
         each cell's owner as `layer x H + head`, `positions` its token's position."""
         budget = self.budget_tokens(context)
@@ -96,7 +96,7 @@ class KVzipHeads(KVPolicy):
         layers, heads, _ = positions.shape
         importance = find_profile(layers, heads, self.profile).array().reshape(-1)
         columns, sizes = columns_by_owner(owners, positions, layers * heads, "kvzip_heads")
-        keep_slots = self.pooled_target(num_physical, budget, self.minimum_budget)
+        keep_slots = self.eviction_target(num_physical, budget, self.minimum_budget)
         counts = head_counts(sizes, importance, self.sinks + self.window, layers * heads * keep_slots)
         keep = np.zeros(positions.size, dtype=bool)
         for cells, count in zip(columns, counts):  # each column's cells in position order

@@ -71,7 +71,7 @@ class PyramidKV(SnapKV):
     def select_cells(self, num_physical: int, context: int, scores: np.ndarray | None, positions: np.ndarray,
                      owners: np.ndarray) -> np.ndarray | None:
         """Cells to keep, a bool mask `[L, H, n]` over the stored cells with exactly `budget x H x L` in all
-        (`pooled_target`: a little less when decoding went just over it);
+        (`eviction_target`: a little less when decoding went just over it);
         `owners` `[L, H, n]` holds each cell's owner as `layer x H + head`, `positions` its token's position."""
         budget = self.budget_tokens(context)
         if num_physical <= budget:
@@ -87,7 +87,7 @@ class PyramidKV(SnapKV):
         flat_scores = scores.reshape(-1)
         columns, sizes = columns_by_owner(owners, positions, layers * heads, "PyramidKV")
         held = sizes.reshape(layers, heads).min(axis=1)
-        keep_slots = self.pooled_target(num_physical, budget, front + recent + 1)
+        keep_slots = self.eviction_target(num_physical, budget, front + recent + 1)
         counts = layer_counts(layers, keep_slots - front - recent, self.beta, held - front - recent)
         keep = np.zeros(flat_scores.shape[0], dtype=bool)
         for code, cells in enumerate(columns):

@@ -143,7 +143,7 @@ class SnapKV(FoldsDropped, KVPolicy):
             raise InvalidArgumentError(f"SnapKV: {n} scores for {num_physical} physical tokens")
         front = min(self.sinks, budget - 2)
         recent = min(self.recent_tokens(budget), budget - front - 1)
-        voted = budget - front - recent
+        voted = self.eviction_target(num_physical, budget, front + recent + 1) - front - recent
         pooled = pool_scores(scores, self.kernel, self.pooling)[:, :, front : n - recent]
         count = voted if self.pooled is None else min(voted, self.pooled_tokens(budget))
         order = np.argsort(-pooled, axis=-1, kind="stable")[..., :count]

@@ -53,7 +53,7 @@ class StreamingLLM(KVPolicy):
         budget = self.budget_tokens(context)
         if num_physical <= budget:
             return None
-        window = budget - self.sinks
+        window = self.eviction_target(num_physical, budget, self.sinks + 1) - self.sinks
         return np.concatenate([np.arange(self.sinks), np.arange(num_physical - window, num_physical)])
 
     def describe(self) -> str:
