@@ -131,3 +131,20 @@ def test_h2o_default_recent_is_half_of_the_unprotected_budget_and_ties_keep_the_
 def test_h2o_needs_scores_to_evict():
     with pytest.raises(InvalidArgumentError, match="scores"):
         H2O(budget=10).select(20, 100, None)
+
+
+@pytest.mark.parametrize("spec", ["h2o:budget=64", "streaming:budget=64", "snapkv:budget=64,window=8",
+                                  "kvzip:budget=64", "d2o:budget=64", "expected:budget=64"])
+def test_a_decode_step_over_the_budget_evicts_slack_below_it_and_a_prompt_evicts_to_it(spec):
+    """slack = min(16, budget // 8) = 8: a pass that went 1-7 over keeps 56 (the next 8 tokens evict nothing), one
+    that went 8 or more over keeps the budget itself."""
+    policy = parse_policy(spec)
+    rng = np.random.default_rng(0)
+    for n, expected in ((65, 56), (71, 56), (72, 64), (200, 64)):
+        scores = rng.random((2, 3, n))
+        keep = np.asarray(policy.select(n, 1000, scores))
+        assert keep.shape[-1] == expected, (spec, n)
+        assert (np.diff(keep, axis=-1) > 0).all() and (keep[..., 0] == 0).all()  # ascending, the first sink kept
+        if not spec.startswith("kvzip"):  # every policy here but KVzip keeps the newest tokens by position
+            assert (keep[..., -1] == n - 1).all()
+    assert policy.select(64, 1000, rng.random((2, 3, 64))) is None
