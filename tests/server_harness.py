@@ -68,3 +68,18 @@ class LiveServer:
     def _auth_header(self) -> dict[str, str]:
         keys = self.config.api_keys
         return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+
+
+def assert_server_takes_policy(model: Any, tokenizer: Any, prompt: list[int], spec: str, bad_spec: str,
+                               bad_match: str) -> None:
+    """A live server decodes 4 greedy tokens of `prompt` with `spec` as the request's `kv_policy` (greedy: a sampled
+    reply could end early on end-of-text), and refuses `bad_spec` with an error matching `bad_match`."""
+    import pytest
+
+    with LiveServer(model, tokenizer, kv_tokens=2048) as live:
+        out = live.client().completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
+                                               extra_body={"kv_policy": spec})
+        assert out.usage.completion_tokens == 4
+        bad = live.client().with_options(max_retries=0)
+        with pytest.raises(Exception, match=bad_match):
+            bad.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"kv_policy": bad_spec})

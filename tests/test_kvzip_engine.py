@@ -41,7 +41,8 @@ def test_scoring_chunks_leave_the_sequence_and_its_blocks_as_if_they_never_ran(s
     scoring = [r for r in rows if r[0]]
     prefix = reconstruction_prompt(tokenizer).prefix
     assert len(scoring) == -(-100 // 24)  # one item per step, chunk tokens of the context each
-    assert all(item.kind is WorkKind.SCORE and item.token_ids[: len(prefix)] == prefix for r in scoring for item in r[0])
+    assert all(item.kind is WorkKind.SCORE and item.token_ids[: len(prefix)] == prefix
+               for r in scoring for item in r[0])
     assert [r[0][0].compress for r in scoring] == [False] * (len(scoring) - 1) + [True]
     before = rows[rows.index(scoring[0]) - 1]
     for items, computed, physical, ids, table, used, cached in scoring[:-1]:
@@ -167,14 +168,6 @@ def test_forked_completions_and_a_preempted_request_each_reconstruct(sharp):
 
 
 def test_the_server_takes_kvzip_as_a_request_policy(sharp):
-    from server_harness import LiveServer
+    from server_harness import assert_server_takes_policy
 
-    model, tokenizer = sharp
-    with LiveServer(model, tokenizer, kv_tokens=2048) as live:
-        # greedy: a sampled reply may end early on an end-of-text token
-        out = live.client().completions.create(model="tiny", prompt=random_token_ids(80), max_tokens=4,
-                                               temperature=0.0, extra_body={"kv_policy": "kvzip:budget=32,chunk=40"})
-        assert out.usage.completion_tokens == 4
-        bad = live.client().with_options(max_retries=0)
-        with pytest.raises(Exception, match="chunk"):
-            bad.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"kv_policy": "kvzip:chunk=0"})
+    assert_server_takes_policy(*sharp, random_token_ids(80), "kvzip:budget=32,chunk=40", "kvzip:chunk=0", "chunk")

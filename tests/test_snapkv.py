@@ -204,14 +204,6 @@ def test_on_quantized_blocks(tiny, kv_dtype):
 
 
 def test_the_server_takes_snapkv_as_a_request_policy(sharp):
-    from server_harness import LiveServer
+    from server_harness import assert_server_takes_policy
 
-    model, tokenizer = sharp
-    with LiveServer(model, tokenizer, kv_tokens=2048) as live:
-        # Greedy: a sampled reply (the server's default temperature is 1) could end early on end-of-text.
-        out = live.client().completions.create(model="tiny", prompt=random_token_ids(80), max_tokens=4,
-                                               temperature=0, extra_body={"kv_policy": "snapkv:budget=32,window=8"})
-        assert out.usage.completion_tokens == 4
-        bad = live.client().with_options(max_retries=0)
-        with pytest.raises(Exception, match="kernel"):
-            bad.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"kv_policy": "snapkv:kernel=2"})
+    assert_server_takes_policy(*sharp, random_token_ids(80), "snapkv:budget=32,window=8", "snapkv:kernel=2", "kernel")

